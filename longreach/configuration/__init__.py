@@ -1,0 +1,1 @@
+"""Model configurations (one file per model)."""

@@ -1,0 +1,1 @@
+"""Converters from the original authors' checkpoints (run with ``python -m longreach.conversion.<module>``)."""

@@ -1,0 +1,1 @@
+"""Model implementations (one file per model) and the blocks they share."""

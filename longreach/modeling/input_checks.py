@@ -1,0 +1,54 @@
+"""Clear ``ValueError`` messages for bad model input, shared by the three models.
+
+Each message names the argument, what was given and what was expected, so that a user can fix the call without
+reading our source. This module is copied into saved checkpoints (remote code); it only imports torch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def describe(tensor: torch.Tensor) -> str:
+    return f"a {tensor.dtype} tensor of shape {tuple(tensor.shape)}"
+
+
+def check_token_ids(name: str, ids: torch.Tensor | None, *, allow_empty: bool = False) -> None:
+    """``ids`` must be a 2-D integer tensor ``[batch, length]`` with length > 0."""
+    if ids is None:
+        return
+    if not isinstance(ids, torch.Tensor):
+        raise ValueError(f"`{name}` must be a torch.LongTensor of shape [batch, length], got {type(ids).__name__}.")
+    if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+        raise ValueError(
+            f"`{name}` must hold integer token ids (torch.long), got {describe(ids)}. "
+            "Did you pass embeddings or an attention mask by mistake?"
+        )
+    if ids.dim() != 2:
+        raise ValueError(f"`{name}` must have shape [batch, length], got {describe(ids)}.")
+    if not allow_empty and (ids.shape[0] == 0 or ids.shape[1] == 0):
+        raise ValueError(f"`{name}` must hold at least one sequence of at least one token, got {describe(ids)}.")
+
+
+def check_mask(name: str, mask: torch.Tensor | None, like_name: str, like: torch.Tensor | None) -> None:
+    """``mask`` must be 2-D and have exactly the shape ``[batch, length]`` of ``like``."""
+    if mask is None or like is None:
+        return
+    if not isinstance(mask, torch.Tensor):
+        raise ValueError(f"`{name}` must be a tensor of shape {tuple(like.shape[:2])}, got {type(mask).__name__}.")
+    if tuple(mask.shape) != tuple(like.shape[:2]):
+        raise ValueError(
+            f"`{name}` must have the shape [batch, length] = {tuple(like.shape[:2])} of `{like_name}`, "
+            f"got {describe(mask)}."
+        )
+
+
+def check_rows_not_empty(name: str, mask: torch.Tensor | None) -> None:
+    """Every row of an attention mask must keep at least one real token."""
+    if mask is None:
+        return
+    empty = (mask.sum(dim=-1) == 0).nonzero().flatten().tolist()
+    if empty:
+        raise ValueError(
+            f"`{name}` has rows with no real token (rows {empty}); every sequence needs at least one token."
+        )

@@ -1,0 +1,161 @@
+"""Hub-ready saving: every folder written by ``save_pretrained`` loads where ``longreach`` is not installed.
+
+transformers' remote-code loader (``trust_remote_code=True``) only follows *single-dot sibling* imports
+(``from .t5_blocks import T5Block``) of the files that sit next to ``config.json``. Our package has sub-packages
+(``longreach/configuration``, ``longreach/modeling``, ``longreach/pipelines``), so its modules import each other
+with ``..`` imports. On save we therefore write *flat copies* of every module a model needs, with each
+package-relative import rewritten to a sibling import, and we fill ``config.auto_map`` (AutoConfig, AutoModel and
+the task class) and ``config.custom_pipelines["summarization"]``.
+
+This module is itself copied into checkpoints (the models import it), so it only imports the standard library and
+transformers. It works in both worlds: from the installed package, and from a flat copy loaded as remote code (then
+every import is already a sibling import and the rewrite is the identity).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import re
+import sys
+from pathlib import Path
+
+# `from <dots><dotted.name> import ...` at the start of a line (multi-line import lists only change what follows).
+_RELATIVE_IMPORT = re.compile(r"^(?P<head>[ \t]*from[ \t]+)(?P<dots>\.+)(?P<name>[\w.]*)(?P<tail>[ \t]+import\b)", re.M)
+
+#: Where the summarization pipeline lives in the installed package, relative to ``longreach.modeling``.
+PIPELINE_MODULE = "..pipelines.pipeline_summarization"
+PIPELINE_CLASS = "LongSummarizationPipeline"
+
+
+def _resolve_relative(module_name: str, dots: str, name: str, is_package: bool) -> str:
+    """Absolute module name of ``from <dots><name> import ...`` written inside ``module_name``."""
+    package = module_name if is_package else module_name.rpartition(".")[0]
+    return importlib.util.resolve_name(dots + name, package)
+
+
+def _module_file(module_name: str) -> Path:
+    module = sys.modules.get(module_name) or importlib.import_module(module_name)
+    if getattr(module, "__file__", None) is None:
+        raise ValueError(f"Cannot export module {module_name!r} as remote code: it has no source file.")
+    return Path(module.__file__)
+
+
+def collect_flat_sources(root_modules: list[str]) -> dict[str, str]:
+    """Source text of ``root_modules`` and everything they import relatively, as ``{file_name: flat source}``.
+
+    Relative imports are rewritten to sibling imports (``from ..configuration.configuration_locost import X`` becomes
+    ``from .configuration_locost import X``). Two different modules with the same file name would collide in the
+    flat folder; that is refused rather than silently overwritten.
+    """
+    sources: dict[str, str] = {}
+    origin: dict[str, str] = {}
+    pending = list(root_modules)
+    while pending:
+        module_name = pending.pop()
+        path = _module_file(module_name)
+        if path.name == "__init__.py":
+            raise ValueError(f"Remote code cannot import a package ({module_name!r}); import its modules directly.")
+        if path.name in origin:
+            if origin[path.name] != module_name:
+                raise ValueError(
+                    f"Two modules would both be saved as {path.name!r}: {origin[path.name]!r} and {module_name!r}."
+                )
+            continue
+        origin[path.name] = module_name
+        text = path.read_text(encoding="utf-8")
+
+        def rewrite(match: re.Match) -> str:
+            if not match.group("name"):
+                raise ValueError(
+                    f"{module_name}: `from {match.group('dots')} import ...` cannot be exported as remote code; "
+                    "import the sibling module by name instead."
+                )
+            target = _resolve_relative(module_name, match.group("dots"), match.group("name"), is_package=False)
+            pending.append(target)
+            return f"{match.group('head')}.{target.rpartition('.')[2]}{match.group('tail')}"
+
+        sources[path.name] = _RELATIVE_IMPORT.sub(rewrite, text)
+    return sources
+
+
+def _pipeline_module_for(model_module: str) -> str | None:
+    """Module name of the summarization pipeline, as seen from a model module (installed or flat remote copy)."""
+    candidates = []
+    package = model_module.rpartition(".")[0]
+    try:
+        candidates.append(_resolve_relative(model_module, "..", PIPELINE_MODULE.lstrip("."), is_package=False))
+    except (ImportError, ValueError):
+        pass
+    candidates.append(f"{package}.{PIPELINE_MODULE.rpartition('.')[2]}")  # flat copy: a sibling file
+    for candidate in candidates:
+        try:
+            importlib.import_module(candidate)
+            return candidate
+        except ImportError:
+            continue
+    return None
+
+
+class HubReadyMixin:
+    """Mixin for our ``PreTrainedModel`` classes: ``save_pretrained`` writes a folder that loads anywhere.
+
+    Subclasses declare, as class attributes, which Auto classes map to which of their module's classes, and which
+    Auto class the summarization pipeline loads (``None``: no pipeline entry)::
+
+        _hub_auto_classes = {"AutoModel": "LocostModel", "AutoModelForSeq2SeqLM": "LocostForConditionalGeneration"}
+        _hub_pipeline_auto_class = "AutoModelForSeq2SeqLM"
+    """
+
+    _hub_auto_classes: dict[str, str] = {}
+    _hub_pipeline_auto_class: str | None = None
+
+    def hub_auto_map(self) -> dict[str, str]:
+        config_module = type(self.config).__module__.rpartition(".")[2]
+        model_module = type(self).__module__.rpartition(".")[2]
+        auto_map = {"AutoConfig": f"{config_module}.{type(self.config).__name__}"}
+        auto_map.update({auto: f"{model_module}.{name}" for auto, name in self._hub_auto_classes.items()})
+        return auto_map
+
+    def write_remote_code(self, save_directory: str | os.PathLike) -> list[str]:
+        """Write flat code files into ``save_directory`` and record ``auto_map`` / ``custom_pipelines`` on the config.
+
+        Returns the names of the files written. Called by :meth:`save_pretrained`; public so that tools that build
+        a folder by hand (the converters) can call it too.
+        """
+        save_directory = Path(save_directory)
+        save_directory.mkdir(parents=True, exist_ok=True)
+        roots = [type(self).__module__, type(self.config).__module__]
+        pipeline_module = _pipeline_module_for(type(self).__module__) if self._hub_pipeline_auto_class else None
+        if pipeline_module is not None:
+            roots.append(pipeline_module)
+        sources = collect_flat_sources(roots)
+        for file_name, text in sources.items():
+            (save_directory / file_name).write_text(text, encoding="utf-8")
+
+        self.config.auto_map = self.hub_auto_map()
+        if pipeline_module is not None:
+            self.config.custom_pipelines = {
+                "summarization": {
+                    "impl": f"{pipeline_module.rpartition('.')[2]}.{PIPELINE_CLASS}",
+                    "pt": [self._hub_pipeline_auto_class],
+                    "type": "text",
+                }
+            }
+        return sorted(sources)
+
+    def save_pretrained(self, save_directory, *args, push_to_hub: bool = False, **kwargs):
+        """Like ``PreTrainedModel.save_pretrained``, plus the code files, ``auto_map`` and ``custom_pipelines``.
+
+        ``push_to_hub=True`` saves locally first and then uploads through :meth:`push_to_hub`, so that the code
+        files written here are part of the upload.
+        """
+        if os.path.isfile(save_directory):
+            raise ValueError(f"`save_directory` must be a directory, got the file {save_directory!r}.")
+        self.write_remote_code(save_directory)
+        hub_kwargs = {key: kwargs.pop(key) for key in ("repo_id", "commit_message", "token", "private") if key in kwargs}
+        result = super().save_pretrained(save_directory, *args, **kwargs)
+        if push_to_hub:
+            repo_id = hub_kwargs.pop("repo_id", Path(save_directory).name)
+            self.push_to_hub(repo_id, **hub_kwargs)
+        return result

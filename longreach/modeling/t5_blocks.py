@@ -1,0 +1,628 @@
+"""T5-compatible building blocks shared by LOCOST and VCC-T5.
+
+Why our own and not ``transformers.models.t5``: T5's internals changed by hundreds of lines inside transformers 5.x
+(signatures, return tuples, mask helpers, ``cache_position``), while a checkpoint on the Hub must keep loading for
+years. These blocks use T5's parameter names (``SelfAttention.q``, ``EncDecAttention.o``, ``DenseReluDense.wi_0``,
+``layer_norm``, ``relative_attention_bias``...) and T5's math, and only the stable public API of transformers
+(``Cache`` classes, the attention-function interface, ``GradientCheckpointingLayer``). A test proves them equal to
+``transformers.T5ForConditionalGeneration`` on the same weights.
+
+T5 in one paragraph (Raffel et al. 2020; v1.1 variant with gated-GELU): pre-norm residual blocks with RMSNorm
+(no mean, no bias); attention without the 1/sqrt(d) scaling, with a learned *relative position bias* bucketed by
+distance and owned by the first block of each stack; the decoder adds causal self-attention and cross-attention;
+token embeddings are shared and, when tied, the LM head rescales the decoder output by d_model**-0.5.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from transformers.activations import ACT2FN
+from transformers.cache_utils import Cache, DynamicCache, EncoderDecoderCache
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.modeling_outputs import BaseModelOutput, BaseModelOutputWithPastAndCrossAttentions, Seq2SeqLMOutput
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Norm and feed-forward
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+class T5LayerNorm(nn.Module):
+    """RMSNorm: ``y = weight * x / sqrt(mean(x**2) + eps)``; variance in float32, no mean subtraction, no bias."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.variance_epsilon = eps
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        variance = hidden_states.to(torch.float32).pow(2).mean(-1, keepdim=True)
+        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+        if self.weight.dtype in (torch.float16, torch.bfloat16):
+            hidden_states = hidden_states.to(self.weight.dtype)
+        return self.weight * hidden_states
+
+
+def ffn_activation(config) -> tuple[bool, str]:
+    """``(is_gated, activation name)`` from T5's ``feed_forward_proj`` ("relu", "gated-gelu", "gated-silu", ...)."""
+    parts = config.feed_forward_proj.split("-")
+    if len(parts) > 2 or (len(parts) == 2 and parts[0] != "gated"):
+        raise ValueError(
+            f"`feed_forward_proj` must look like 'relu' or 'gated-gelu', got {config.feed_forward_proj!r}."
+        )
+    is_gated = len(parts) == 2
+    act = "gelu_new" if config.feed_forward_proj == "gated-gelu" else parts[-1]
+    if act not in ACT2FN:
+        raise ValueError(f"`feed_forward_proj` names an unknown activation {parts[-1]!r}; known: {sorted(ACT2FN)}.")
+    return is_gated, act
+
+
+def _to_weight_dtype(hidden_states: torch.Tensor, linear: nn.Linear) -> torch.Tensor:
+    # `wo` may be kept in float32 (``_keep_in_fp32_modules``) while the rest runs in half precision.
+    if hidden_states.dtype != linear.weight.dtype and linear.weight.dtype.is_floating_point:
+        return hidden_states.to(linear.weight.dtype)
+    return hidden_states
+
+
+class T5DenseActDense(nn.Module):
+    """``wo(dropout(act(wi x)))`` (T5 v1.0)."""
+
+    def __init__(self, config, activation: str):
+        super().__init__()
+        self.wi = nn.Linear(config.d_model, config.d_ff, bias=False)
+        self.wo = nn.Linear(config.d_ff, config.d_model, bias=False)
+        self.dropout = nn.Dropout(config.dropout_rate)
+        self.act = ACT2FN[activation]
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        hidden_states = self.dropout(self.act(self.wi(hidden_states)))
+        return self.wo(_to_weight_dtype(hidden_states, self.wo))
+
+
+class T5DenseGatedActDense(nn.Module):
+    """``wo(dropout(act(wi_0 x) * wi_1 x))`` (T5 v1.1, gated-GELU with the tanh GELU)."""
+
+    def __init__(self, config, activation: str):
+        super().__init__()
+        self.wi_0 = nn.Linear(config.d_model, config.d_ff, bias=False)
+        self.wi_1 = nn.Linear(config.d_model, config.d_ff, bias=False)
+        self.wo = nn.Linear(config.d_ff, config.d_model, bias=False)
+        self.dropout = nn.Dropout(config.dropout_rate)
+        self.act = ACT2FN[activation]
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        hidden_states = self.act(self.wi_0(hidden_states)) * self.wi_1(hidden_states)
+        hidden_states = self.dropout(hidden_states)
+        return self.wo(_to_weight_dtype(hidden_states, self.wo))
+
+
+class T5LayerFF(nn.Module):
+    """Pre-norm residual feed-forward sublayer: ``x + dropout(FF(RMSNorm(x)))``."""
+
+    def __init__(self, config):
+        super().__init__()
+        is_gated, activation = ffn_activation(config)
+        dense_class = T5DenseGatedActDense if is_gated else T5DenseActDense
+        self.DenseReluDense = dense_class(config, activation)
+        self.layer_norm = T5LayerNorm(config.d_model, eps=config.layer_norm_epsilon)
+        self.dropout = nn.Dropout(config.dropout_rate)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return hidden_states + self.dropout(self.DenseReluDense(self.layer_norm(hidden_states)))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Attention
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def relative_position_bucket(
+    relative_position: torch.Tensor, bidirectional: bool, num_buckets: int, max_distance: int
+) -> torch.Tensor:
+    """T5's bucket of ``relative_position = key_position - query_position``.
+
+    Half the buckets are exact small distances, the rest log-spaced up to ``max_distance`` (then clamped). When
+    ``bidirectional``, half of all buckets are used for each sign; otherwise only non-positive distances (looking
+    back) are distinguished, as in the causal decoder.
+    """
+    buckets = torch.zeros_like(relative_position)
+    if bidirectional:
+        num_buckets //= 2
+        buckets = buckets + (relative_position > 0).to(torch.long) * num_buckets
+        distance = torch.abs(relative_position)
+    else:
+        distance = -torch.clamp(relative_position, max=0)
+    max_exact = num_buckets // 2
+    is_small = distance < max_exact
+    log_bucket = max_exact + (
+        torch.log(distance.float() / max_exact) / math.log(max_distance / max_exact) * (num_buckets - max_exact)
+    ).to(torch.long)
+    log_bucket = torch.clamp(log_bucket, max=num_buckets - 1)
+    return buckets + torch.where(is_small, distance, log_bucket)
+
+
+def eager_attention_forward(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float = 1.0,
+    dropout: float = 0.0,
+    **kwargs,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """softmax(q kᵀ · scaling + bias) v, softmax in float32. ``attention_mask`` is an additive float bias."""
+    scores = torch.matmul(query, key.transpose(2, 3)) * scaling
+    if attention_mask is not None:
+        scores = scores + attention_mask
+    weights = nn.functional.softmax(scores.float(), dim=-1).type_as(scores)
+    weights = nn.functional.dropout(weights, p=dropout, training=module.training)
+    output = torch.matmul(weights, value).transpose(1, 2).contiguous()
+    return output, weights
+
+
+class T5Attention(nn.Module):
+    """Multi-head attention with T5's names (q, k, v, o; no biases) and no 1/sqrt(d_kv) scaling.
+
+    The caller passes one additive ``attention_bias`` (relative position bias + masks), broadcastable to
+    ``[batch, heads, query_len, key_len]``; it goes through transformers' attention interface (eager or sdpa) as a
+    float mask. Only the attention that owns ``relative_attention_bias`` computes position biases
+    (:meth:`compute_bias`); T5 computes them once per stack and shares them with every layer.
+    """
+
+    def __init__(self, config, has_relative_attention_bias: bool = False, bidirectional: bool = True,
+                 layer_idx: int | None = None, is_causal: bool = False):
+        super().__init__()
+        self.config = config
+        self.has_relative_attention_bias = has_relative_attention_bias
+        self.bidirectional = bidirectional
+        self.is_causal = is_causal
+        self.layer_idx = layer_idx
+        self.relative_attention_num_buckets = config.relative_attention_num_buckets
+        self.relative_attention_max_distance = config.relative_attention_max_distance
+        self.n_heads = config.num_heads
+        self.key_value_proj_dim = config.d_kv
+        self.inner_dim = self.n_heads * self.key_value_proj_dim
+        self.dropout = config.dropout_rate
+        self.scaling = 1.0  # T5 folds the scale into the initialisation of q
+
+        self.q = nn.Linear(config.d_model, self.inner_dim, bias=False)
+        self.k = nn.Linear(config.d_model, self.inner_dim, bias=False)
+        self.v = nn.Linear(config.d_model, self.inner_dim, bias=False)
+        self.o = nn.Linear(self.inner_dim, config.d_model, bias=False)
+        if has_relative_attention_bias:
+            self.relative_attention_bias = nn.Embedding(self.relative_attention_num_buckets, self.n_heads)
+
+    def compute_bias(self, query_positions: torch.Tensor, key_positions: torch.Tensor) -> torch.Tensor:
+        """Relative position bias ``[batch or 1, heads, Lq, Lk]`` for integer positions ``[..., Lq]``, ``[..., Lk]``.
+
+        Positions may be per row (``[batch, L]``, as VCC uses after reordering tokens) or shared (``[L]``).
+        """
+        relative_position = key_positions.unsqueeze(-2) - query_positions.unsqueeze(-1)
+        bucket = relative_position_bucket(
+            relative_position,
+            bidirectional=self.bidirectional,
+            num_buckets=self.relative_attention_num_buckets,
+            max_distance=self.relative_attention_max_distance,
+        )
+        values = self.relative_attention_bias(bucket)  # [..., Lq, Lk, heads]
+        values = values.movedim(-1, -3)  # [..., heads, Lq, Lk]
+        return values if values.dim() == 4 else values.unsqueeze(0)
+
+    def _project(self, linear: nn.Linear, states: torch.Tensor) -> torch.Tensor:
+        return linear(states).view(*states.shape[:-1], -1, self.key_value_proj_dim).transpose(1, 2)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_bias: torch.Tensor | None = None,
+        key_value_states: torch.Tensor | None = None,
+        past_key_values: Cache | None = None,
+        output_attentions: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        is_cross_attention = key_value_states is not None
+        query = self._project(self.q, hidden_states)
+
+        if isinstance(past_key_values, EncoderDecoderCache):
+            cache = past_key_values.cross_attention_cache if is_cross_attention else past_key_values.self_attention_cache
+            reuse_cross = is_cross_attention and past_key_values.is_updated.get(self.layer_idx, False)
+        else:
+            cache, reuse_cross = past_key_values, False
+
+        if reuse_cross:  # encoder keys/values were cached on the first decoding step
+            key, value = cache.layers[self.layer_idx].keys, cache.layers[self.layer_idx].values
+        else:
+            source = key_value_states if is_cross_attention else hidden_states
+            key, value = self._project(self.k, source), self._project(self.v, source)
+            if cache is not None:
+                key, value = cache.update(key, value, self.layer_idx)
+                if is_cross_attention:
+                    past_key_values.is_updated[self.layer_idx] = True
+
+        implementation = self.config._attn_implementation
+        if output_attentions and implementation != "eager":
+            implementation = "eager"  # only eager returns the weights
+        attention: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager_attention_forward)
+        if attention_bias is not None:
+            attention_bias = attention_bias.to(query.dtype)
+        output, weights = attention(
+            self,
+            query,
+            key,
+            value,
+            attention_bias,
+            dropout=self.dropout if self.training else 0.0,
+            scaling=self.scaling,
+            is_causal=False,  # causality is inside attention_bias
+        )
+        output = self.o(output.reshape(*hidden_states.shape[:-1], self.inner_dim).contiguous())
+        return output, (weights if output_attentions else None)
+
+
+class T5LayerSelfAttention(nn.Module):
+    def __init__(self, config, has_relative_attention_bias: bool = False, is_decoder: bool = False,
+                 layer_idx: int | None = None):
+        super().__init__()
+        self.SelfAttention = T5Attention(
+            config, has_relative_attention_bias, bidirectional=not is_decoder, layer_idx=layer_idx, is_causal=is_decoder
+        )
+        self.layer_norm = T5LayerNorm(config.d_model, eps=config.layer_norm_epsilon)
+        self.dropout = nn.Dropout(config.dropout_rate)
+
+    def forward(self, hidden_states, attention_bias=None, past_key_values=None, output_attentions=False):
+        output, weights = self.SelfAttention(
+            self.layer_norm(hidden_states), attention_bias, past_key_values=past_key_values,
+            output_attentions=output_attentions,
+        )
+        return hidden_states + self.dropout(output), weights
+
+
+class T5LayerCrossAttention(nn.Module):
+    def __init__(self, config, layer_idx: int | None = None):
+        super().__init__()
+        self.EncDecAttention = T5Attention(config, has_relative_attention_bias=False, layer_idx=layer_idx)
+        self.layer_norm = T5LayerNorm(config.d_model, eps=config.layer_norm_epsilon)
+        self.dropout = nn.Dropout(config.dropout_rate)
+
+    def forward(self, hidden_states, key_value_states, attention_bias=None, past_key_values=None,
+                output_attentions=False):
+        output, weights = self.EncDecAttention(
+            self.layer_norm(hidden_states), attention_bias, key_value_states=key_value_states,
+            past_key_values=past_key_values, output_attentions=output_attentions,
+        )
+        return hidden_states + self.dropout(output), weights
+
+
+def _clamp_fp16(hidden_states: torch.Tensor) -> torch.Tensor:
+    """T5's guard against fp16 overflow in the residual stream (a no-op for other dtypes)."""
+    if hidden_states.dtype == torch.float16:
+        limit = torch.finfo(torch.float16).max - 1000
+        hidden_states = torch.clamp(hidden_states, min=-limit, max=limit)
+    return hidden_states
+
+
+class T5Block(GradientCheckpointingLayer):
+    """``layer.0`` self-attention, (decoder only) ``layer.1`` cross-attention, then the feed-forward sublayer."""
+
+    def __init__(self, config, has_relative_attention_bias: bool = False, is_decoder: bool = False,
+                 layer_idx: int | None = None):
+        super().__init__()
+        self.is_decoder = is_decoder
+        self.layer = nn.ModuleList(
+            [T5LayerSelfAttention(config, has_relative_attention_bias, is_decoder=is_decoder, layer_idx=layer_idx)]
+        )
+        if is_decoder:
+            self.layer.append(T5LayerCrossAttention(config, layer_idx=layer_idx))
+        self.layer.append(T5LayerFF(config))
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_bias: torch.Tensor | None = None,
+        encoder_hidden_states: torch.Tensor | None = None,
+        encoder_attention_bias: torch.Tensor | None = None,
+        past_key_values: Cache | None = None,
+        output_attentions: bool = False,
+    ):
+        hidden_states, self_weights = self.layer[0](
+            hidden_states, attention_bias, past_key_values=past_key_values, output_attentions=output_attentions
+        )
+        hidden_states = _clamp_fp16(hidden_states)
+        cross_weights = None
+        if self.is_decoder and encoder_hidden_states is not None:
+            hidden_states, cross_weights = self.layer[1](
+                hidden_states, encoder_hidden_states, encoder_attention_bias, past_key_values=past_key_values,
+                output_attentions=output_attentions,
+            )
+            hidden_states = _clamp_fp16(hidden_states)
+        hidden_states = _clamp_fp16(self.layer[-1](hidden_states))
+        return hidden_states, self_weights, cross_weights
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Masks
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def padding_bias(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    """``[B, L]`` 1/0 key mask -> additive ``[B, 1, 1, L]`` bias (0 for keep, dtype-min for masked)."""
+    if mask is None:
+        return None
+    return (1.0 - mask[:, None, None, :].to(dtype)) * torch.finfo(dtype).min
+
+
+def causal_bias(query_length: int, key_length: int, past_length: int, device, dtype) -> torch.Tensor:
+    """``[1, 1, Lq, Lk]`` additive causal mask; query i sits at absolute position ``past_length + i``."""
+    query_positions = torch.arange(query_length, device=device)[:, None] + past_length
+    key_positions = torch.arange(key_length, device=device)[None, :]
+    blocked = key_positions > query_positions
+    return (blocked.to(dtype) * torch.finfo(dtype).min)[None, None]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Stacks
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def _collect(enabled: bool) -> list | None:
+    return [] if enabled else None
+
+
+class T5EncoderStack(nn.Module):
+    """The plain T5 encoder: embedding -> dropout -> blocks with bidirectional relative bias -> RMSNorm -> dropout.
+
+    LOCOST has its own encoder; this one serves VCC's vanilla layers and proves our blocks equal to T5.
+    """
+
+    main_input_name = "input_ids"
+
+    def __init__(self, config, embed_tokens: nn.Embedding):
+        super().__init__()
+        self.embed_tokens = embed_tokens
+        self.block = nn.ModuleList(
+            [T5Block(config, has_relative_attention_bias=(i == 0), layer_idx=i) for i in range(config.num_layers)]
+        )
+        self.final_layer_norm = T5LayerNorm(config.d_model, eps=config.layer_norm_epsilon)
+        self.dropout = nn.Dropout(config.dropout_rate)
+
+    def forward(self, input_ids=None, attention_mask=None, inputs_embeds=None, output_attentions=False,
+                output_hidden_states=False, return_dict=True, **kwargs) -> BaseModelOutput:
+        if inputs_embeds is None:
+            inputs_embeds = self.embed_tokens(input_ids)
+        length = inputs_embeds.shape[1]
+        positions = torch.arange(length, device=inputs_embeds.device)
+        bias = self.block[0].layer[0].SelfAttention.compute_bias(positions, positions)
+        mask_bias = padding_bias(attention_mask, bias.dtype)
+        bias = bias if mask_bias is None else bias + mask_bias
+        hidden_states = self.dropout(inputs_embeds)
+        all_hidden, all_attentions = _collect(output_hidden_states), _collect(output_attentions)
+        for block in self.block:
+            if all_hidden is not None:
+                all_hidden.append(hidden_states)
+            hidden_states, weights, _ = block(hidden_states, bias, output_attentions=output_attentions)
+            if all_attentions is not None:
+                all_attentions.append(weights)
+        hidden_states = self.dropout(self.final_layer_norm(hidden_states))
+        if all_hidden is not None:
+            all_hidden.append(hidden_states)
+        return BaseModelOutput(
+            last_hidden_state=hidden_states,
+            hidden_states=tuple(all_hidden) if all_hidden is not None else None,
+            attentions=tuple(all_attentions) if all_attentions is not None else None,
+        )
+
+
+class T5DecoderStack(nn.Module):
+    """T5 decoder: causal self-attention with unidirectional relative bias, cross-attention, feed-forward.
+
+    Caching uses the v5 :class:`~transformers.EncoderDecoderCache`: self-attention keys/values grow per step, the
+    cross-attention keys/values are computed once from the encoder output and reused.
+    """
+
+    def __init__(self, config, embed_tokens: nn.Embedding):
+        super().__init__()
+        self.config = config
+        self.embed_tokens = embed_tokens
+        self.block = nn.ModuleList(
+            [
+                T5Block(config, has_relative_attention_bias=(i == 0), is_decoder=True, layer_idx=i)
+                for i in range(config.num_decoder_layers)
+            ]
+        )
+        self.final_layer_norm = T5LayerNorm(config.d_model, eps=config.layer_norm_epsilon)
+        self.dropout = nn.Dropout(config.dropout_rate)
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        encoder_hidden_states: torch.Tensor | None = None,
+        encoder_attention_mask: torch.Tensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        past_key_values: Cache | None = None,
+        use_cache: bool = False,
+        output_attentions: bool = False,
+        output_hidden_states: bool = False,
+    ) -> BaseModelOutputWithPastAndCrossAttentions:
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("Pass exactly one of `decoder_input_ids` and `decoder_inputs_embeds`.")
+        if inputs_embeds is None:
+            inputs_embeds = self.embed_tokens(input_ids)
+        if use_cache and past_key_values is None:
+            past_key_values = EncoderDecoderCache(DynamicCache(), DynamicCache())  # layers are added lazily
+        if not use_cache and self.training:
+            past_key_values = None
+
+        batch, query_length = inputs_embeds.shape[:2]
+        past_length = past_key_values.get_seq_length() if past_key_values is not None else 0
+        key_length = past_length + query_length
+        device, dtype = inputs_embeds.device, inputs_embeds.dtype
+
+        # Relative position bias (block 0 owns the table), causal mask and optional padding, computed once.
+        query_positions = torch.arange(past_length, key_length, device=device)
+        key_positions = torch.arange(key_length, device=device)
+        bias = self.block[0].layer[0].SelfAttention.compute_bias(query_positions, key_positions)
+        bias = bias + causal_bias(query_length, key_length, past_length, device, bias.dtype)
+        if attention_mask is not None:
+            if attention_mask.shape[-1] != key_length:
+                raise ValueError(
+                    f"`decoder_attention_mask` must cover the cached and the new decoder positions "
+                    f"({key_length}), got shape {tuple(attention_mask.shape)}."
+                )
+            bias = bias + padding_bias(attention_mask, bias.dtype)
+        encoder_bias = padding_bias(encoder_attention_mask, dtype) if encoder_hidden_states is not None else None
+
+        hidden_states = self.dropout(inputs_embeds)
+        all_hidden = _collect(output_hidden_states)
+        all_self, all_cross = _collect(output_attentions), _collect(output_attentions)
+        for block in self.block:
+            if all_hidden is not None:
+                all_hidden.append(hidden_states)
+            hidden_states, self_weights, cross_weights = block(
+                hidden_states,
+                bias,
+                encoder_hidden_states,
+                encoder_bias,
+                past_key_values=past_key_values,
+                output_attentions=output_attentions,
+            )
+            if all_self is not None:
+                all_self.append(self_weights)
+                all_cross.append(cross_weights)
+        hidden_states = self.dropout(self.final_layer_norm(hidden_states))
+        if all_hidden is not None:
+            all_hidden.append(hidden_states)
+        return BaseModelOutputWithPastAndCrossAttentions(
+            last_hidden_state=hidden_states,
+            past_key_values=past_key_values if use_cache else None,
+            hidden_states=tuple(all_hidden) if all_hidden is not None else None,
+            attentions=tuple(all_self) if all_self is not None else None,
+            cross_attentions=tuple(all_cross) if all_cross is not None else None,
+        )
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Initialisation and the seq2seq LM head shared by LOCOST and VCC-T5
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def init_t5_module(module: nn.Module, config, init) -> bool:
+    """T5's (Mesh-TensorFlow) initialisation for the modules of this file. Returns True if ``module`` was handled.
+
+    ``init`` is ``transformers.initialization`` (its functions skip tensors already loaded from a checkpoint).
+    """
+    factor = config.initializer_factor
+    if isinstance(module, T5LayerNorm):
+        init.constant_(module.weight, factor)
+    elif isinstance(module, T5DenseActDense):
+        init.normal_(module.wi.weight, mean=0.0, std=factor * config.d_model**-0.5)
+        init.normal_(module.wo.weight, mean=0.0, std=factor * config.d_ff**-0.5)
+    elif isinstance(module, T5DenseGatedActDense):
+        init.normal_(module.wi_0.weight, mean=0.0, std=factor * config.d_model**-0.5)
+        init.normal_(module.wi_1.weight, mean=0.0, std=factor * config.d_model**-0.5)
+        init.normal_(module.wo.weight, mean=0.0, std=factor * config.d_ff**-0.5)
+    elif isinstance(module, T5Attention):
+        d_model, d_kv, heads = config.d_model, config.d_kv, config.num_heads
+        init.normal_(module.q.weight, mean=0.0, std=factor * (d_model * d_kv) ** -0.5)
+        init.normal_(module.k.weight, mean=0.0, std=factor * d_model**-0.5)
+        init.normal_(module.v.weight, mean=0.0, std=factor * d_model**-0.5)
+        init.normal_(module.o.weight, mean=0.0, std=factor * (heads * d_kv) ** -0.5)
+        if module.has_relative_attention_bias:
+            init.normal_(module.relative_attention_bias.weight, mean=0.0, std=factor * d_model**-0.5)
+    else:
+        return False
+    return True
+
+
+class T5Seq2SeqLMMixin:
+    """Everything LOCOST and VCC-T5 share above their encoders: the shared embedding, the T5 decoder, the LM head
+    (tied: rescaled by ``d_model**-0.5``), the loss, and the helpers ``generate`` and ``DataCollatorForSeq2Seq`` use.
+
+    The host class defines ``self.shared``, ``self.encoder``, ``self.decoder`` (:class:`T5DecoderStack`) and
+    ``self.lm_head``.
+    """
+
+    def get_encoder(self):
+        return self.encoder
+
+    def get_decoder(self):
+        return self.decoder
+
+    def get_input_embeddings(self):
+        return self.shared
+
+    def set_input_embeddings(self, new_embeddings):
+        self.shared = new_embeddings
+        self.encoder.embed_tokens = new_embeddings
+        self.decoder.embed_tokens = new_embeddings
+
+    def _shift_right(self, labels: torch.Tensor) -> torch.Tensor:
+        """Decoder inputs from labels: prepend ``decoder_start_token_id``, drop the last label, -100 -> pad."""
+        start, pad = self.config.decoder_start_token_id, self.config.pad_token_id
+        if start is None or pad is None:
+            raise ValueError("`config.decoder_start_token_id` and `config.pad_token_id` must be set to shift labels.")
+        shifted = labels.new_zeros(labels.shape)
+        shifted[..., 1:] = labels[..., :-1].clone()
+        shifted[..., 0] = start
+        return shifted.masked_fill(shifted == -100, pad)
+
+    def prepare_decoder_input_ids_from_labels(self, labels: torch.Tensor) -> torch.Tensor:
+        return self._shift_right(labels)
+
+    def _lm_head_output(
+        self,
+        encoder_outputs: BaseModelOutput,
+        attention_mask: torch.Tensor | None,
+        decoder_input_ids: torch.Tensor | None,
+        decoder_attention_mask: torch.Tensor | None,
+        decoder_inputs_embeds: torch.Tensor | None,
+        past_key_values: Cache | None,
+        labels: torch.Tensor | None,
+        use_cache: bool,
+        output_attentions: bool,
+        output_hidden_states: bool,
+    ) -> Seq2SeqLMOutput:
+        """Run the decoder over ``encoder_outputs`` and project to the vocabulary (plus the loss with ``labels``)."""
+        if labels is not None and decoder_input_ids is None and decoder_inputs_embeds is None:
+            decoder_input_ids = self._shift_right(labels)
+        if decoder_input_ids is None and decoder_inputs_embeds is None:
+            raise ValueError(
+                "Pass `decoder_input_ids` (or `decoder_inputs_embeds`) or `labels` (from which the decoder inputs are "
+                "derived by shifting right); got neither."
+            )
+        decoder_outputs = self.decoder(
+            input_ids=decoder_input_ids,
+            attention_mask=decoder_attention_mask,
+            encoder_hidden_states=encoder_outputs.last_hidden_state,
+            encoder_attention_mask=attention_mask,
+            inputs_embeds=decoder_inputs_embeds,
+            past_key_values=past_key_values,
+            use_cache=use_cache,
+            output_attentions=output_attentions,
+            output_hidden_states=output_hidden_states,
+        )
+        sequence_output = decoder_outputs.last_hidden_state
+        if self.config.tie_word_embeddings:
+            sequence_output = sequence_output * self.config.d_model**-0.5  # T5: rescale before the tied head
+        logits = self.lm_head(sequence_output)
+
+        loss = None
+        if labels is not None:
+            loss = nn.functional.cross_entropy(
+                logits.float().reshape(-1, logits.size(-1)), labels.to(logits.device).reshape(-1), ignore_index=-100
+            )
+        return Seq2SeqLMOutput(
+            loss=loss,
+            logits=logits,
+            past_key_values=decoder_outputs.past_key_values,
+            decoder_hidden_states=decoder_outputs.hidden_states,
+            decoder_attentions=decoder_outputs.attentions,
+            cross_attentions=decoder_outputs.cross_attentions,
+            encoder_last_hidden_state=encoder_outputs.last_hidden_state,
+            encoder_hidden_states=encoder_outputs.hidden_states,
+            encoder_attentions=encoder_outputs.attentions,
+        )

@@ -1,0 +1,1 @@
+"""Pipelines (registered by ``import longreach``)."""
