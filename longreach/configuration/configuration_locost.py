@@ -1,0 +1,138 @@
+"""LOCOST configuration (Le Bronnec et al., "LOCOST: State-Space Models for Long Document Abstractive Summarization",
+EACL 2024)."""
+
+from __future__ import annotations
+
+from transformers import PreTrainedConfig
+
+
+class LocostConfig(PreTrainedConfig):
+    r"""
+    Configuration of a [`LocostForConditionalGeneration`]: an encoder of gated bidirectional S4D state-space blocks
+    (no attention, O(L log L) in the input length) and a T5 v1.1 decoder. The defaults are the released model
+    (`flbbb/locost-gsg-pretrained`, 234.7M parameters).
+
+    Args:
+        vocab_size (`int`, defaults to 32100):
+            Rows of the shared token embedding (the LongT5 tokenizer's `len(tokenizer)`).
+        d_model (`int`, defaults to 768):
+            Hidden size of both stacks; also the number of SSM channels H.
+        d_state (`int`, defaults to 512):
+            SSM state size N. N/2 complex modes are stored per channel (each stands for a conjugate pair), so the
+            released 512 is the paper's "N = 256". Must be even.
+        d_kv (`int`, defaults to 64):
+            Size of one decoder attention head.
+        d_ff (`int`, defaults to 2048):
+            Inner size of the feed-forward sublayers (encoder and decoder).
+        num_layers (`int`, defaults to 12):
+            Number of encoder (SSM) blocks.
+        num_decoder_layers (`int`, *optional*):
+            Number of decoder blocks; defaults to `num_layers`.
+        num_heads (`int`, defaults to 12):
+            Decoder attention heads.
+        num_ssm_heads (`int`, defaults to 1):
+            Kept for checkpoint compatibility. The authors' exact path only runs with 1 (H = d_model channels, each
+            with its own kernel); any other value is refused.
+        relative_attention_num_buckets (`int`, defaults to 32):
+            Buckets of the decoder's relative position bias.
+        relative_attention_max_distance (`int`, defaults to 128):
+            Distance beyond which relative positions share a bucket.
+        dropout_rate (`float`, defaults to 0.1):
+            Dropout on embeddings, every residual branch, inside the feed-forward, on decoder attention weights and
+            after the final norms. None inside the SSM.
+        layer_norm_epsilon (`float`, defaults to 1e-6):
+            RMSNorm epsilon.
+        initializer_factor (`float`, defaults to 1.0):
+            Scale of T5's weight initialisation.
+        feed_forward_proj (`str`, defaults to `"gated-gelu"`):
+            `"gated-gelu"` (T5 v1.1, tanh GELU) or a plain activation such as `"relu"`.
+        bidirectional (`bool`, defaults to `True`):
+            Causal and anti-causal kernels (two C vectors sharing A, B, Δ). `False` gives a causal-only SSM.
+        gating (`bool`, defaults to `True`):
+            Multiply the SSM output by the linear gate `q_proj(x)` (no activation), as the authors do.
+        ssm_dt_min (`float`, defaults to 1e-3), ssm_dt_max (`float`, defaults to 1e-1):
+            Range of the log-uniform initialisation of the step size Δ (training from scratch only).
+        ssm_kernel_chunk_size (`int`, defaults to 256):
+            Lags per chunk when computing the SSM kernel. Peak kernel memory is O(d_model · d_state/2 · chunk)
+            whatever the input length; larger chunks are a little faster on short inputs.
+        pad_token_id (`int`, defaults to 0), eos_token_id (`int`, defaults to 1), decoder_start_token_id (`int`,
+        defaults to 0):
+            Special token ids (T5 conventions).
+        tie_word_embeddings (`bool`, defaults to `True`):
+            Tie the LM head to the shared embedding; as in T5 this also rescales the decoder output by
+            d_model**-0.5 before the head.
+        use_cache (`bool`, defaults to `True`):
+            Cache decoder keys/values during generation.
+
+    Example:
+
+    ```python
+    >>> import longreach
+    >>> from longreach import LocostConfig, LocostForConditionalGeneration
+    >>> config = LocostConfig(d_model=64, d_state=16, d_kv=16, d_ff=128, num_layers=2, num_heads=4, vocab_size=128)
+    >>> model = LocostForConditionalGeneration(config)
+    ```
+    """
+
+    model_type = "locost"
+    keys_to_ignore_at_inference = ["past_key_values"]
+    attribute_map = {
+        "hidden_size": "d_model",
+        "num_attention_heads": "num_heads",
+        "num_hidden_layers": "num_decoder_layers",  # generate() sizes the decoder cache from this
+        "head_dim": "d_kv",
+    }
+
+    vocab_size: int = 32100
+    d_model: int = 768
+    d_state: int = 512
+    d_kv: int = 64
+    d_ff: int = 2048
+    num_layers: int = 12
+    num_decoder_layers: int | None = None
+    num_heads: int = 12
+    num_ssm_heads: int = 1
+    relative_attention_num_buckets: int = 32
+    relative_attention_max_distance: int = 128
+    dropout_rate: float = 0.1
+    layer_norm_epsilon: float = 1e-6
+    initializer_factor: float = 1.0
+    feed_forward_proj: str = "gated-gelu"
+    bidirectional: bool = True
+    gating: bool = True
+    ssm_dt_min: float = 1e-3
+    ssm_dt_max: float = 1e-1
+    ssm_kernel_chunk_size: int = 256
+    is_encoder_decoder: bool = True
+    use_cache: bool = True
+    pad_token_id: int | None = 0
+    eos_token_id: int | list[int] | None = 1
+    decoder_start_token_id: int | None = 0
+    tie_word_embeddings: bool = True
+
+    def __post_init__(self, **kwargs):
+        if self.num_decoder_layers is None:
+            self.num_decoder_layers = self.num_layers
+        super().__post_init__(**kwargs)
+        self.validate_locost()
+
+    def validate_locost(self) -> None:
+        """Refuse settings the model cannot run, naming the field, the value and what is expected."""
+        if not isinstance(self.d_state, int) or self.d_state < 2 or self.d_state % 2:
+            raise ValueError(
+                f"`d_state` must be a positive even integer (N/2 complex modes are stored), got {self.d_state!r}."
+            )
+        if self.num_ssm_heads != 1:
+            raise ValueError(
+                f"`num_ssm_heads` must be 1 (one SSM kernel per channel, the only setting the authors' exact path "
+                f"runs), got {self.num_ssm_heads!r}."
+            )
+        for name in ("d_model", "d_kv", "d_ff", "num_layers", "num_decoder_layers", "num_heads", "vocab_size",
+                     "ssm_kernel_chunk_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"`{name}` must be a positive integer, got {value!r}.")
+        if not 0 < self.ssm_dt_min <= self.ssm_dt_max:
+            raise ValueError(
+                f"`ssm_dt_min` and `ssm_dt_max` must satisfy 0 < min <= max, got {self.ssm_dt_min} and {self.ssm_dt_max}."
+            )

@@ -1,0 +1,321 @@
+"""LOCOST: a T5 encoder-decoder whose encoder is a stack of gated bidirectional state-space (S4D) blocks.
+
+Le Bronnec et al., "LOCOST: State-Space Models for Long Document Abstractive Summarization" (EACL 2024), with the
+numerics of the authors' code (github.com/flbbb/locost-summarization). Encoder block i (paper §3, eq. 4; code names):
+
+    u = RMSNorm(x)
+    x = x + dropout( out_proj( q_proj(u) ⊙ BiSSMConv(mask ⊙ k_proj(u)) ) )      # gated bidirectional SSM
+    x = x + dropout( FF(RMSNorm(x)) )                                            # T5 gated-GELU feed-forward
+
+There is no attention and no positional embedding in the encoder: positions come from the convolution, whose cost is
+O(L log L). Padded positions are zeroed before every convolution, so real positions never see padding (and the model
+is invariant to the padding side). The decoder, the tied LM head and the loss are T5 v1.1 (``t5_blocks``).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers import initialization as init
+from transformers.cache_utils import Cache
+from transformers.generation import GenerationMixin
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.modeling_outputs import BaseModelOutput, Seq2SeqLMOutput, Seq2SeqModelOutput
+from transformers.modeling_utils import PreTrainedModel
+
+from ..configuration.configuration_locost import LocostConfig
+from .input_checks import check_mask, check_token_ids
+from .remote_code import HubReadyMixin
+from .ssm import BidirectionalS4DConvolution
+from .t5_blocks import T5DecoderStack, T5LayerFF, T5LayerNorm, T5Seq2SeqLMMixin, init_t5_module
+
+
+class LocostGatedSSM(nn.Module):
+    """``out_proj( q ⊙ BiSSMConv(mask ⊙ k) )`` with linear projections (with biases) q, k of the normed input.
+
+    The mask multiplies k only (k_proj has a bias, so padded positions would otherwise inject it), the gate q has no
+    activation, and the convolution includes the D skip term. Padded positions still get outputs (from real tokens).
+    """
+
+    def __init__(self, config: LocostConfig):
+        super().__init__()
+        self.gating = config.gating
+        if config.gating:
+            self.q_proj = nn.Linear(config.d_model, config.d_model)
+        self.k_proj = nn.Linear(config.d_model, config.d_model)
+        self.conv = BidirectionalS4DConvolution(
+            config.d_model,
+            config.d_state,
+            bidirectional=config.bidirectional,
+            dt_min=config.ssm_dt_min,
+            dt_max=config.ssm_dt_max,
+            kernel_chunk_size=config.ssm_kernel_chunk_size,
+        )
+        self.out_proj = nn.Linear(config.d_model, config.d_model)
+        for linear in (self.k_proj, self.out_proj, getattr(self, "q_proj", None)):
+            if linear is not None:
+                linear._torch_default_init = True  # see LocostPreTrainedModel._init_weights
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        k = self.k_proj(hidden_states) * attention_mask[:, :, None].to(hidden_states.dtype)
+        y = self.conv(k)
+        if self.gating:
+            y = self.q_proj(hidden_states) * y
+        return self.out_proj(y)
+
+
+class LocostLayerSSM(nn.Module):
+    """Pre-norm residual SSM sublayer (``layer.0`` of an encoder block)."""
+
+    def __init__(self, config: LocostConfig):
+        super().__init__()
+        self.layer_norm = T5LayerNorm(config.d_model, eps=config.layer_norm_epsilon)
+        self.ssm = LocostGatedSSM(config)
+        self.dropout = nn.Dropout(config.dropout_rate)
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        return hidden_states + self.dropout(self.ssm(self.layer_norm(hidden_states), attention_mask))
+
+
+class LocostEncoderBlock(GradientCheckpointingLayer):
+    """``layer.0`` gated bidirectional SSM, ``layer.1`` T5 feed-forward."""
+
+    def __init__(self, config: LocostConfig):
+        super().__init__()
+        self.layer = nn.ModuleList([LocostLayerSSM(config), T5LayerFF(config)])
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        return self.layer[1](self.layer[0](hidden_states, attention_mask))
+
+
+class LocostEncoder(nn.Module):
+    """embedding -> dropout -> SSM blocks -> RMSNorm -> dropout. The attention mask is applied in every block."""
+
+    main_input_name = "input_ids"
+
+    def __init__(self, config: LocostConfig, embed_tokens: nn.Embedding):
+        super().__init__()
+        self.embed_tokens = embed_tokens
+        self.block = nn.ModuleList([LocostEncoderBlock(config) for _ in range(config.num_layers)])
+        self.final_layer_norm = T5LayerNorm(config.d_model, eps=config.layer_norm_epsilon)
+        self.dropout = nn.Dropout(config.dropout_rate)
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        output_attentions: bool | None = None,
+        output_hidden_states: bool | None = None,
+        return_dict: bool | None = None,
+        **kwargs,
+    ) -> BaseModelOutput:
+        """``hidden_states`` (with ``output_hidden_states``) follows T5: the embedding output, the output of every
+        block but the last, then the final-norm output. The encoder has no attention, so ``attentions`` is None."""
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("Pass exactly one of `input_ids` and `inputs_embeds` to the LOCOST encoder.")
+        check_token_ids("input_ids", input_ids)
+        if inputs_embeds is None:
+            inputs_embeds = self.embed_tokens(input_ids)
+        elif inputs_embeds.dim() != 3 or inputs_embeds.shape[1] == 0:
+            raise ValueError(
+                f"`inputs_embeds` must have shape [batch, length > 0, d_model], got {tuple(inputs_embeds.shape)}."
+            )
+        check_mask("attention_mask", attention_mask, "input_ids", inputs_embeds)
+        if attention_mask is None:
+            attention_mask = torch.ones(inputs_embeds.shape[:2], device=inputs_embeds.device)
+
+        hidden_states = self.dropout(inputs_embeds)
+        all_hidden = [] if output_hidden_states else None
+        for block in self.block:
+            if all_hidden is not None:
+                all_hidden.append(hidden_states)
+            hidden_states = block(hidden_states, attention_mask)
+        hidden_states = self.dropout(self.final_layer_norm(hidden_states))
+        if all_hidden is not None:
+            all_hidden.append(hidden_states)
+        return BaseModelOutput(
+            last_hidden_state=hidden_states, hidden_states=tuple(all_hidden) if all_hidden is not None else None
+        )
+
+
+class LocostPreTrainedModel(HubReadyMixin, PreTrainedModel):
+    config: LocostConfig
+    config_class = LocostConfig
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["LocostEncoderBlock", "T5Block"]
+    # The SSM parameters are complex numbers stored as real pairs: keep them float32 when loading in half precision.
+    _keep_in_fp32_modules_strict = ["ssm.conv"]
+    _supports_sdpa = True
+    _supports_flash_attn = False
+    _supports_flex_attn = False
+    _hub_pipeline_auto_class = "AutoModelForSeq2SeqLM"
+    _hub_auto_classes = {"AutoModel": "LocostModel", "AutoModelForSeq2SeqLM": "LocostForConditionalGeneration"}
+
+    @torch.no_grad()
+    def _init_weights(self, module: nn.Module) -> None:
+        """T5 initialisation for the T5 parts, S4D-Lin for the SSM, PyTorch defaults for the SSM projections (as the
+        authors), N(0, initializer_factor²) for the embedding and an untied head."""
+        if init_t5_module(module, self.config, init):
+            return
+        if isinstance(module, BidirectionalS4DConvolution):
+            module.reset_parameters()
+        elif isinstance(module, nn.Linear) and getattr(module, "_torch_default_init", False):
+            module.reset_parameters()  # transformers guards torch.nn.init here: loaded tensors are kept
+        elif isinstance(module, (nn.Embedding, nn.Linear)):
+            init.normal_(module.weight, mean=0.0, std=self.config.initializer_factor)
+
+
+def _as_encoder_output(encoder_outputs) -> BaseModelOutput:
+    if isinstance(encoder_outputs, BaseModelOutput):
+        return encoder_outputs
+    return BaseModelOutput(
+        last_hidden_state=encoder_outputs[0],
+        hidden_states=encoder_outputs[1] if len(encoder_outputs) > 1 else None,
+        attentions=encoder_outputs[2] if len(encoder_outputs) > 2 else None,
+    )
+
+
+class _LocostSeq2Seq(LocostPreTrainedModel, T5Seq2SeqLMMixin):
+    """Shared embedding, SSM encoder and T5 decoder; the two public classes below add their outputs."""
+
+    _tied_weights_keys = {
+        "encoder.embed_tokens.weight": "shared.weight",
+        "decoder.embed_tokens.weight": "shared.weight",
+    }
+
+    def __init__(self, config: LocostConfig):
+        super().__init__(config)
+        self.shared = nn.Embedding(config.vocab_size, config.d_model)
+        self.encoder = LocostEncoder(config, self.shared)
+        self.decoder = T5DecoderStack(config, self.shared)
+
+    def _encode(self, input_ids, attention_mask, inputs_embeds, encoder_outputs, output_hidden_states):
+        check_token_ids("input_ids", input_ids)
+        check_mask("attention_mask", attention_mask, "input_ids", input_ids if input_ids is not None else inputs_embeds)
+        if encoder_outputs is None:
+            if input_ids is None and inputs_embeds is None:
+                raise ValueError("Pass `input_ids`, `inputs_embeds` or precomputed `encoder_outputs`; got none.")
+            return self.encoder(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                inputs_embeds=inputs_embeds,
+                output_hidden_states=output_hidden_states,
+            )
+        return _as_encoder_output(encoder_outputs)
+
+
+class LocostModel(_LocostSeq2Seq):
+    """LOCOST without the LM head: returns the decoder's last hidden state (like ``T5Model``)."""
+
+    def __init__(self, config: LocostConfig):
+        super().__init__(config)
+        self.post_init()
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        decoder_input_ids: torch.LongTensor | None = None,
+        decoder_attention_mask: torch.Tensor | None = None,
+        encoder_outputs: BaseModelOutput | tuple | None = None,
+        past_key_values: Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        decoder_inputs_embeds: torch.Tensor | None = None,
+        use_cache: bool | None = None,
+        output_attentions: bool | None = None,
+        output_hidden_states: bool | None = None,
+        return_dict: bool | None = None,
+        **kwargs,
+    ) -> Seq2SeqModelOutput:
+        output_hidden_states = bool(output_hidden_states if output_hidden_states is not None
+                                    else self.config.output_hidden_states)
+        encoder_outputs = self._encode(input_ids, attention_mask, inputs_embeds, encoder_outputs, output_hidden_states)
+        if decoder_input_ids is None and decoder_inputs_embeds is None:
+            raise ValueError("Pass `decoder_input_ids` or `decoder_inputs_embeds` to `LocostModel`; got neither.")
+        decoder_outputs = self.decoder(
+            input_ids=decoder_input_ids,
+            attention_mask=decoder_attention_mask,
+            encoder_hidden_states=encoder_outputs.last_hidden_state,
+            encoder_attention_mask=attention_mask,
+            inputs_embeds=decoder_inputs_embeds,
+            past_key_values=past_key_values,
+            use_cache=bool(use_cache if use_cache is not None else self.config.use_cache),
+            output_attentions=bool(output_attentions),
+            output_hidden_states=output_hidden_states,
+        )
+        return Seq2SeqModelOutput(
+            last_hidden_state=decoder_outputs.last_hidden_state,
+            past_key_values=decoder_outputs.past_key_values,
+            decoder_hidden_states=decoder_outputs.hidden_states,
+            decoder_attentions=decoder_outputs.attentions,
+            cross_attentions=decoder_outputs.cross_attentions,
+            encoder_last_hidden_state=encoder_outputs.last_hidden_state,
+            encoder_hidden_states=encoder_outputs.hidden_states,
+        )
+
+
+class LocostForConditionalGeneration(_LocostSeq2Seq, GenerationMixin):
+    """LOCOST with the (tied) LM head: summarization, ``generate()``, training with ``labels``.
+
+    Example:
+
+    ```python
+    >>> import torch, longreach
+    >>> from longreach import LocostConfig, LocostForConditionalGeneration
+    >>> model = LocostForConditionalGeneration(LocostConfig(d_model=64, d_state=16, d_kv=16, d_ff=128, num_layers=2,
+    ...                                                     num_heads=4, vocab_size=128))
+    >>> ids = torch.randint(2, 128, (1, 5000))                     # a long document
+    >>> summary_ids = model.generate(ids, max_new_tokens=20, num_beams=2)
+    ```
+    """
+
+    _tied_weights_keys = {**_LocostSeq2Seq._tied_weights_keys, "lm_head.weight": "shared.weight"}
+
+    def __init__(self, config: LocostConfig):
+        super().__init__(config)
+        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        self.post_init()
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        decoder_input_ids: torch.LongTensor | None = None,
+        decoder_attention_mask: torch.Tensor | None = None,
+        encoder_outputs: BaseModelOutput | tuple | None = None,
+        past_key_values: Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        decoder_inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        output_attentions: bool | None = None,
+        output_hidden_states: bool | None = None,
+        return_dict: bool | None = None,
+        **kwargs,
+    ) -> Seq2SeqLMOutput:
+        r"""
+        input_ids (`torch.LongTensor` of shape `(batch, length)`): the document; any length, right or left padded.
+        attention_mask (`torch.Tensor` of shape `(batch, length)`): 1 for real tokens, 0 for padding.
+        labels (`torch.LongTensor` of shape `(batch, target_length)`): target ids, -100 where ignored; the decoder
+            inputs are derived from them (shift right) when `decoder_input_ids` is not given.
+        """
+        output_hidden_states = bool(output_hidden_states if output_hidden_states is not None
+                                    else self.config.output_hidden_states)
+        if use_cache is None:
+            use_cache = self.config.use_cache and labels is None
+        check_token_ids("decoder_input_ids", decoder_input_ids)
+        encoder_outputs = self._encode(input_ids, attention_mask, inputs_embeds, encoder_outputs, output_hidden_states)
+        return self._lm_head_output(
+            encoder_outputs,
+            attention_mask,
+            decoder_input_ids,
+            decoder_attention_mask,
+            decoder_inputs_embeds,
+            past_key_values,
+            labels,
+            use_cache=bool(use_cache),
+            output_attentions=bool(output_attentions),
+            output_hidden_states=output_hidden_states,
+        )

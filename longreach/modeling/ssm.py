@@ -1,0 +1,138 @@
+"""Bidirectional S4D convolution (LOCOST encoder), computed exactly with an FFT of size 2L, in float32.
+
+Notation (LOCOST paper eqs. 1-3, S4D of Gu et al. 2022): for each of the H channels h, N/2 stored complex modes n
+(their conjugates are implicit), step size Δ_h = exp(log_dt[h]), diagonal A_hn = -exp(inv_A_real[h, n]) + i·A_imag[h, n],
+input vector B_hn shared by both directions and one output vector C_chn per direction c (0 = causal κ←, 1 = anti-causal
+κ→). Zero-order-hold discretisation folds B into C:
+
+    Ĉ_chn    = C_chn · B_hn · (exp(Δ_h A_hn) − 1) / A_hn
+    K_c[h,l] = 2 · Re Σ_n Ĉ_chn · exp(Δ_h A_hn · l),        l = 0 .. L−1                 (the SSM kernel)
+    y[t]     = Σ_{s≤t} K_0[t−s] x[s] + Σ_{s≥t} K_1[s−t] x[s] + D·x[t]                    (eq. 3, lag 0 counted in both)
+
+The two kernels are packed into one circular kernel of period 2L (K_0 at lags 0..L−1, K_1 reversed at the end) and
+applied with a real FFT of exactly 2L points: this is the authors' exact path (``fftconv_ref``). Their CUDA path rounds
+the FFT size to a power of two, which computes a different function for most lengths; we do not reproduce it.
+
+Memory: the authors materialise exp(ΔA·l) as [H, N/2, L] (51 GB at the released size and 16K tokens). We split the
+lags into chunks l = l0 + j and use exp(ΔA·(l0 + j)) = exp(ΔA·l0) · exp(ΔA·j): the powers for j < chunk are computed
+once and every chunk is one batched complex matmul, so the peak is O(H·N/2·chunk) whatever L is.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+from transformers import initialization as init
+
+
+class Float32ParametersModule(nn.Module):
+    """A module whose floating-point parameters stay float32 under ``model.half()`` / ``model.to(torch.bfloat16)``.
+
+    Device moves still apply. The SSM parameters are complex numbers stored as real pairs; bf16/fp16 complex
+    arithmetic does not exist, and the kernel's exponentials need float32 anyway.
+    """
+
+    def _apply(self, fn, recurse=True):
+        def keep_float32(tensor):
+            moved = fn(tensor)
+            if tensor.dtype == torch.float32 and moved.dtype != torch.float32 and moved.is_floating_point():
+                return tensor.to(device=moved.device)
+            return moved
+
+        return super()._apply(keep_float32, recurse)
+
+
+class BidirectionalS4DConvolution(Float32ParametersModule):
+    """``y = BiSSMConv(x) + D ⊙ x`` over the length axis, per channel; all parameters and the math in float32.
+
+    Parameter layout (identical to the authors' checkpoints): ``C`` [directions, H, N/2, 2] and ``B`` [H, N/2, 2]
+    hold complex numbers as (real, imaginary) pairs; ``inv_A_real``, ``A_imag`` [H, N/2]; ``log_dt``, ``D`` [H].
+    """
+
+    def __init__(self, channels: int, d_state: int, bidirectional: bool = True, dt_min: float = 1e-3,
+                 dt_max: float = 1e-1, kernel_chunk_size: int = 256):
+        super().__init__()
+        if d_state < 2 or d_state % 2:
+            raise ValueError(f"`d_state` must be a positive even number (N/2 complex modes are stored), got {d_state}.")
+        modes = d_state // 2
+        directions = 2 if bidirectional else 1
+        self.channels, self.modes, self.bidirectional = channels, modes, bidirectional
+        self.dt_min, self.dt_max = dt_min, dt_max
+        self.kernel_chunk_size = kernel_chunk_size
+        self.C = nn.Parameter(torch.empty(directions, channels, modes, 2))
+        self.B = nn.Parameter(torch.empty(channels, modes, 2))
+        self.inv_A_real = nn.Parameter(torch.empty(channels, modes))
+        self.A_imag = nn.Parameter(torch.empty(channels, modes))
+        self.log_dt = nn.Parameter(torch.empty(channels))
+        self.D = nn.Parameter(torch.empty(channels))
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """S4D-Lin initialisation, as the authors' ``ssm_init.dplr(scaling="linear")``.
+
+        A = −½ + iπn, B = 1, C ~ complex normal (variance ½ per part, stored conjugated), log Δ ~ U(log dt_min,
+        log dt_max), D ~ N(0, 1). Uses ``transformers.initialization``, which leaves tensors loaded from a checkpoint
+        untouched.
+        """
+        device = self.C.device
+        init.constant_(self.inv_A_real, math.log(0.5))
+        init.copy_(self.A_imag, math.pi * torch.arange(self.modes, device=device, dtype=torch.float32).expand_as(self.A_imag))
+        init.copy_(self.B, torch.stack([torch.ones_like(self.inv_A_real), torch.zeros_like(self.inv_A_real)], dim=-1))
+        conjugate = torch.tensor([1.0, -1.0], device=device)
+        init.copy_(self.C, torch.randn(self.C.shape, device=device) * math.sqrt(0.5) * conjugate)
+        log_dt_range = math.log(self.dt_max) - math.log(self.dt_min)
+        init.copy_(self.log_dt, torch.rand(self.log_dt.shape, device=device) * log_dt_range + math.log(self.dt_min))
+        init.normal_(self.D, mean=0.0, std=1.0)
+
+    def discretized(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(ΔA [H, N/2], Ĉ [directions, H, N/2])`` in complex64."""
+        dt = torch.exp(self.log_dt.float())
+        A = torch.complex(-torch.exp(self.inv_A_real.float()), self.A_imag.float())
+        B = torch.view_as_complex(self.B.float().contiguous())
+        C = torch.view_as_complex(self.C.float().contiguous())
+        dtA = dt[:, None] * A
+        C_hat = C * (B * (torch.exp(dtA) - 1.0) / A)
+        return dtA, C_hat
+
+    def kernel(self, length: int) -> torch.Tensor:
+        """``K [directions, H, length]`` (float32): K_c[h, l] = 2·Re Σ_n Ĉ_chn exp(ΔA_hn·l), computed in chunks of lags."""
+        dtA, C_hat = self.discretized()
+        chunk = max(1, min(self.kernel_chunk_size, length))
+        num_chunks = -(-length // chunk)
+        device = dtA.device
+        # exp(ΔA·j), j < chunk: [H, N/2, chunk]; exp(ΔA·l0) for every chunk start l0: [H, N/2, chunks].
+        powers = torch.exp(dtA[..., None] * torch.arange(chunk, device=device, dtype=torch.float32))
+        starts = torch.exp(dtA[..., None] * (torch.arange(num_chunks, device=device, dtype=torch.float32) * chunk))
+        # Σ_n Ĉ_cn exp(ΔA_n l0) · exp(ΔA_n j) for every (c, l0, j): one complex matmul per channel h.
+        weights = (C_hat[..., None] * starts[None]).permute(1, 0, 3, 2).reshape(self.channels, -1, self.modes)
+        values = torch.bmm(weights, powers)  # [H, directions·chunks, chunk]
+        values = values.view(self.channels, C_hat.shape[0], num_chunks * chunk)[..., :length]
+        return 2.0 * values.real.transpose(0, 1).contiguous()
+
+    def circular_kernel(self, length: int) -> torch.Tensor:
+        """The packed kernel ``[H, 2·length]`` of period 2L: causal lags at [0, L), 0 at L, anti-causal lags L−1..1 after.
+
+        Column 0 holds K_0[0] + K_1[0] (the authors' ``make_bidirectional``). Unidirectional: K_0 zero-padded.
+        """
+        kernels = self.kernel(length)
+        causal = kernels[0]
+        if not self.bidirectional:
+            return nn.functional.pad(causal, (0, length))
+        anti_causal = kernels[1]
+        zero = causal.new_zeros(self.channels, 1)
+        return torch.cat(
+            [causal[:, :1] + anti_causal[:, :1], causal[:, 1:], zero, anti_causal[:, 1:].flip(-1)], dim=-1
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [B, L, H]`` (any float dtype) -> ``y [B, L, H]`` in x's dtype; FFT and kernel in float32."""
+        length = x.shape[1]
+        signal = x.float().transpose(1, 2)  # [B, H, L]
+        fft_size = 2 * length
+        kernel_f = torch.fft.rfft(self.circular_kernel(length), n=fft_size)
+        y = torch.fft.irfft(torch.fft.rfft(signal, n=fft_size) * kernel_f, n=fft_size)[..., :length]
+        y = y + signal * self.D.float()[:, None]
+        return y.transpose(1, 2).to(x.dtype)
