@@ -1,0 +1,202 @@
+"""Shared machinery of the converters: safe loading, explicit key maps, output-folder safety and verification.
+
+Rules every converter follows:
+
+* Pickles are read with ``torch.load(..., weights_only=True)``; classes a pickle needs (a pickled config object) are
+  replaced by allow-listed stand-ins that only collect attributes. Nothing in a checkpoint is ever executed.
+* Every source key is mapped by an explicit rule. A key no rule accounts for, or a key the model expects and the
+  source lacks, stops the conversion with a message naming them. Tied duplicates are dropped only after checking
+  that they equal their source tensor.
+* The output folder must be new or empty and must not overlap the input; the input is never written to.
+* After saving, the output is reloaded and every tensor is compared bit for bit with the source before success is
+  reported.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file as load_safetensors
+
+
+class ConversionError(ValueError):
+    """A checkpoint cannot be converted as asked; the message says why."""
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Loading
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def pickled_class_stand_in(module: str, name: str) -> type:
+    """A class importable by ``torch.load(weights_only=True)`` under ``module.name`` that only stores attributes.
+
+    Used for config objects pickled inside Lightning checkpoints (e.g. ``models_config.LOCOSTConfig``); after
+    loading, ``vars(obj)`` holds the original attributes.
+    """
+    stand_in = type(name, (), {"__doc__": f"Allow-listed stand-in for the pickled class {module}.{name}."})
+    stand_in.__module__ = module
+    return stand_in
+
+
+def safe_torch_load(path: str | os.PathLike, allowed_classes: Iterable[type] = ()) -> object:
+    """``torch.load`` with ``weights_only=True`` on CPU, with extra allow-listed classes."""
+    with torch.serialization.safe_globals(list(allowed_classes)):
+        try:
+            return torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as error:  # torch raises UnpicklingError with a long explanation
+            raise ConversionError(
+                f"Could not read {path} with torch.load(weights_only=True): {error}\n"
+                "The file holds objects we do not allow-list, so it is not loaded (loading arbitrary pickles can run "
+                "code)."
+            ) from error
+
+
+def load_weights_file(path: Path) -> dict[str, torch.Tensor]:
+    if path.suffix == ".safetensors":
+        return load_safetensors(str(path))
+    state_dict = safe_torch_load(path)
+    if not isinstance(state_dict, dict):
+        raise ConversionError(f"{path} does not hold a state dict (got {type(state_dict).__name__}).")
+    return state_dict
+
+
+def load_state_dict_from_folder(folder: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """The state dict of a transformers-style folder: ``model.safetensors``, ``pytorch_model.bin`` or a sharded index."""
+    folder = Path(folder)
+    for single in ("model.safetensors", "pytorch_model.bin"):
+        if (folder / single).is_file():
+            return load_weights_file(folder / single)
+    for index_name in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
+        index = folder / index_name
+        if index.is_file():
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            state_dict: dict[str, torch.Tensor] = {}
+            for shard in shards:
+                state_dict.update(load_weights_file(folder / shard))
+            return state_dict
+    raise ConversionError(
+        f"No weights in {folder}: expected model.safetensors, pytorch_model.bin or a sharded index next to config.json."
+    )
+
+
+def strip_prefix(state_dict: dict[str, torch.Tensor], prefix: str, source: str) -> dict[str, torch.Tensor]:
+    """Keys of a Lightning ``state_dict`` without the LightningModule attribute prefix (e.g. ``model.``)."""
+    other = [key for key in state_dict if not key.startswith(prefix)]
+    if other:
+        raise ConversionError(f"{source}: expected every state_dict key to start with {prefix!r}; these do not: {other}")
+    return {key[len(prefix):]: value for key, value in state_dict.items()}
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Key mapping
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class KeyMap:
+    """Explicit mapping from source keys to our keys.
+
+    ``rules`` is a list of ``(source regex, target template)`` applied with ``re.fullmatch``; the first matching rule
+    wins. ``tied`` maps source keys that must equal another *source* key and are then dropped (tied copies).
+    """
+
+    rules: list[tuple[str, str]]
+    tied: dict[str, str] = field(default_factory=dict)
+
+    def apply(self, state_dict: dict[str, torch.Tensor], expected_keys: Iterable[str], source: str) -> dict[str, torch.Tensor]:
+        converted: dict[str, torch.Tensor] = {}
+        unexpected: list[str] = []
+        for key, tensor in state_dict.items():
+            tie_source = self._tie_source(key)
+            if tie_source is not None:
+                if tie_source not in state_dict:
+                    raise ConversionError(f"{source}: {key!r} is a tied copy of {tie_source!r}, which is missing.")
+                if not torch.equal(tensor, state_dict[tie_source]):
+                    raise ConversionError(
+                        f"{source}: {key!r} should be a tied copy of {tie_source!r} but differs from it; refusing to "
+                        "drop a distinct weight."
+                    )
+                continue
+            for pattern, template in self.rules:
+                match = re.fullmatch(pattern, key)
+                if match:
+                    target = match.expand(template)
+                    if target in converted:
+                        raise ConversionError(f"{source}: two source keys map to {target!r}.")
+                    converted[target] = tensor.contiguous()
+                    break
+            else:
+                unexpected.append(key)
+        expected = set(expected_keys)
+        missing = sorted(expected - set(converted))
+        unmapped = sorted(set(converted) - expected)
+        if unexpected or missing or unmapped:
+            lines = [f"{source}: the checkpoint does not match the model."]
+            if unexpected:
+                lines.append(f"Unexpected keys (no mapping rule): {sorted(unexpected)}")
+            if unmapped:
+                lines.append(f"Keys mapped to names the model does not have: {unmapped}")
+            if missing:
+                lines.append(f"Missing keys (the model needs them, the checkpoint lacks them): {missing}")
+            raise ConversionError("\n".join(lines))
+        return converted
+
+    def _tie_source(self, key: str) -> str | None:
+        for pattern, source_key in self.tied.items():
+            match = re.fullmatch(pattern, key)
+            if match:
+                return match.expand(source_key)
+        return None
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Output folder and verification
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def prepare_output_folder(output: str | os.PathLike, inputs: Iterable[str | os.PathLike | None]) -> Path:
+    """Create ``output`` (it must be absent or empty, and must not contain or lie inside any input)."""
+    output = Path(output).resolve()
+    for source in inputs:
+        if source is None:
+            continue
+        source = Path(source).resolve()
+        source_folder = source if source.is_dir() else source.parent
+        if output == source_folder or source_folder in output.parents or output in source.parents:
+            raise ConversionError(
+                f"--pytorch_dump_folder_path {output} overlaps the input {source}; choose a separate folder (the "
+                "converter never writes into its input)."
+            )
+    if output.exists():
+        if not output.is_dir():
+            raise ConversionError(f"--pytorch_dump_folder_path {output} exists and is not a folder.")
+        if any(output.iterdir()):
+            raise ConversionError(
+                f"--pytorch_dump_folder_path {output} is not empty; refusing to overwrite. Pass a new or empty folder."
+            )
+    output.mkdir(parents=True, exist_ok=True)
+    return output
+
+
+def verify_tensors(model: torch.nn.Module, expected: dict[str, torch.Tensor], source: str) -> None:
+    """Every tensor of ``expected`` must be present in ``model`` and bit-identical (dtype and value)."""
+    state_dict = model.state_dict()
+    problems = []
+    for key, tensor in expected.items():
+        if key not in state_dict:
+            problems.append(f"{key}: missing after reload")
+        elif state_dict[key].dtype != tensor.dtype or not torch.equal(state_dict[key].cpu(), tensor.cpu()):
+            problems.append(f"{key}: differs after reload")
+    if problems:
+        raise ConversionError(f"Verification of {source} failed:\n" + "\n".join(problems))
+
+
+def write_json(path: Path, payload: dict) -> None:
+    path.write_text(json.dumps(payload, indent=2, sort_keys=True) + "\n", encoding="utf-8")

@@ -1,0 +1,219 @@
+"""Convert a LOCOST checkpoint written by the authors' code (github.com/flbbb/locost-summarization) to longreach.
+
+Accepted inputs (``--checkpoint_path``):
+
+* the folder the original ``save_pretrained`` writes (``config.json`` without ``model_type`` +
+  ``pytorch_model.bin``; also ``model.safetensors`` or a sharded index), e.g. the Hub release
+  ``flbbb/locost-gsg-pretrained`` downloaded with ``huggingface-cli download``;
+* a PyTorch-Lightning ``.ckpt`` from the authors' training scripts (weights under ``model.``; the config is the
+  pickled ``models_config.LOCOSTConfig`` in ``hyper_parameters``, or ``--config_path`` names a config.json).
+
+Usage::
+
+    python -m longreach.conversion.convert_locost_original_checkpoint --checkpoint_path PATH \
+        --pytorch_dump_folder_path OUT [--tokenizer_name_or_path T] [--push_to_hub REPO_ID]
+
+The output is a Hub-ready folder: ``model.safetensors``, ``config.json`` (``model_type: locost``, ``auto_map``),
+``generation_config.json``, the code files, the tokenizer if given, and a model card.
+
+Numerics: the converted model computes the authors' *exact* convolution (FFT of size 2L). A config with
+``use_fast_fft_conv: true`` selected their CUDA path, which differs for input lengths that are not powers of two
+(spec §7); we warn and compute the exact function.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+import torch
+
+from ..configuration.configuration_locost import LocostConfig
+from ..modeling.modeling_locost import LocostForConditionalGeneration
+from .conversion_utils import (
+    ConversionError,
+    KeyMap,
+    load_state_dict_from_folder,
+    pickled_class_stand_in,
+    prepare_output_folder,
+    safe_torch_load,
+    strip_prefix,
+    verify_tensors,
+)
+
+logger = logging.getLogger(__name__)
+
+_DECODER_T5_KEYS = (
+    r"layer\.0\.SelfAttention\.(?:q|k|v|o|relative_attention_bias)\.weight"
+    r"|layer\.0\.layer_norm\.weight"
+    r"|layer\.1\.EncDecAttention\.(?:q|k|v|o)\.weight"
+    r"|layer\.1\.layer_norm\.weight"
+    r"|layer\.2\.DenseReluDense\.(?:wi|wi_0|wi_1|wo)\.weight"
+    r"|layer\.2\.layer_norm\.weight"
+)
+
+#: Original key -> longreach key. The decoder and feed-forward names are T5's in both.
+LOCOST_KEY_MAP = KeyMap(
+    rules=[
+        (r"shared\.weight", r"shared.weight"),
+        (r"lm_head\.weight", r"lm_head.weight"),  # only reached when the head is not tied (see ``tied``)
+        (r"encoder\.block\.(\d+)\.layer\.0\.layer_prenorm\.weight", r"encoder.block.\1.layer.0.layer_norm.weight"),
+        (r"encoder\.block\.(\d+)\.layer\.0\.ssm_layer\.(q_proj|k_proj)\.(weight|bias)", r"encoder.block.\1.layer.0.ssm.\2.\3"),
+        (r"encoder\.block\.(\d+)\.layer\.0\.ssm_layer\.output_linear\.(weight|bias)", r"encoder.block.\1.layer.0.ssm.out_proj.\2"),
+        (r"encoder\.block\.(\d+)\.layer\.0\.ssm_layer\.D", r"encoder.block.\1.layer.0.ssm.conv.D"),
+        (
+            r"encoder\.block\.(\d+)\.layer\.0\.ssm_layer\.kernel\.(C|B|inv_A_real|A_imag|log_dt)",
+            r"encoder.block.\1.layer.0.ssm.conv.\2",
+        ),
+        (
+            r"encoder\.block\.(\d+)\.layer\.1\.(DenseReluDense\.(?:wi|wi_0|wi_1|wo)\.weight|layer_norm\.weight)",
+            r"encoder.block.\1.layer.1.\2",
+        ),
+        (r"encoder\.final_layer_norm\.weight", r"encoder.final_layer_norm.weight"),
+        (rf"decoder\.block\.(\d+)\.({_DECODER_T5_KEYS})", r"decoder.block.\1.\2"),
+        (r"decoder\.final_layer_norm\.weight", r"decoder.final_layer_norm.weight"),
+    ],
+    tied={r"encoder\.embed_tokens\.weight": "shared.weight", r"decoder\.embed_tokens\.weight": "shared.weight"},
+)
+
+#: Fields copied from the original config. Everything else is derived (``dense_act_fn``, ``is_gated_act``), dead in
+#: the original (``local_radius``, ``global_block_size``, ``encoder_attention_type``, ``ssm_type``) or generic
+#: transformers 4.x bookkeeping.
+COPIED_FIELDS = (
+    "vocab_size", "d_model", "d_state", "d_kv", "d_ff", "num_layers", "num_decoder_layers", "num_heads",
+    "num_ssm_heads", "relative_attention_num_buckets", "relative_attention_max_distance", "dropout_rate",
+    "layer_norm_epsilon", "initializer_factor", "feed_forward_proj", "bidirectional", "gating", "pad_token_id",
+    "eos_token_id", "decoder_start_token_id", "tie_word_embeddings",
+)
+
+
+def is_original_locost_config(config: dict) -> bool:
+    """The original config has no ``model_type``; it is recognised by its architecture name or the SSM fields."""
+    architectures = config.get("architectures") or []
+    return "LOCOSTForConditionalGeneration" in architectures or {"d_state", "num_ssm_heads"} <= set(config)
+
+
+def locost_config_from_original(original: dict) -> LocostConfig:
+    if not is_original_locost_config(original):
+        raise ConversionError(
+            "The config does not look like an original LOCOST config (no 'LOCOSTForConditionalGeneration' "
+            f"architecture and no d_state/num_ssm_heads fields); got keys {sorted(original)}."
+        )
+    if original.get("use_fast_fft_conv"):
+        logger.warning(
+            "The original config selects the authors' CUDA fast FFT path (use_fast_fft_conv=true). Its FFT size is "
+            "rounded to a power of two, which computes a different function whenever the padded length is not a "
+            "power of two. The converted model computes the exact convolution the architecture defines."
+        )
+    fields = {name: original[name] for name in COPIED_FIELDS if original.get(name) is not None}
+    fields.setdefault("tie_word_embeddings", True)  # transformers 4.x default, not written to config.json
+    return LocostConfig(**fields)
+
+
+def read_original_checkpoint(checkpoint_path: Path, config_path: Path | None = None) -> tuple[dict, dict]:
+    """``(state dict with original names, original config as a dict)`` from a folder or a Lightning ``.ckpt``."""
+    if checkpoint_path.is_dir():
+        config_file = config_path or checkpoint_path / "config.json"
+        if not config_file.is_file():
+            raise ConversionError(f"No config.json in {checkpoint_path} (pass --config_path).")
+        import json
+
+        return load_state_dict_from_folder(checkpoint_path), json.loads(config_file.read_text())
+    if not checkpoint_path.is_file():
+        raise ConversionError(f"--checkpoint_path {checkpoint_path} does not exist.")
+    stand_in = pickled_class_stand_in("models_config", "LOCOSTConfig")
+    checkpoint = safe_torch_load(checkpoint_path, allowed_classes=[stand_in])
+    if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint:
+        raise ConversionError(f"{checkpoint_path} is not a Lightning checkpoint (no 'state_dict' entry).")
+    state_dict = strip_prefix(checkpoint["state_dict"], "model.", str(checkpoint_path))
+    if config_path is not None:
+        import json
+
+        return state_dict, json.loads(Path(config_path).read_text())
+    pickled = (checkpoint.get("hyper_parameters") or {}).get("config")
+    if pickled is None:
+        raise ConversionError(f"{checkpoint_path} holds no pickled config; pass --config_path CONFIG_JSON.")
+    return state_dict, dict(vars(pickled))
+
+
+def convert_locost_checkpoint(
+    checkpoint_path: str | Path,
+    pytorch_dump_folder_path: str | Path,
+    tokenizer_name_or_path: str | None = None,
+    config_path: str | Path | None = None,
+    push_to_hub: str | None = None,
+) -> Path:
+    """Convert, save Hub-ready, reload and verify every tensor. Returns the output folder."""
+    checkpoint_path = Path(checkpoint_path)
+    output = prepare_output_folder(pytorch_dump_folder_path, [checkpoint_path, config_path])
+    original_state_dict, original_config = read_original_checkpoint(checkpoint_path, Path(config_path) if config_path else None)
+    config = locost_config_from_original(original_config)
+
+    model = LocostForConditionalGeneration(config)
+    tied = set(model._tied_weights_keys) if config.tie_word_embeddings else set(model._tied_weights_keys) - {"lm_head.weight"}
+    key_map = LOCOST_KEY_MAP
+    if config.tie_word_embeddings:
+        key_map = KeyMap(key_map.rules, {**key_map.tied, r"lm_head\.weight": "shared.weight"})
+    expected_keys = [key for key in model.state_dict() if key not in tied]
+    converted = key_map.apply(original_state_dict, expected_keys, source=str(checkpoint_path))
+    missing, unexpected = model.load_state_dict(converted, strict=False)
+    if set(missing) - tied or unexpected:
+        raise ConversionError(f"Loading into the model failed: missing {missing}, unexpected {unexpected}")
+    model.generation_config.max_new_tokens = 512  # the authors' evaluation setting (greedy, 512 new tokens)
+
+    model.save_pretrained(output)
+    tokenizer = None
+    if tokenizer_name_or_path is not None:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_name_or_path)
+        tokenizer.save_pretrained(output)
+    _write_model_card(output, "locost", source=str(checkpoint_path))
+
+    reloaded = LocostForConditionalGeneration.from_pretrained(output)
+    verify_tensors(reloaded, converted, source=str(output))
+    logger.info("Converted %s -> %s: %d tensors verified.", checkpoint_path, output, len(converted))
+    if push_to_hub:
+        reloaded.push_to_hub(push_to_hub)
+        if tokenizer is not None:
+            tokenizer.push_to_hub(push_to_hub)
+    return output
+
+
+def _write_model_card(output: Path, model_name: str, source: str) -> None:
+    try:
+        from ..hub import write_model_card
+    except ImportError:  # model cards arrive with the workflows; conversion does not depend on them
+        return
+    write_model_card(output, model_name, converted_from=source)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--checkpoint_path", required=True, help="Original save_pretrained folder or Lightning .ckpt.")
+    parser.add_argument("--pytorch_dump_folder_path", required=True, help="New or empty output folder.")
+    parser.add_argument("--tokenizer_name_or_path", default=None, help="Tokenizer to save with the model (e.g. google/long-t5-local-base).")
+    parser.add_argument("--config_path", default=None, help="config.json to use instead of the checkpoint's own.")
+    parser.add_argument("--push_to_hub", default=None, metavar="REPO_ID", help="Also upload the result to this Hub repo.")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
+    args = parse_args(argv)
+    try:
+        output = convert_locost_checkpoint(
+            args.checkpoint_path, args.pytorch_dump_folder_path, args.tokenizer_name_or_path, args.config_path,
+            args.push_to_hub,
+        )
+    except ConversionError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    print(f"Converted LOCOST checkpoint written to {output}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
