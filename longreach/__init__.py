@@ -12,8 +12,15 @@ from .modeling.modeling_locost import LocostForConditionalGeneration, LocostMode
 
 __version__ = "0.1.0"
 
+# -- LOCOST --
 AutoConfig.register(LocostConfig.model_type, LocostConfig, exist_ok=True)
 AutoModel.register(LocostConfig, LocostModel, exist_ok=True)
 AutoModelForSeq2SeqLM.register(LocostConfig, LocostForConditionalGeneration, exist_ok=True)
+
+# -- VCC-T5 --
+
+# -- Dodo --
+
+# -- pipelines --
 
 __all__ = ["LocostConfig", "LocostModel", "LocostForConditionalGeneration", "__version__"]
