@@ -573,6 +573,36 @@ class T5Seq2SeqLMMixin:
     def prepare_decoder_input_ids_from_labels(self, labels: torch.Tensor) -> torch.Tensor:
         return self._shift_right(labels)
 
+    def prepare_summarization_inputs(
+        self, tokenizer, documents: list[str], max_input_length: int | None = None
+    ) -> tuple[dict[str, torch.Tensor], list[int]]:
+        """Tokenize ``documents`` for ``generate()`` (the summarization pipeline calls this).
+
+        Returns the ``generate`` keyword arguments (right-padded ``input_ids``, ``attention_mask``) and, per
+        document, how many tokens were dropped to respect ``max_input_length`` (``None``: keep everything; the
+        encoder handles any length). Truncation keeps the tokenizer's final special token (``</s>``).
+        """
+        encoded = tokenizer(list(documents), add_special_tokens=True)["input_ids"]
+        dropped = []
+        rows = []
+        for ids in encoded:
+            if max_input_length is not None and len(ids) > max_input_length:
+                dropped.append(len(ids) - max_input_length)
+                keep_last = ids[-1] == tokenizer.eos_token_id
+                ids = ids[: max_input_length - 1] + [ids[-1]] if keep_last else ids[:max_input_length]
+            else:
+                dropped.append(0)
+            rows.append(ids)
+        pad = self.config.pad_token_id if self.config.pad_token_id is not None else 0
+        length = max(len(ids) for ids in rows)
+        input_ids = torch.full((len(rows), length), pad, dtype=torch.long)
+        attention_mask = torch.zeros((len(rows), length), dtype=torch.long)
+        for row, ids in enumerate(rows):
+            input_ids[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+            attention_mask[row, : len(ids)] = 1
+        device = self.device
+        return {"input_ids": input_ids.to(device), "attention_mask": attention_mask.to(device)}, dropped
+
     def _lm_head_output(
         self,
         encoder_outputs: BaseModelOutput,
