@@ -10,7 +10,7 @@ from transformers import initialization as init
 from longreach.modeling.t5_blocks import T5DecoderStack, T5EncoderStack, T5Seq2SeqLMMixin, init_t5_module
 
 
-class BlocksT5ForConditionalGeneration(PreTrainedModel, T5Seq2SeqLMMixin, GenerationMixin):
+class BlocksT5ForConditionalGeneration(T5Seq2SeqLMMixin, PreTrainedModel, GenerationMixin):
     config_class = T5Config
     base_model_prefix = "transformer"
     _supports_sdpa = True

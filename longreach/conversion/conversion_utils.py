@@ -162,14 +162,16 @@ class KeyMap:
 
 
 def prepare_output_folder(output: str | os.PathLike, inputs: Iterable[str | os.PathLike | None]) -> Path:
-    """Create ``output`` (it must be absent or empty, and must not contain or lie inside any input)."""
+    """Create ``output``: it must be absent or empty, must not contain any input and must not lie inside an input
+    folder."""
     output = Path(output).resolve()
     for source in inputs:
         if source is None:
             continue
         source = Path(source).resolve()
-        source_folder = source if source.is_dir() else source.parent
-        if output == source_folder or source_folder in output.parents or output in source.parents:
+        # A folder input may neither be, contain, nor lie inside the output; a file input may not be the output.
+        overlaps = output == source or output in source.parents or (source.is_dir() and source in output.parents)
+        if overlaps:
             raise ConversionError(
                 f"--pytorch_dump_folder_path {output} overlaps the input {source}; choose a separate folder (the "
                 "converter never writes into its input)."

@@ -177,7 +177,7 @@ def _as_encoder_output(encoder_outputs) -> BaseModelOutput:
     )
 
 
-class _LocostSeq2Seq(LocostPreTrainedModel, T5Seq2SeqLMMixin):
+class _LocostSeq2Seq(T5Seq2SeqLMMixin, LocostPreTrainedModel):
     """Shared embedding, SSM encoder and T5 decoder; the two public classes below add their outputs."""
 
     _tied_weights_keys = {

@@ -543,7 +543,8 @@ class T5Seq2SeqLMMixin:
     (tied: rescaled by ``d_model**-0.5``), the loss, and the helpers ``generate`` and ``DataCollatorForSeq2Seq`` use.
 
     The host class defines ``self.shared``, ``self.encoder``, ``self.decoder`` (:class:`T5DecoderStack`) and
-    ``self.lm_head``.
+    ``self.lm_head``, and lists this mixin *before* ``PreTrainedModel`` in its bases (its methods override the
+    generic ones, e.g. ``get_input_embeddings``).
     """
 
     def get_encoder(self):
