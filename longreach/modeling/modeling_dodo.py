@@ -1,0 +1,1110 @@
+"""Dodo: a Llama that compresses its context into nuggets (Qin et al., "Dodo: Dynamic Contextual Compression for
+Decoder-only LMs", ACL 2024), with the numerics of the authors' code (spec ``shared/specs/dodo.md``).
+
+Compressor mode (paper §2.3; spec §3). For a context ``w_1..n`` and a decoder input ``y``:
+
+    K_l, V_l  = Llama_φ(w)                          per-layer keys/values (RoPE at positions 0..n-1)   # spec §3.1
+    f         = RMSNorm_final(Llama_base[:ι](w))    adapters off, first ι layers                          # Eq. 6, §3.3
+    s         = W2 · ReLU(W1 f + b1) + b2           scorer ϕ, raw logits                                  # Eq. 15
+    idx       = TopK(s, k),  k = rounding(n · ratio), the last real token always kept                    # Eq. 14, §3.5
+    z_l       = (K_l[idx], V_l[idx])                nuggets: the φ cache entries of the selected tokens   # Eq. 5, §3.6
+    logits    = Llama_θ([z ; soft prompt ; y])      positions k + 0, 1, ...; every attention logit towards
+                                                    nugget j gets + s_j (or s_j - stopgrad(s_j))           # Eq. 13, 17, 18
+
+The score term is folded into the additive 4-D attention mask handed to transformers' ``LlamaModel`` (eager and sdpa
+both honour float masks), and the nuggets enter as the first ``K`` entries of the decoder's KV cache (a
+``DodoCache``). Both LoRA adapters live inside the model (``peft.functional``), so one ``model.safetensors`` holds the
+base weights, φ, θ, the scorer and the soft prompt.
+
+Autoregressive mode (paper §2.2, Eq. 8-10; no released code): with ``config.recent_window = τ``, a call without nuggets
+streams its tokens. The last τ..τ+stride tokens stay uncompressed (θ keys/values); whenever τ + stride tokens are
+pending, the oldest ``stride`` are compressed into new nuggets (φ pass over ``[previous nuggets ; chunk]``, scorer on the
+chunk, top-k by ratio or threshold Λ) and the θ states of the remaining τ tokens are recomputed over
+``[all nuggets ; soft prompt ; recent tokens]``. Feeding a text in one call or token by token gives the same logits.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from peft import LoraConfig
+from peft.functional import inject_adapter_in_model
+from peft.tuners.tuners_utils import BaseTunerLayer
+from torch import nn
+from transformers import initialization as init
+from transformers.cache_utils import Cache, DynamicCache
+from transformers.generation import GenerationMixin
+from transformers.modeling_outputs import CausalLMOutputWithPast
+from transformers.models.llama.modeling_llama import LlamaModel, LlamaPreTrainedModel
+from transformers.utils import ModelOutput
+
+from ..configuration.configuration_dodo import DodoLlamaConfig
+from .input_checks import check_mask, check_rows_not_empty, check_token_ids, describe
+from .remote_code import HubReadyMixin
+
+#: The paper's summarization prompt (Appendix D.3): ``[INST]\n$DOCUMENT\nPlease summarize the above document in one
+#: sentence.\n[/INST]``. The part before the document is compressed with it; the rest is the decoder prompt.
+SUMMARIZATION_CONTEXT_PREFIX = "[INST]\n"
+SUMMARIZATION_PROMPT = "\nPlease summarize the above document in one sentence.\n[/INST]"
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Outputs and cache
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class DodoNuggets(ModelOutput):
+    """What [`DodoLlamaForCausalLM.compress`] returns: the context as nuggets.
+
+    Args:
+        key_values (`tuple` of `(key, value)` per layer, each `[batch, num_key_value_heads, K, head_dim]`):
+            The φ-pass cache entries of the selected tokens; keys carry RoPE at the tokens' own positions.
+        mask (`torch.BoolTensor` of shape `[batch, K]`):
+            Which slots hold a nugget. Rows with fewer nuggets than the batch maximum end with padding slots.
+        scores (`torch.FloatTensor` of shape `[batch, K]`):
+            Raw scorer logits of the selected tokens (differentiable; padding slots too). They are added to the decoder's
+            attention logits towards each nugget.
+        indices (`torch.LongTensor` of shape `[batch, K]`):
+            Column of each nugget in the context `input_ids`, ascending among the real slots.
+        positions (`torch.LongTensor` of shape `[batch, K]`):
+            RoPE position of each nugget (its index among the real tokens of its row).
+        all_scores (`torch.FloatTensor` of shape `[batch, n]`):
+            Scorer logits of every context token (meaningless at padding).
+        features (`torch.FloatTensor` of shape `[batch, n, hidden_size]`, *optional*):
+            Scorer input features, returned with `output_features=True`.
+        config_fingerprint (`str`):
+            Identifies the configuration that produced the nuggets; a model with another one refuses them.
+    """
+
+    key_values: tuple[tuple[torch.Tensor, torch.Tensor], ...] | None = None
+    mask: torch.BoolTensor | None = None
+    scores: torch.FloatTensor | None = None
+    indices: torch.LongTensor | None = None
+    positions: torch.LongTensor | None = None
+    all_scores: torch.FloatTensor | None = None
+    features: torch.FloatTensor | None = None
+    config_fingerprint: str | None = None
+
+    @property
+    def batch_size(self) -> int:
+        return self.mask.shape[0]
+
+    @property
+    def num_nuggets(self) -> torch.LongTensor:
+        """Real nuggets per row, ``[batch]``."""
+        return self.mask.sum(dim=1)
+
+    def repeat_interleave(self, repeats: int) -> "DodoNuggets":
+        """Each row repeated ``repeats`` times (for beam search and ``num_return_sequences``)."""
+        if repeats == 1:
+            return self
+
+        def rep(tensor):
+            return None if tensor is None else tensor.repeat_interleave(repeats, dim=0)
+
+        return DodoNuggets(
+            key_values=tuple((rep(k), rep(v)) for k, v in self.key_values),
+            mask=rep(self.mask),
+            scores=rep(self.scores),
+            indices=rep(self.indices),
+            positions=rep(self.positions),
+            all_scores=rep(self.all_scores),
+            features=rep(self.features),
+            config_fingerprint=self.config_fingerprint,
+        )
+
+
+class DodoCache(DynamicCache):
+    """The decoder's KV cache: per layer ``[K nugget slots ; soft prompt ; tokens]``, plus what ``generate()`` cannot know.
+
+    Its length is not the number of tokens seen (hf-integration §1.4): ``seen_tokens`` counts the token columns the model
+    has processed, ``nugget_mask``/``nugget_scores`` describe the first K slots, ``decoder_mask`` the columns after them.
+    In autoregressive mode it also keeps the ids of the uncompressed tokens, which the next compression needs. Every
+    per-row tensor follows beam reordering.
+    """
+
+    _row_tensors = ("nugget_mask", "nugget_scores", "decoder_mask", "pending_ids", "pending_mask", "compressed_real_tokens")
+
+    def __init__(self, config: DodoLlamaConfig):
+        super().__init__(config=config)
+        self.nugget_mask: torch.Tensor | None = None
+        self.nugget_scores: torch.Tensor | None = None
+        self.decoder_mask: torch.Tensor | None = None
+        self.soft_prompt_length = 0
+        self.seen_tokens = 0
+        self.started = False
+        # autoregressive mode
+        self.autoregressive = False
+        self.pending_ids: torch.Tensor | None = None
+        self.pending_mask: torch.Tensor | None = None
+        self.compressed_tokens = 0
+        self.compressed_real_tokens: torch.Tensor | None = None
+
+    @property
+    def num_nugget_slots(self) -> int:
+        return 0 if self.nugget_mask is None else self.nugget_mask.shape[1]
+
+    def nuggets_per_row(self, batch_size: int, device) -> torch.Tensor:
+        if self.nugget_mask is None:
+            return torch.zeros(batch_size, dtype=torch.long, device=device)
+        return self.nugget_mask.sum(dim=1)
+
+    def set_nuggets(self, key_values, mask: torch.Tensor, scores: torch.Tensor) -> None:
+        """Empty the cache and put ``key_values`` in its first slots."""
+        self.reset_layers()
+        for layer_idx, (key, value) in enumerate(key_values):
+            self.update(key, value, layer_idx)
+        self.nugget_mask, self.nugget_scores = mask, scores
+        self.decoder_mask, self.soft_prompt_length = None, 0
+
+    def reset_layers(self) -> None:
+        for layer in self.layers:
+            layer.reset()
+
+    def nugget_key_values(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        k = self.num_nugget_slots
+        return [(layer.keys[:, :, :k], layer.values[:, :, :k]) for layer in self.layers]
+
+    def _map_rows(self, fn) -> None:
+        for name in self._row_tensors:
+            tensor = getattr(self, name)
+            if tensor is not None:
+                setattr(self, name, fn(tensor))
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        super().reorder_cache(beam_idx)
+        self._map_rows(lambda tensor: tensor.index_select(0, beam_idx.to(tensor.device)))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        super().batch_repeat_interleave(repeats)
+        self._map_rows(lambda tensor: tensor.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        super().batch_select_indices(indices)
+        self._map_rows(lambda tensor: tensor[indices])
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove > 0 or self.autoregressive:
+            raise ValueError("A DodoCache can only drop its last tokens (negative count), and not in autoregressive mode.")
+        super().crop(tokens_to_remove)
+        if tokens_to_remove:
+            self.decoder_mask = self.decoder_mask[:, :tokens_to_remove]
+            self.seen_tokens += tokens_to_remove
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Small tensor helpers
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def token_positions(mask: torch.Tensor, offset: torch.Tensor | int = 0) -> torch.LongTensor:
+    """RoPE position of every column: real tokens count the real tokens before them (right and left padding alike);
+    padding columns get ``column - leading padding`` (clamped at 0), so right padding keeps ``arange`` as the authors'
+    code does."""
+    mask = mask.bool()
+    length = mask.shape[1]
+    columns = torch.arange(length, device=mask.device)
+    leading = torch.where(mask.any(dim=1), mask.int().argmax(dim=1), torch.full_like(mask[:, 0], length, dtype=torch.long))
+    positions = torch.where(mask, mask.long().cumsum(dim=1) - 1, (columns[None, :] - leading[:, None]).clamp(min=0))
+    offset = offset[:, None] if isinstance(offset, torch.Tensor) else offset
+    return positions + offset
+
+
+def last_real_column(mask: torch.Tensor) -> torch.LongTensor:
+    """Index of each row's last real token (the forced nugget; correct for right and left padding)."""
+    return mask.shape[1] - 1 - mask.flip(dims=[1]).int().argmax(dim=1)
+
+
+def _config_fingerprint(config: DodoLlamaConfig) -> str:
+    fields = (
+        "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size",
+        "nugget_layer", "scorer_features", "lora_r", "lora_target_modules", "lora_layers", "encoder_adapter_name",
+        "decoder_adapter_name", "soft_prompt_length", "rope_parameters",
+    )
+    payload = json.dumps({name: getattr(config, name, None) for name in fields}, sort_keys=True, default=str)
+    return hashlib.sha1(payload.encode("utf-8")).hexdigest()[:16]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Models
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+class DodoLlamaPreTrainedModel(HubReadyMixin, LlamaPreTrainedModel):
+    config: DodoLlamaConfig
+    config_class = DodoLlamaConfig
+    base_model_prefix = "model"
+    # Nuggets enter the decoder as the first entries of its KV cache, which checkpointed layers drop, and one training
+    # step switches adapters between passes of the same graph (a recomputation would use the wrong adapter).
+    supports_gradient_checkpointing = False
+    # The score term lives in an additive float mask: kernels that ignore such masks would silently drop it.
+    _supports_flash_attn = False
+    _supports_flex_attn = False
+    _supports_sdpa = True
+    _can_compile_fullgraph = False
+    _hub_auto_classes = {"AutoModel": "DodoLlamaForCausalLM", "AutoModelForCausalLM": "DodoLlamaForCausalLM"}
+    _hub_pipeline_auto_class = "AutoModelForCausalLM"
+
+
+class DodoLlamaModel(LlamaModel):
+    """transformers' ``LlamaModel`` whose weight initialisation knows the LoRA layers injected into it.
+
+    transformers initialises the modules of a nested ``PreTrainedModel`` with that model's own ``_init_weights``, and its
+    generic ``nn.Linear`` rule would make ``lora_B`` non-zero (hf-integration §5, gotcha 2). LoRA linears are tagged at
+    injection; here ``lora_B`` is zeroed and ``lora_A`` gets PEFT's Kaiming-uniform initialisation, so a fresh adapter
+    starts as the identity change (also for LoRA keys missing from a checkpoint).
+    """
+
+    config_class = DodoLlamaConfig
+
+    @torch.no_grad()
+    def _init_weights(self, module: nn.Module) -> None:
+        role = getattr(module, "_dodo_lora_role", None)
+        if role == "B":
+            init.zeros_(module.weight)
+        elif role == "A":
+            init.kaiming_uniform_(module.weight, a=math.sqrt(5))
+        else:
+            super()._init_weights(module)
+
+
+class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
+    """Dodo on Llama: ``compress()`` a context into nuggets, then decode with θ conditioned on them.
+
+    Example:
+
+    ```python
+    >>> import torch, longreach
+    >>> from longreach import DodoLlamaConfig, DodoLlamaForCausalLM
+    >>> model = DodoLlamaForCausalLM(DodoLlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
+    ...     num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, lora_r=8)).eval()
+    >>> context, prompt = torch.randint(3, 128, (1, 300)), torch.randint(3, 128, (1, 5))
+    >>> nuggets = model.compress(context)                    # 30 nuggets instead of 300 tokens
+    >>> logits = model(prompt, nuggets=nuggets).logits        # [1, 5, 128]
+    >>> out = model.generate(prompt, nuggets=nuggets, max_new_tokens=8)
+    >>> out = model.generate(input_ids=prompt, context_input_ids=context, max_new_tokens=8, num_beams=2)
+    ```
+
+    Model state: the base Llama (frozen), LoRA φ (``config.encoder_adapter_name``) and θ (``config.decoder_adapter_name``)
+    on ``config.lora_target_modules``, the scorer ``nugget_scorer`` (``Linear(d, d) -> ReLU -> Linear(d, 1)``) and
+    ``soft_prompt`` (``[soft_prompt_length, d]``).
+    """
+
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+
+    def __init__(self, config: DodoLlamaConfig):
+        super().__init__(config)
+        self.model = DodoLlamaModel(config)
+        self.vocab_size = config.vocab_size
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.nugget_scorer = nn.Sequential(
+            nn.Linear(config.hidden_size, config.hidden_size), nn.ReLU(), nn.Linear(config.hidden_size, 1)
+        )
+        self.soft_prompt = (
+            nn.Embedding(config.soft_prompt_length, config.hidden_size) if config.soft_prompt_length > 0 else None
+        )
+        lora_config = LoraConfig(
+            r=config.lora_r,
+            lora_alpha=config.lora_alpha,
+            lora_dropout=config.lora_dropout,
+            target_modules=config.lora_target_regex,
+            bias="none",
+        )
+        for name in config.adapter_names:
+            inject_adapter_in_model(lora_config, self.model, adapter_name=name)
+            if hasattr(self.model, "peft_config"):  # the LoRA settings live in our config; no PEFT-integration side paths
+                del self.model.peft_config
+        for layer in self._lora_layers():
+            for name in layer.lora_A:
+                layer.lora_A[name]._dodo_lora_role = "A"
+                layer.lora_B[name]._dodo_lora_role = "B"
+        self._dodo_active_adapter = ()  # sentinel: nothing selected yet
+        self.post_init()
+        self.freeze_base_model()
+
+    # -----------------------------------------------------------------------------------------------------------------
+    # Adapters and freezing
+    # -----------------------------------------------------------------------------------------------------------------
+
+    def _lora_layers(self) -> list[BaseTunerLayer]:
+        layers = self.__dict__.get("_dodo_lora_layer_list")
+        if layers is None:
+            layers = [module for module in self.model.modules() if isinstance(module, BaseTunerLayer)]
+            self.__dict__["_dodo_lora_layer_list"] = layers
+        return layers
+
+    def set_active_adapter(self, adapter_name: str | None) -> None:
+        """Run the backbone with adapter ``adapter_name`` (φ or θ name), or with no adapter (``None``).
+
+        PEFT's ``set_adapter`` / ``enable_adapters`` also change ``requires_grad`` (they freeze the inactive adapter:
+        hf-integration §5, gotcha 3, which silently zeroes φ's gradient in a joint step). The trainable flags are
+        restored afterwards, so switching never changes what is trained.
+        """
+        if adapter_name is not None and adapter_name not in self.config.adapter_names:
+            raise ValueError(f"`adapter_name` must be one of {self.config.adapter_names} or None, got {adapter_name!r}.")
+        if self._dodo_active_adapter == adapter_name:
+            return
+        layers = self._lora_layers()
+        flags = [(param, param.requires_grad) for layer in layers for param in layer.parameters()]
+        for layer in layers:
+            if adapter_name is None:
+                layer.enable_adapters(False)  # gotcha 5: "adapters disabled" done inside the class
+            else:
+                layer.set_adapter(adapter_name)
+                layer.enable_adapters(True)
+        for param, flag in flags:
+            param.requires_grad_(flag)
+        self._dodo_active_adapter = adapter_name
+
+    def freeze_base_model(self) -> None:
+        """Train only the adapters, the scorer and the soft prompt (the authors' setting).
+
+        Called at construction and after ``from_pretrained``, which otherwise leaves every parameter trainable
+        (hf-integration §5, gotcha 4). To fine-tune more, set ``requires_grad`` yourself afterwards.
+        """
+        for name, param in self.named_parameters():
+            param.requires_grad_(
+                ".lora_A." in name or ".lora_B." in name or name.startswith(("nugget_scorer.", "soft_prompt."))
+            )
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
+        """``PreTrainedModel.from_pretrained``, then the base is frozen again (gotcha 4).
+
+        A plain Llama checkpoint has ``q_proj.weight`` where the LoRA-wrapped model has ``q_proj.base_layer.weight``
+        (gotcha 1); loading it without a key mapping would leave random attention weights. Use
+        [`~DodoLlamaForCausalLM.from_base_model`] for Llama checkpoints; passing a `DodoLlamaConfig` as `config=` adds the
+        mapping automatically, and anything else that leaves a ``base_layer`` weight missing raises.
+        """
+        config = kwargs.get("config")
+        if kwargs.get("key_mapping") is None and isinstance(config, DodoLlamaConfig):
+            kwargs["key_mapping"] = cls.base_llama_key_mapping(config)
+        want_info = kwargs.pop("output_loading_info", False)
+        model, info = super().from_pretrained(pretrained_model_name_or_path, *model_args, output_loading_info=True, **kwargs)
+        missing_base = sorted(key for key in info.get("missing_keys", []) if "base_layer" in key)
+        if missing_base:
+            raise ValueError(
+                f"{pretrained_model_name_or_path} lacks the LoRA-wrapped base weights {missing_base[:4]}... It looks "
+                "like a plain Llama checkpoint: load it with DodoLlamaForCausalLM.from_base_model(path, **dodo_options)."
+            )
+        model.freeze_base_model()
+        return (model, info) if want_info else model
+
+    @staticmethod
+    def base_llama_key_mapping(config: DodoLlamaConfig) -> dict[str, str]:
+        """``from_pretrained(key_mapping=...)`` that renames a plain Llama's wrapped projections to PEFT's ``base_layer``."""
+        layers = r"\d+" if config.lora_layers is None else "|".join(str(layer) for layer in config.lora_layers)
+        modules = "|".join(config.lora_target_modules)
+        return {rf"^(model\.layers\.(?:{layers})\.self_attn\.(?:{modules}))\.weight$": r"\1.base_layer.weight"}
+
+    @classmethod
+    def from_base_model(cls, base_model_name_or_path, dodo_config: dict | None = None, **kwargs):
+        """A Dodo model around a Llama checkpoint: base weights loaded, adapters as fresh (identity) LoRA, new scorer and
+        soft prompt. ``dodo_config`` holds `DodoLlamaConfig` fields (e.g. ``{"nugget_ratio": 0.05, "lora_r": 16}``);
+        other keyword arguments go to ``from_pretrained`` (``dtype``, ``attn_implementation``, ...)."""
+        from transformers import AutoConfig
+
+        hub_keys = ("cache_dir", "force_download", "local_files_only", "token", "revision", "subfolder")
+        base_config = AutoConfig.from_pretrained(base_model_name_or_path, **{k: kwargs[k] for k in hub_keys if k in kwargs})
+        fields = {key: value for key, value in base_config.to_dict().items() if key not in ("model_type", "architectures")}
+        fields.update(dodo_config or {})
+        config = DodoLlamaConfig(**fields)
+        return cls.from_pretrained(base_model_name_or_path, config=config, **kwargs)
+
+    # -----------------------------------------------------------------------------------------------------------------
+    # Input checks
+    # -----------------------------------------------------------------------------------------------------------------
+
+    @property
+    def config_fingerprint(self) -> str:
+        return _config_fingerprint(self.config)
+
+    def _check_nuggets(self, nuggets, batch_size: int | None = None, allow_multiple: bool = False) -> None:
+        if not isinstance(nuggets, DodoNuggets):
+            raise ValueError(
+                f"`nuggets` must be the DodoNuggets returned by `model.compress(...)`, got {type(nuggets).__name__}."
+            )
+        if nuggets.config_fingerprint != self.config_fingerprint:
+            raise ValueError(
+                "`nuggets` were produced by a model with another configuration (fingerprint "
+                f"{nuggets.config_fingerprint!r}, this model {self.config_fingerprint!r}); compress the context with "
+                "this model."
+            )
+        layers = self.config.num_hidden_layers
+        expected = (self.config.num_key_value_heads, self.config.head_dim)
+        if len(nuggets.key_values) != layers or any(
+            tuple(k.shape[1:2]) + tuple(k.shape[3:]) != expected for k, _ in nuggets.key_values
+        ):
+            raise ValueError(
+                f"`nuggets.key_values` must hold {layers} layers of [batch, {expected[0]}, K, {expected[1]}] tensors, got "
+                f"{len(nuggets.key_values)} layers of {tuple(nuggets.key_values[0][0].shape)}."
+            )
+        if batch_size is not None and nuggets.batch_size != batch_size:
+            if not (allow_multiple and batch_size % nuggets.batch_size == 0):
+                raise ValueError(
+                    f"`nuggets` hold {nuggets.batch_size} contexts but `input_ids` has {batch_size} rows; pass one "
+                    "context per row."
+                )
+        if nuggets.mask.shape[1] == 0 or (nuggets.num_nuggets == 0).any():
+            raise ValueError("`nuggets` has rows without any nugget; every context needs at least one.")
+
+    @staticmethod
+    def _full_attention_mask(name, mask, batch_size, length, device) -> torch.Tensor:
+        if mask is None:
+            return torch.ones(batch_size, length, dtype=torch.bool, device=device)
+        if not isinstance(mask, torch.Tensor) or tuple(mask.shape) != (batch_size, length):
+            got = describe(mask) if isinstance(mask, torch.Tensor) else type(mask).__name__
+            raise ValueError(f"`{name}` must have shape [batch, past + new tokens] = {(batch_size, length)}, got {got}.")
+        return mask.bool()
+
+    # -----------------------------------------------------------------------------------------------------------------
+    # Attention masks
+    # -----------------------------------------------------------------------------------------------------------------
+
+    def _attention_bias(
+        self,
+        nugget_mask: torch.Tensor | None,
+        nugget_scores: torch.Tensor | None,
+        decoder_mask: torch.Tensor,
+        query_length: int,
+        dtype: torch.dtype,
+        soft_prompt_length: int = 0,
+        legacy_order: bool = False,
+    ) -> torch.Tensor:
+        """Additive 4-D mask ``[B, 1, q, K + D]`` over keys ``[K nugget slots ; D decoder columns]``; the queries are the
+        last ``q`` decoder columns. Nugget column j holds the score term (``+ s_j``, or ``s_j - stopgrad(s_j)``) where it
+        is visible and the dtype minimum where not; decoder columns are causal + padding (0 or minimum)."""
+        batch, length = decoder_mask.shape
+        minimum = torch.finfo(dtype).min
+        device = decoder_mask.device
+        past = length - query_length
+        query_columns = past + torch.arange(query_length, device=device)
+        causal = torch.arange(length, device=device)[None, :] <= query_columns[:, None]  # [q, D]
+        slots = 0 if nugget_mask is None else nugget_mask.shape[1]
+        nugget_visible, decoder_visible = nugget_mask, decoder_mask
+        if legacy_order and slots:
+            # spec §8.1: the authors build the key padding mask as [soft ; nuggets ; tokens] for keys [nuggets ; soft ; tokens]
+            shifted = torch.cat(
+                [decoder_mask[:, :soft_prompt_length], nugget_mask, decoder_mask[:, soft_prompt_length:]], dim=1
+            )
+            nugget_visible, decoder_visible = shifted[:, :slots], shifted[:, slots:]
+        allowed = decoder_visible[:, None, :] & causal[None]
+        decoder_part = torch.zeros(batch, query_length, length, dtype=dtype, device=device).masked_fill(~allowed, minimum)
+        if not slots:
+            return decoder_part[:, None]
+        bias = nugget_scores if self.config.score_in_forward else nugget_scores - nugget_scores.detach()
+        nugget_part = torch.where(nugget_visible, bias.to(dtype), torch.tensor(minimum, dtype=dtype, device=device))
+        nugget_part = nugget_part[:, None, :].expand(batch, query_length, slots)
+        return torch.cat([nugget_part, decoder_part], dim=-1)[:, None]
+
+    def _causal_bias(self, mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+        """Mask for running decoder layers directly (scorer pass): None lets sdpa use its causal kernel."""
+        if mask.all() and self.config._attn_implementation == "sdpa":
+            return None
+        return self._attention_bias(None, None, mask, mask.shape[1], dtype)
+
+    # -----------------------------------------------------------------------------------------------------------------
+    # Compression (paper §2.3, spec §3.1-3.6)
+    # -----------------------------------------------------------------------------------------------------------------
+
+    def compress(
+        self, input_ids: torch.LongTensor, attention_mask: torch.Tensor | None = None, output_features: bool = False
+    ) -> DodoNuggets:
+        """Compress contexts into nuggets (top-k by ``config.nugget_ratio``, last real token forced).
+
+        Args:
+            input_ids (`torch.LongTensor` of shape `[batch, n]`): contexts, right- or left-padded (start them with BOS as
+                the authors do).
+            attention_mask (`torch.Tensor` of shape `[batch, n]`, *optional*): 1 for real tokens.
+            output_features (`bool`): also return the scorer input features.
+        """
+        check_token_ids("input_ids", input_ids)
+        check_mask("attention_mask", attention_mask, "input_ids", input_ids)
+        mask = (
+            torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
+        )
+        if (mask.sum(dim=1) == 0).any():
+            empty = (mask.sum(dim=1) == 0).nonzero().flatten().tolist()
+            raise ValueError(f"Empty context: rows {empty} of `attention_mask` have no real token to compress.")
+        return self._compress(input_ids, mask, token_positions(mask), output_features=output_features)
+
+    def _compress(
+        self,
+        input_ids: torch.LongTensor,
+        mask: torch.Tensor,
+        positions: torch.LongTensor,
+        previous: DodoCache | None = None,
+        use_threshold: bool = False,
+        output_features: bool = False,
+        allow_empty: bool = False,
+    ) -> DodoNuggets:
+        batch, length = input_ids.shape
+        embeds = self.model.embed_tokens(input_ids)
+
+        # φ pass (§3.1): keys/values of every token; in autoregressive mode the chunk also attends to older nuggets.
+        self.set_active_adapter(self.config.encoder_adapter_name)
+        cache = DynamicCache(config=self.config)
+        if previous is not None and previous.num_nugget_slots:
+            for layer_idx, (key, value) in enumerate(previous.nugget_key_values()):
+                cache.update(key, value, layer_idx)
+            attention = self._attention_bias(
+                previous.nugget_mask, previous.nugget_scores, mask, length, embeds.dtype
+            )
+        else:
+            attention = None if mask.all() else mask.long()
+        self.model(inputs_embeds=embeds, attention_mask=attention, position_ids=positions, past_key_values=cache, use_cache=True)
+        token_key_values = [(layer.keys[:, :, -length:], layer.values[:, :, -length:]) for layer in cache.layers]
+
+        # scorer ϕ on adapter-free features (§3.3-3.4)
+        features = self._scorer_features(embeds, mask, positions)
+        all_scores = self.nugget_scorer(features).squeeze(-1)
+
+        indices, nugget_mask = self._select(all_scores, mask, use_threshold, allow_empty)
+        gather = indices[:, None, :, None]
+        key_values = tuple(
+            (
+                key.gather(2, gather.expand(-1, key.shape[1], -1, key.shape[3])),
+                value.gather(2, gather.expand(-1, value.shape[1], -1, value.shape[3])),
+            )
+            for key, value in token_key_values
+        )
+        return DodoNuggets(
+            key_values=key_values,
+            mask=nugget_mask,
+            scores=all_scores.gather(1, indices),
+            indices=indices,
+            positions=positions.gather(1, indices),
+            all_scores=all_scores,
+            features=features if output_features else None,
+            config_fingerprint=self.config_fingerprint,
+        )
+
+    def _scorer_features(self, embeds: torch.Tensor, mask: torch.Tensor, positions: torch.LongTensor) -> torch.Tensor:
+        """First ι decoder layers with the adapters disabled, then (paper setting) the final RMSNorm (spec §3.3)."""
+        self.set_active_adapter(None)
+        hidden = embeds
+        attention = self._causal_bias(mask, embeds.dtype)
+        position_embeddings = self.model.rotary_emb(hidden, position_ids=positions)
+        for layer in self.model.layers[: self.config.nugget_layer]:
+            hidden = layer(hidden, attention_mask=attention, position_ids=positions, position_embeddings=position_embeddings)
+        if self.config.scorer_features == "base_final_norm":
+            hidden = self.model.norm(hidden)
+        return hidden
+
+    def _num_nuggets(self, real_tokens: torch.LongTensor) -> torch.LongTensor:
+        if self.config.nugget_count_rounding == "ceil":
+            # a tiny tolerance so that e.g. 30 * 0.1 = 3.0000000000000004 does not round up to 4
+            counts = torch.ceil(real_tokens.double() * self.config.nugget_ratio - 1e-9).long()
+        else:  # the authors': float32 product + 0.99, truncated toward zero (spec §3.2)
+            counts = (real_tokens * self.config.nugget_ratio + 0.99).long()
+        return torch.minimum(counts, real_tokens)
+
+    def _select(self, scores: torch.Tensor, mask: torch.Tensor, use_threshold: bool, allow_empty: bool = False):
+        """Nugget columns ``[B, K]`` (real slots first, each group ascending) and their validity mask (spec §3.5)."""
+        batch, length = scores.shape
+        columns = torch.arange(length, device=scores.device)
+        if use_threshold:  # Eq. 8: keep exactly the tokens whose score exceeds Λ
+            chosen = (scores.detach() > self.config.nugget_threshold) & mask
+            counts = chosen.sum(dim=1)
+            order_key = torch.where(chosen, columns, columns + length + 1)
+            order = order_key.argsort(dim=1, stable=True)
+        else:
+            counts = self._num_nuggets(mask.sum(dim=1))
+            empty_rows = (counts == 0).nonzero().flatten().tolist()
+            if empty_rows and not allow_empty:
+                raise ValueError(
+                    f"Context too short for any nugget: rows {empty_rows} have {mask.sum(dim=1)[empty_rows].tolist()} "
+                    f"real tokens, which give 0 nuggets with nugget_ratio={self.config.nugget_ratio} and "
+                    f"nugget_count_rounding={self.config.nugget_count_rounding!r}. Use longer contexts, a larger ratio "
+                    "or 'ceil' rounding."
+                )
+            selection = scores.detach().float().masked_fill(~mask, torch.finfo(torch.float32).min)
+            if self.config.force_last_nugget:
+                selection[torch.arange(batch, device=scores.device), last_real_column(mask)] = torch.finfo(torch.float32).max
+            # stable: ties go to the earlier token (the authors' unstable sort resolves them arbitrarily)
+            order = selection.argsort(dim=1, descending=True, stable=True)
+        slots = int(counts.max().item()) if batch else 0
+        top = order[:, :slots]
+        valid = torch.arange(slots, device=scores.device)[None, :] < counts[:, None]
+        # real slots ascending by position, then the padding slots (next-best tokens), also ascending
+        resort = torch.where(valid, top, top + length + 1).argsort(dim=1)
+        return top.gather(1, resort), valid
+
+    # -----------------------------------------------------------------------------------------------------------------
+    # Decoder (spec §3.7)
+    # -----------------------------------------------------------------------------------------------------------------
+
+    def _decode(
+        self,
+        cache: DodoCache,
+        token_embeds: torch.Tensor,
+        token_mask: torch.Tensor,
+        position_ids: torch.LongTensor | None = None,
+        prepend_soft_prompt: bool = False,
+        **model_kwargs,
+    ):
+        """θ pass over new decoder columns (optionally preceded by the soft prompt) on top of ``cache``."""
+        self.set_active_adapter(self.config.decoder_adapter_name)
+        batch, length = token_embeds.shape[:2]
+        soft = 0
+        embeds, new_mask = token_embeds, token_mask
+        if prepend_soft_prompt and self.soft_prompt is not None and cache.num_nugget_slots:
+            soft = self.soft_prompt.weight.shape[0]
+            soft_embeds = self.soft_prompt.weight[None].expand(batch, -1, -1).to(token_embeds.dtype)
+            embeds = torch.cat([soft_embeds, token_embeds], dim=1)
+            new_mask = torch.cat([token_mask.new_ones(batch, soft), token_mask], dim=1)
+            cache.soft_prompt_length = soft
+        decoder_mask = new_mask if cache.decoder_mask is None else torch.cat([cache.decoder_mask, new_mask], dim=1)
+        nuggets_per_row = cache.nuggets_per_row(batch, token_embeds.device)
+        # decoder positions continue right after the number of nuggets: k_b + 0, 1, ... (spec §3.7)
+        if position_ids is None:
+            positions = token_positions(decoder_mask, nuggets_per_row)[:, -(length + soft):]
+        else:
+            positions = position_ids
+            if soft:
+                soft_positions = nuggets_per_row[:, None] + torch.arange(soft, device=positions.device)
+                positions = torch.cat([soft_positions, positions], dim=1)
+        if cache.num_nugget_slots:
+            attention = self._attention_bias(
+                cache.nugget_mask,
+                cache.nugget_scores,
+                decoder_mask,
+                length + soft,
+                embeds.dtype,
+                soft_prompt_length=cache.soft_prompt_length,
+                legacy_order=self.config.legacy_decoder_mask_order,
+            )
+        else:  # no nuggets: a plain Llama with θ; transformers builds the causal + padding mask
+            attention = decoder_mask.long()
+        outputs = self.model(
+            inputs_embeds=embeds,
+            attention_mask=attention,
+            position_ids=positions,
+            past_key_values=cache,
+            use_cache=True,
+            **model_kwargs,
+        )
+        cache.decoder_mask = decoder_mask
+        cache.started = True
+        return outputs, soft
+
+    # -----------------------------------------------------------------------------------------------------------------
+    # Autoregressive mode (paper §2.2, spec §5)
+    # -----------------------------------------------------------------------------------------------------------------
+
+    def _autoregressive_forward(self, cache: DodoCache, input_ids: torch.LongTensor, token_mask: torch.Tensor):
+        window, stride = self.config.recent_window, self.config.effective_compression_stride
+        batch, length = input_ids.shape
+        if not cache.autoregressive:
+            cache.autoregressive = True
+            cache.pending_ids = input_ids.new_zeros(batch, 0)
+            cache.pending_mask = token_mask.new_zeros(batch, 0)
+            cache.compressed_real_tokens = torch.zeros(batch, dtype=torch.long, device=input_ids.device)
+        hidden_blocks = []
+        start = 0
+        while start < length:
+            if cache.pending_ids.shape[1] >= window + stride:
+                self._compress_oldest(cache, cache.pending_ids.shape[1] - window)
+            take = min(length - start, window + stride - cache.pending_ids.shape[1])
+            block_ids, block_mask = input_ids[:, start : start + take], token_mask[:, start : start + take]
+            # positions of the uncompressed tokens: after the compressed ones before any nugget exists (a plain LM),
+            # and k_b + [soft ; recent] afterwards (compressor-mode convention)
+            offset = None if cache.num_nugget_slots else cache.compressed_real_tokens
+            positions = None
+            if offset is not None:
+                positions = token_positions(torch.cat([cache.pending_mask, block_mask], dim=1), offset)[:, -take:]
+            outputs, _ = self._decode(cache, self.model.embed_tokens(block_ids), block_mask, position_ids=positions)
+            cache.pending_ids = torch.cat([cache.pending_ids, block_ids], dim=1)
+            cache.pending_mask = torch.cat([cache.pending_mask, block_mask], dim=1)
+            cache.seen_tokens += take
+            hidden_blocks.append(outputs.last_hidden_state)
+            start += take
+        return torch.cat(hidden_blocks, dim=1)
+
+    def _compress_oldest(self, cache: DodoCache, count: int) -> None:
+        """Move the oldest ``count`` pending tokens into nuggets and recompute θ over the remaining recent tokens."""
+        chunk_ids, chunk_mask = cache.pending_ids[:, :count], cache.pending_mask[:, :count]
+        positions = token_positions(chunk_mask, cache.compressed_real_tokens)
+        new = self._compress(  # a chunk of padding may give a row no nugget: allowed here
+            chunk_ids,
+            chunk_mask,
+            positions,
+            previous=cache,
+            use_threshold=self.config.nugget_threshold is not None,
+            allow_empty=True,
+        )
+        if cache.num_nugget_slots:
+            key_values = [
+                (torch.cat([old_k, new_k], dim=2), torch.cat([old_v, new_v], dim=2))
+                for (old_k, old_v), (new_k, new_v) in zip(cache.nugget_key_values(), new.key_values)
+            ]
+            nugget_mask = torch.cat([cache.nugget_mask, new.mask], dim=1)
+            nugget_scores = torch.cat([cache.nugget_scores, new.scores], dim=1)
+        else:
+            key_values, nugget_mask, nugget_scores = list(new.key_values), new.mask, new.scores
+        recent_ids, recent_mask = cache.pending_ids[:, count:], cache.pending_mask[:, count:]
+        cache.compressed_tokens += count
+        cache.compressed_real_tokens = cache.compressed_real_tokens + chunk_mask.sum(dim=1)
+        if nugget_mask.shape[1]:
+            cache.set_nuggets(key_values, nugget_mask, nugget_scores)
+            if recent_ids.shape[1] or self.soft_prompt is not None:
+                self._decode(cache, self.model.embed_tokens(recent_ids), recent_mask, prepend_soft_prompt=True)
+        else:  # nothing selected so far (threshold mode): only the recent tokens remain
+            cache.reset_layers()
+            cache.decoder_mask = None
+            if recent_ids.shape[1]:
+                positions = token_positions(recent_mask, cache.compressed_real_tokens)
+                self._decode(cache, self.model.embed_tokens(recent_ids), recent_mask, position_ids=positions)
+        cache.pending_ids, cache.pending_mask = recent_ids, recent_mask
+
+    @torch.no_grad()
+    def estimate_nugget_threshold(
+        self, input_ids: torch.LongTensor, attention_mask: torch.Tensor | None = None, ratio: float | None = None
+    ) -> float:
+        """Λ such that about ``ratio`` (default ``config.nugget_ratio``) of the real tokens score above it (paper §2.2:
+        "we estimate the threshold Λ by running a trained scorer on sampled tokens")."""
+        nuggets = self.compress(input_ids, attention_mask)
+        mask = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
+        real_scores = nuggets.all_scores[mask].float()
+        ratio = self.config.nugget_ratio if ratio is None else ratio
+        return float(torch.quantile(real_scores, 1.0 - ratio).item())
+
+    # -----------------------------------------------------------------------------------------------------------------
+    # Forward
+    # -----------------------------------------------------------------------------------------------------------------
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        nuggets: DodoNuggets | None = None,
+        context_input_ids: torch.LongTensor | None = None,
+        context_attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        output_attentions: bool | None = None,
+        output_hidden_states: bool | None = None,
+        return_dict: bool | None = None,
+        **kwargs,
+    ) -> CausalLMOutputWithPast:
+        r"""
+        input_ids (`torch.LongTensor` of shape `[batch, length]`): decoder tokens (prompt / target), right or left padded.
+            With a cache, only the new tokens.
+        attention_mask (`torch.Tensor` of shape `[batch, past + length]`): 1 for real tokens, covering the tokens already
+            in `past_key_values` and the new ones (transformers' convention). Nugget and soft-prompt columns are added
+            inside.
+        nuggets (`DodoNuggets`): output of `compress()`; the decoder attends to them. Without nuggets (and without
+            `config.recent_window`) the model is the plain Llama with θ and no soft prompt.
+        context_input_ids / context_attention_mask: a context to compress first (one graph: a joint training step).
+        position_ids: positions of the new tokens (default: `k_b + soft + index among the real tokens`).
+        labels (`torch.LongTensor` of shape `[batch, length]`): next-token targets aligned with `input_ids` (shifted
+            inside), -100 where ignored.
+
+        Returns logits for `input_ids` only (the soft prompt positions are dropped).
+        """
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("Pass exactly one of `input_ids` and `inputs_embeds` (the decoder tokens).")
+        check_token_ids("input_ids", input_ids)
+        if inputs_embeds is not None and (inputs_embeds.dim() != 3 or inputs_embeds.shape[1] == 0):
+            raise ValueError(f"`inputs_embeds` must have shape [batch, length > 0, hidden_size], got {describe(inputs_embeds)}.")
+        reference = input_ids if input_ids is not None else inputs_embeds
+        batch, length = reference.shape[:2]
+        if context_input_ids is not None:
+            if nuggets is not None:
+                raise ValueError("Pass either `nuggets` or `context_input_ids` (compressed here), not both.")
+            nuggets = self.compress(context_input_ids, context_attention_mask)
+        use_cache = self.config.use_cache if use_cache is None else use_cache
+
+        cache = past_key_values if isinstance(past_key_values, DodoCache) and past_key_values.started else None
+        if cache is None and past_key_values is not None and past_key_values.get_seq_length() > 0:
+            raise ValueError(
+                "`past_key_values` must be the DodoCache this model returned; got a "
+                f"{type(past_key_values).__name__} holding {past_key_values.get_seq_length()} positions."
+            )
+        past_tokens = 0 if cache is None else cache.seen_tokens
+        token_mask = self._full_attention_mask("attention_mask", attention_mask, batch, past_tokens + length, reference.device)
+        check_rows_not_empty("attention_mask", token_mask)
+        new_token_mask = token_mask[:, past_tokens:]
+
+        prepend_soft = False
+        if cache is None:
+            cache = DodoCache(self.config)
+            if nuggets is not None:
+                self._check_nuggets(nuggets, batch)
+                cache.set_nuggets(nuggets.key_values, nuggets.mask, nuggets.scores)
+                prepend_soft = True
+        elif nuggets is not None:
+            self._check_nuggets(nuggets, batch)
+            if cache.autoregressive or cache.num_nugget_slots != nuggets.mask.shape[1]:
+                raise ValueError("`nuggets` do not match the nuggets already in `past_key_values`.")
+
+        soft = 0
+        extra = {}
+        if output_attentions:
+            extra["output_attentions"] = True
+        if output_hidden_states:
+            extra["output_hidden_states"] = True
+        if cache.autoregressive or (cache.num_nugget_slots == 0 and self.config.recent_window is not None):
+            if input_ids is None:
+                raise ValueError("The autoregressive mode (config.recent_window) needs `input_ids`, not `inputs_embeds`.")
+            hidden = self._autoregressive_forward(cache, input_ids, new_token_mask)
+            outputs = None
+        else:
+            embeds = self.model.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+            if position_ids is not None and tuple(position_ids.shape) != (batch, length):
+                raise ValueError(f"`position_ids` must have shape {(batch, length)}, got {describe(position_ids)}.")
+            outputs, soft = self._decode(cache, embeds, new_token_mask, position_ids, prepend_soft, **extra)
+            cache.seen_tokens += length
+            hidden = outputs.last_hidden_state[:, soft:]
+
+        slice_indices = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+        logits = self.lm_head(hidden[:, slice_indices, :])
+        loss = None
+        if labels is not None:
+            if tuple(labels.shape) != (batch, length):
+                raise ValueError(f"`labels` must have the shape of `input_ids` {(batch, length)}, got {describe(labels)}.")
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+
+        def strip(states):
+            return None if states is None else tuple(state[:, soft:] for state in states)
+
+        result = CausalLMOutputWithPast(
+            loss=loss,
+            logits=logits,
+            past_key_values=cache if use_cache else None,
+            hidden_states=strip(getattr(outputs, "hidden_states", None)),
+            attentions=getattr(outputs, "attentions", None),
+        )
+        return result if return_dict is not False else result.to_tuple()
+
+    # -----------------------------------------------------------------------------------------------------------------
+    # Generation
+    # -----------------------------------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def generate(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        nuggets: DodoNuggets | None = None,
+        context_input_ids: torch.LongTensor | None = None,
+        context_attention_mask: torch.Tensor | None = None,
+        **kwargs,
+    ):
+        """``GenerationMixin.generate`` conditioned on nuggets (or on a context compressed here first).
+
+        Greedy, sampling and beam search work; the returned sequences start with `input_ids` (the prompt). Without
+        nuggets: the plain Llama with θ, or the autoregressive mode when ``config.recent_window`` is set.
+        """
+        if context_input_ids is not None:
+            if nuggets is not None:
+                raise ValueError("Pass either `nuggets` or `context_input_ids` (compressed here), not both.")
+            nuggets = self.compress(context_input_ids, context_attention_mask)
+        if kwargs.get("inputs_embeds") is not None:
+            raise ValueError("`inputs_embeds` are not supported by Dodo's generate(); pass `input_ids`.")
+        if nuggets is not None:
+            self._check_nuggets(nuggets, input_ids.shape[0] if input_ids is not None else None)
+            kwargs["nuggets"] = nuggets
+        return super().generate(input_ids, **kwargs)
+
+    def prepare_inputs_for_generation(
+        self,
+        input_ids: torch.LongTensor,
+        past_key_values: Cache | None = None,
+        attention_mask: torch.Tensor | None = None,
+        nuggets: DodoNuggets | None = None,
+        use_cache: bool | None = None,
+        **kwargs,
+    ):
+        """Slice by the tokens the cache has *seen* (not by its length, which counts nugget and soft-prompt slots) and
+        pass explicit decoder positions ``k_b + soft + index among real tokens`` (hf-integration §1.4)."""
+        batch = input_ids.shape[0]
+        if attention_mask is None:  # generate drops an all-ones mask
+            attention_mask = torch.ones_like(input_ids)
+        cache = past_key_values if isinstance(past_key_values, DodoCache) and past_key_values.started else None
+        seen = cache.seen_tokens if cache is not None else 0
+        new_ids = input_ids[:, seen:]
+        if nuggets is not None and nuggets.batch_size != batch:  # beams / num_return_sequences expanded the prompt
+            self._check_nuggets(nuggets, batch, allow_multiple=True)
+            nuggets = nuggets.repeat_interleave(batch // nuggets.batch_size)
+
+        position_ids = None
+        autoregressive = (cache is not None and cache.autoregressive) or (
+            cache is None and nuggets is None and self.config.recent_window is not None
+        )
+        if not autoregressive:
+            if cache is not None:
+                nuggets_per_row, soft = cache.nuggets_per_row(batch, input_ids.device), cache.soft_prompt_length
+            elif nuggets is not None:
+                nuggets_per_row, soft = nuggets.num_nuggets, (self.soft_prompt.weight.shape[0] if self.soft_prompt is not None else 0)
+            else:
+                nuggets_per_row, soft = torch.zeros(batch, dtype=torch.long, device=input_ids.device), 0
+            decoder_mask = torch.cat([attention_mask.new_ones(batch, soft), attention_mask], dim=1)
+            position_ids = token_positions(decoder_mask, nuggets_per_row)[:, -new_ids.shape[1]:]
+
+        model_inputs = {
+            "input_ids": new_ids,
+            "attention_mask": attention_mask,
+            "position_ids": position_ids,
+            "past_key_values": past_key_values,
+            "nuggets": nuggets,
+            "use_cache": use_cache,
+        }
+        dropped = {"position_ids", "next_sequence_length", "is_first_iteration", "labels", "inputs_embeds", "cache_position"}
+        for key, value in kwargs.items():
+            if key not in model_inputs and key not in dropped:
+                model_inputs[key] = value
+        return model_inputs
+
+    # -----------------------------------------------------------------------------------------------------------------
+    # Summarization pipeline protocol and PEFT export
+    # -----------------------------------------------------------------------------------------------------------------
+
+    def prepare_summarization_inputs(
+        self, tokenizer, documents: list[str], max_input_length: int | None = None
+    ) -> tuple[dict[str, torch.Tensor], list[int]]:
+        """``generate()`` keyword arguments for the paper's summarization prompt (Appendix D.3).
+
+        Each context is ``BOS + "[INST]\\n" + document`` (compressed into nuggets); the decoder prompt
+        ``"\\nPlease summarize the above document in one sentence.\\n[/INST]"`` is `input_ids`, so `generate` returns the
+        prompt followed by the summary. ``max_input_length`` caps the context tokens; the number of document tokens
+        dropped per document is returned (never truncated silently).
+        """
+        if isinstance(documents, str):
+            documents = [documents]
+        if not documents:
+            raise ValueError("`documents` must hold at least one document, got an empty list.")
+        bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+        prefix = bos + tokenizer(SUMMARIZATION_CONTEXT_PREFIX, add_special_tokens=False)["input_ids"]
+        prompt = tokenizer(SUMMARIZATION_PROMPT, add_special_tokens=False)["input_ids"]
+        if max_input_length is not None and max_input_length <= len(prefix):
+            raise ValueError(
+                f"`max_input_length` must leave room for the document after the {len(prefix)} prefix tokens, got "
+                f"{max_input_length}."
+            )
+        contexts, dropped = [], []
+        for document in documents:
+            if not isinstance(document, str) or not document.strip():
+                raise ValueError(f"Every document must be a non-empty string, got {document!r}.")
+            ids = tokenizer(document, add_special_tokens=False)["input_ids"]
+            keep = len(ids) if max_input_length is None else min(len(ids), max_input_length - len(prefix))
+            dropped.append(len(ids) - keep)
+            contexts.append(prefix + ids[:keep])
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        width = max(len(ids) for ids in contexts)
+        context_ids = torch.full((len(contexts), width), pad, dtype=torch.long)
+        context_mask = torch.zeros((len(contexts), width), dtype=torch.long)
+        for row, ids in enumerate(contexts):  # right padding, the authors' layout
+            context_ids[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+            context_mask[row, : len(ids)] = 1
+        prompt_ids = torch.tensor([prompt] * len(contexts), dtype=torch.long)
+        inputs = {
+            "input_ids": prompt_ids,
+            "attention_mask": torch.ones_like(prompt_ids),
+            "context_input_ids": context_ids,
+            "context_attention_mask": context_mask,
+        }
+        return inputs, dropped
+
+    def export_peft_adapters(self, save_directory: str | os.PathLike, base_model_name_or_path: str | None = None) -> list[Path]:
+        """Write each adapter as a standard PEFT folder (``save_directory/<adapter name>/adapter_config.json`` +
+        ``adapter_model.safetensors``) that ``PeftModel.from_pretrained(llama, folder, adapter_name=...)`` loads, plus
+        ``scorer.pt`` (the authors' ``load_scorer`` format: a plain state dict) and ``soft_prompt.safetensors``."""
+        from safetensors.torch import save_file
+
+        save_directory = Path(save_directory)
+        save_directory.mkdir(parents=True, exist_ok=True)
+        state_dict = self.state_dict()
+        written = []
+        for name in self.config.adapter_names:
+            tensors = {}
+            for key, tensor in state_dict.items():
+                for part in ("lora_A", "lora_B"):
+                    marker = f".{part}.{name}.weight"
+                    if key.endswith(marker):
+                        tensors["base_model.model." + key[: -len(marker)] + f".{part}.weight"] = tensor.detach().cpu().contiguous()
+            folder = save_directory / name
+            LoraConfig(
+                r=self.config.lora_r,
+                lora_alpha=self.config.lora_alpha,
+                lora_dropout=self.config.lora_dropout,
+                target_modules=self.config.lora_target_regex,
+                bias="none",
+                task_type="CAUSAL_LM",
+                base_model_name_or_path=base_model_name_or_path,
+            ).save_pretrained(str(folder))
+            save_file(tensors, str(folder / "adapter_model.safetensors"), metadata={"format": "pt"})
+            written.append(folder)
+        scorer = {key: tensor.detach().cpu().clone() for key, tensor in self.nugget_scorer.state_dict().items()}
+        torch.save(scorer, save_directory / "scorer.pt")
+        written.append(save_directory / "scorer.pt")
+        if self.soft_prompt is not None:
+            save_file({"soft_prompt.weight": self.soft_prompt.weight.detach().cpu().contiguous()}, str(save_directory / "soft_prompt.safetensors"))
+            written.append(save_directory / "soft_prompt.safetensors")
+        return written
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Training data
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+class DodoDataCollator:
+    """Batches (context, target) pairs for compressor-mode training with ``Trainer`` (paper §2.3, spec §3.7).
+
+    Each feature is a dict with ``context_input_ids`` (list of ids, BOS first as the authors do) and, for text
+    continuation, ``input_ids`` (the target). Without ``input_ids`` the target is the context itself (autoencoding).
+    An optional ``prompt_length`` (the authors' ``skip``) excludes the first target tokens from the loss. Both sides are
+    right-padded; ``labels`` are the targets with -100 at padding and prompt positions.
+    """
+
+    def __init__(self, pad_token_id: int = 0, label_pad_token_id: int = -100):
+        self.pad_token_id = pad_token_id
+        self.label_pad_token_id = label_pad_token_id
+
+    def _pad(self, sequences: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        width = max(len(sequence) for sequence in sequences)
+        ids = torch.full((len(sequences), width), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(sequences), width), dtype=torch.long)
+        for row, sequence in enumerate(sequences):
+            ids[row, : len(sequence)] = torch.as_tensor(sequence, dtype=torch.long)
+            mask[row, : len(sequence)] = 1
+        return ids, mask
+
+    def __call__(self, features: list[dict]) -> dict[str, torch.Tensor]:
+        if not features:
+            raise ValueError("DodoDataCollator got an empty batch.")
+        contexts, targets, prompt_lengths = [], [], []
+        for index, feature in enumerate(features):
+            context = list(feature.get("context_input_ids") or [])
+            target = list(feature["input_ids"]) if feature.get("input_ids") is not None else context
+            if not context or not target:
+                raise ValueError(f"Feature {index} needs a non-empty `context_input_ids` (and `input_ids` if given).")
+            contexts.append(context)
+            targets.append(target)
+            prompt_lengths.append(int(feature.get("prompt_length", 0)))
+        context_ids, context_mask = self._pad(contexts)
+        input_ids, attention_mask = self._pad(targets)
+        labels = input_ids.masked_fill(attention_mask == 0, self.label_pad_token_id)
+        for row, skip in enumerate(prompt_lengths):
+            labels[row, :skip] = self.label_pad_token_id
+        return {
+            "context_input_ids": context_ids,
+            "context_attention_mask": context_mask,
+            "input_ids": input_ids,
+            "attention_mask": attention_mask,
+            "labels": labels,
+        }
+
+
+__all__ = ["DodoCache", "DodoDataCollator", "DodoLlamaForCausalLM", "DodoLlamaModel", "DodoNuggets", "DodoLlamaPreTrainedModel"]
