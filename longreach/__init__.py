@@ -8,7 +8,9 @@ on import.
 from transformers import AutoConfig, AutoModel, AutoModelForSeq2SeqLM
 
 from .configuration.configuration_locost import LocostConfig
+from .configuration.configuration_vcc_t5 import VCCT5Config
 from .modeling.modeling_locost import LocostForConditionalGeneration, LocostModel
+from .modeling.modeling_vcc_t5 import VCCT5ForConditionalGeneration, VCCT5Model, prepare_vip_inputs
 
 __version__ = "0.1.0"
 
@@ -18,9 +20,14 @@ AutoModel.register(LocostConfig, LocostModel, exist_ok=True)
 AutoModelForSeq2SeqLM.register(LocostConfig, LocostForConditionalGeneration, exist_ok=True)
 
 # -- VCC-T5 --
+AutoConfig.register(VCCT5Config.model_type, VCCT5Config, exist_ok=True)
+AutoModel.register(VCCT5Config, VCCT5Model, exist_ok=True)
+AutoModelForSeq2SeqLM.register(VCCT5Config, VCCT5ForConditionalGeneration, exist_ok=True)
 
 # -- Dodo --
 
 # -- pipelines --
 
-__all__ = ["LocostConfig", "LocostModel", "LocostForConditionalGeneration", "__version__"]
+__all__ = ["LocostConfig", "LocostModel", "LocostForConditionalGeneration",
+           "VCCT5Config", "VCCT5Model", "VCCT5ForConditionalGeneration", "prepare_vip_inputs",
+           "__version__"]

@@ -1,0 +1,768 @@
+"""VCC-T5: a T5 whose encoder compresses everything but a few VIP tokens at every layer.
+
+Zeng et al., "VCC: Scaling Transformers to 128K Tokens or More by Prioritizing Important Tokens" (NeurIPS 2023), with
+the numerics of the authors' code (github.com/awslabs/vip-token-centric-compression; spec: shared/specs/vcc.md).
+Only the encoder changes; embeddings, decoder, LM head, loss and generation are T5 (``t5_blocks``), and VCC adds no
+parameters, so every T5 checkpoint loads as is. The encoder (spec §4):
+
+    x = dropout(embed(input_ids))
+    vanilla layers   : ordinary T5 layers on independent `segment_length`-token segments (global positions)
+    enter compression: zero padding; VIP tokens first (stable sort); the first `num_vip_slots` tokens stay
+                       uncompressed ("important" slots I); the rest is cut into n_b blocks of k tokens, stored as block
+                       means c and deltas D = c - fine (the paper's tree T(C) with two levels)
+    each VCC layer l : scores s = log(mean over VIP slots, heads of softmax_blocks(q(ln0 I) · k(ln0 c) + bias) + 1e-5)
+                       -> the top-h blocks are refined (tokens = c - D), the others stay means;
+                       X = [refined tokens ; block means ; I]  (r = h·k + n_b - h + NI tokens, positions travel along)
+                       a = Attn(ln0 X) with key terms log(σ + 1e-4) + log(dups + 1e-4);  f = FF(ln1(a + X))
+                       X = (f + a)·σ + X;  write back: refined blocks get new means and deltas, the others new means
+                       (all tokens of an unrefined block receive its mean's update, paper eq. 17/18)
+    leave            : fine = (c - D)·mask, put back in the input order -> final RMSNorm -> dropout
+
+σ ("state scores") is a straight-through device of the original: 1 in the forward pass (up to one ulp), but its
+gradient is the gradient of the selection probabilities, the only path by which training reaches the selection.
+
+Inputs of any length are padded internally to the smallest length the original accepts and cropped back; padded
+positions of the encoder output are exactly 0. The mask constant is the original's finite -1000 (a fully padded
+segment then gets uniform, finite attention instead of NaN).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers import BatchEncoding
+from transformers import initialization as init
+from transformers.cache_utils import Cache
+from transformers.generation import GenerationMixin
+from transformers.modeling_outputs import BaseModelOutput, Seq2SeqLMOutput, Seq2SeqModelOutput
+from transformers.modeling_utils import PreTrainedModel
+from transformers.utils import ModelOutput, logging
+
+from ..configuration.configuration_vcc_t5 import VCCT5Config
+from .input_checks import check_mask, check_token_ids, describe
+from .remote_code import HubReadyMixin
+from .t5_blocks import T5Block, T5DecoderStack, T5LayerNorm, T5Seq2SeqLMMixin, init_t5_module
+
+logger = logging.get_logger(__name__)
+
+#: The original's additive key-mask constant (spec §4.2). Finite on purpose: see the module docstring.
+MASK_VALUE = -1000.0
+#: Tokens per chunk of segments in the vanilla layers (bounds the [segments, heads, S, S] attention tensors).
+VANILLA_TOKENS_PER_CHUNK = 8192
+#: The original collators' separator between the query (the VIP tokens) and the context.
+QUERY_SEPARATOR = "\n\n\n"
+#: The original's query for plain summarization (no colon).
+SUMMARIZATION_QUERY = "summarize"
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Outputs
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class VCCT5CompressionInfo(ModelOutput):
+    r"""
+    What the VCC layers did (returned with `output_compression_info=True`). Blocks are numbered 0..n_b-1 in the order
+    of the compressible part: the input order with the `num_vip_slots` uncompressed tokens taken out. Positions refer
+    to the internally padded input of length `padded_length` (>= the input length).
+
+    vip_sort_order (`torch.LongTensor` of shape `(batch, padded_length)`):
+        stable descending sort of the VIP mask: entries `[:num_vip_slots]` are the uncompressed slots, entries
+        `[num_vip_slots + b*k : num_vip_slots + (b+1)*k]` the tokens of block b.
+    coarse_token_positions (`torch.LongTensor` of shape `(batch, n_b)`):
+        position of each block mean (round half to even of the mean of its k positions).
+    coarse_token_mask (`torch.FloatTensor` of shape `(batch, n_b)`): 1 where a block holds at least one real token.
+    selection_scores (`tuple` of `torch.FloatTensor` of shape `(batch, n_b)`, one per VCC layer):
+        block scores `log(mean over VIP slots(mean over heads(attention probabilities)) + 1e-5)`, in block order.
+        Differentiable: the loss reaches them through the state scores σ.
+    fine_block_indices (`tuple` of `torch.LongTensor` of shape `(batch, num_refined_blocks)`, one per VCC layer):
+        the refined blocks, best score first (a random set for rows that explored, see `explored`).
+    coarse_block_indices (`tuple` of `torch.LongTensor` of shape `(batch, n_b - num_refined_blocks)`):
+        the other blocks, in ranking order (ties, e.g. fully padded blocks, in block order).
+    explored (`tuple` of `torch.BoolTensor` of shape `(batch,)`): rows that refined random blocks (training only).
+    compressed_hidden_states (`tuple` of `torch.FloatTensor` of shape `(batch, r, d_model)`):
+        output of each VCC layer on its compressed sequence, laid out as [refined tokens (blocks in
+        `fine_block_indices` order, k tokens each), block means (in `coarse_block_indices` order), the
+        `num_vip_slots` uncompressed tokens (in `vip_sort_order` order)].
+    padded_length (`int`): the internal length the input was padded to.
+    """
+
+    vip_sort_order: torch.LongTensor | None = None
+    coarse_token_positions: torch.LongTensor | None = None
+    coarse_token_mask: torch.FloatTensor | None = None
+    selection_scores: tuple[torch.FloatTensor, ...] | None = None
+    fine_block_indices: tuple[torch.LongTensor, ...] | None = None
+    coarse_block_indices: tuple[torch.LongTensor, ...] | None = None
+    explored: tuple[torch.BoolTensor, ...] | None = None
+    compressed_hidden_states: tuple[torch.FloatTensor, ...] | None = None
+    padded_length: int | None = None
+
+
+@dataclass
+class VCCT5EncoderOutput(BaseModelOutput):
+    r"""
+    `BaseModelOutput` of the VCC encoder (full length, input order) plus, on request, `compression_info`
+    ([`VCCT5CompressionInfo`]). `hidden_states` (with `output_hidden_states`) are full-length: the embedding output,
+    then the output of every layer (VCC layers decompressed), the last one after the final norm. `attentions` is
+    always None.
+    """
+
+    compression_info: VCCT5CompressionInfo | None = None
+
+
+@dataclass
+class VCCT5Seq2SeqModelOutput(Seq2SeqModelOutput):
+    r"""`Seq2SeqModelOutput` plus the encoder's `encoder_compression_info` ([`VCCT5CompressionInfo`]) on request."""
+
+    encoder_compression_info: VCCT5CompressionInfo | None = None
+
+
+@dataclass
+class VCCT5Seq2SeqLMOutput(Seq2SeqLMOutput):
+    r"""`Seq2SeqLMOutput` plus the encoder's `encoder_compression_info` ([`VCCT5CompressionInfo`]) on request."""
+
+    encoder_compression_info: VCCT5CompressionInfo | None = None
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The encoder layer: a T5 block that also runs on a compressed sequence
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+class VCCT5EncoderBlock(T5Block):
+    """T5's encoder block (same modules, same parameter names) with the VCC residual form (spec §4.5e).
+
+    Without `state_scores` it is the ordinary T5 block. With them (shape `[batch, r]`), on a compressed sequence:
+
+        a = dropout(Attn(ln0(X)));   f = dropout(FF(ln1(a + X)));   X = (f + a)·σ + X
+
+    which equals the T5 block when σ = 1. The VCC layers apply no dropout to attention probabilities (the encoder
+    sets their `SelfAttention.dropout` to 0).
+    """
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_bias: torch.Tensor | None = None,
+        state_scores: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        if state_scores is None:
+            return super().forward(hidden_states, attention_bias)[0]
+        attention_layer, feed_forward_layer = self.layer[0], self.layer[-1]
+        attended, _ = attention_layer.SelfAttention(attention_layer.layer_norm(hidden_states), attention_bias)
+        attended = attention_layer.dropout(attended)
+        transformed = feed_forward_layer.DenseReluDense(feed_forward_layer.layer_norm(attended + hidden_states))
+        transformed = feed_forward_layer.dropout(transformed)
+        return (transformed + attended) * state_scores[..., None].to(hidden_states.dtype) + hidden_states
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Compression helpers (spec §4.4-4.6). Shapes: B batch, n blocks, k block size, d hidden size.
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def _expand_index(index: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """`index [B, m]` broadcast to `[B, m, *like.shape[2:]]` for gather/scatter along dim 1."""
+    trailing = like.shape[2:]
+    return index.view(*index.shape, *([1] * len(trailing))).expand(*index.shape, *trailing)
+
+
+def gather_blocks(tensor: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """`tensor[b, index[b, j], ...]` for `tensor [B, n, ...]` and `index [B, m]`."""
+    return tensor.gather(1, _expand_index(index, tensor))
+
+
+def scatter_blocks(tensor: torch.Tensor, index: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """Out-of-place `tensor[b, index[b, j], ...] = values[b, j, ...]`."""
+    return tensor.scatter(1, _expand_index(index, values), values)
+
+
+def coarsen(fine: torch.Tensor, fine_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block means and deltas of `fine [B, n, k, d]` (spec §4.4 steps 5 and 7).
+
+    `mean = sum(fine·mask) / (count + 1e-4)` (summed in float32; note the +1e-4 of the original) and
+    `delta = mean - fine·mask`, so that every token is `mean - delta` (the paper's Δc, parent minus child).
+    """
+    fine = fine * fine_mask[..., None].to(fine.dtype)
+    count = fine_mask.float().sum(-1)
+    mean = (fine.float().sum(-2) / (count[..., None] + 1e-4)).to(fine.dtype)
+    return mean, mean[:, :, None] - fine
+
+
+def decompress(
+    important: torch.Tensor, means: torch.Tensor, deltas: torch.Tensor, fine_mask: torch.Tensor, order: torch.Tensor
+) -> torch.Tensor:
+    """Full-length states in the input order (spec §4.6): `(mean - delta)·mask` for the blocks, the important slots
+    unmasked, then the VIP-first permutation undone."""
+    batch, _, _, hidden = deltas.shape
+    fine = (means[:, :, None] - deltas) * fine_mask[..., None].to(deltas.dtype)
+    sorted_states = torch.cat([important, fine.reshape(batch, -1, hidden)], dim=1)
+    return sorted_states.gather(1, _expand_index(torch.argsort(order, dim=1), sorted_states))
+
+
+def _split_heads(states: torch.Tensor, num_heads: int) -> torch.Tensor:
+    batch, length, _ = states.shape
+    return states.view(batch, length, num_heads, -1).transpose(1, 2)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Encoder
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+class VCCT5Encoder(nn.Module):
+    """Embedding -> vanilla T5 layers on segments -> VCC layers -> final RMSNorm -> dropout, full length.
+
+    `encoder.block.{i}` are T5 blocks with T5's parameter names; block 0 owns the one relative-attention-bias table
+    that every encoder layer uses (as in T5).
+    """
+
+    main_input_name = "input_ids"
+
+    def __init__(self, config: VCCT5Config, embed_tokens: nn.Embedding):
+        super().__init__()
+        self.config = config
+        self.embed_tokens = embed_tokens
+        self.block = nn.ModuleList(
+            [VCCT5EncoderBlock(config, has_relative_attention_bias=(i == 0), layer_idx=i) for i in range(config.num_layers)]
+        )
+        for block in self.block[config.num_vanilla_layers:]:
+            block.layer[0].SelfAttention.dropout = 0.0  # spec §5: no attention-probability dropout in VCC layers
+        self.final_layer_norm = T5LayerNorm(config.d_model, eps=config.layer_norm_epsilon)
+        self.dropout = nn.Dropout(config.dropout_rate)
+
+    def relative_bias(self, query_positions: torch.Tensor, key_positions: torch.Tensor) -> torch.Tensor:
+        """T5's bidirectional relative position bias from the shared table, `[B or 1, heads, Lq, Lk]`."""
+        return self.block[0].layer[0].SelfAttention.compute_bias(query_positions, key_positions)
+
+    # -----------------------------------------------------------------------------------------------------------------
+    # Inputs
+    # -----------------------------------------------------------------------------------------------------------------
+
+    def resolve_vip_mask(self, vip_mask: torch.Tensor | None, attention_mask: torch.Tensor) -> torch.Tensor:
+        """The VIP mask actually used, as a `[B, L]` long tensor of 0/1.
+
+        VIPs on padding are dropped. A row without any VIP (and every row when `vip_mask` is None) marks its first
+        `num_vip_slots` real tokens as VIPs: they fill exactly the uncompressed slots and all of them vote, i.e. the
+        beginning of the input (a task prefix, the query of `prepare_vip_inputs`) steers the selection. The
+        original has no default and an undefined selection for such rows.
+        """
+        first_tokens = (attention_mask > 0) & (attention_mask.cumsum(dim=1) <= self.config.num_vip_slots)
+        if vip_mask is None:
+            logger.warning_once(
+                "VCC-T5: no `vip_mask` given; the first `num_vip_slots` (%d) tokens of every row are used as VIP tokens. "
+                "Pass `vip_mask` (1 = VIP, e.g. the query; see `prepare_vip_inputs`) to choose them.",
+                self.config.num_vip_slots,
+            )
+            return first_tokens.long()
+        vip = (vip_mask != 0) & (attention_mask > 0)
+        empty_rows = ~vip.any(dim=1)
+        if bool(empty_rows.any()):
+            logger.warning_once(
+                "VCC-T5: some rows of `vip_mask` mark no real token; their first `num_vip_slots` tokens are used as "
+                "VIP tokens."
+            )
+            vip = torch.where(empty_rows[:, None], first_tokens, vip)
+        return vip.long()
+
+    @staticmethod
+    def check_vip_mask(vip_mask: torch.Tensor | None, like: torch.Tensor) -> None:
+        if vip_mask is None:
+            return
+        check_mask("vip_mask", vip_mask, "input_ids", like)
+        if vip_mask.dtype.is_complex or bool(((vip_mask != 0) & (vip_mask != 1)).any()):
+            raise ValueError(f"`vip_mask` must hold only 0 and 1 (1 = VIP token), got {describe(vip_mask)} with other values.")
+
+    # -----------------------------------------------------------------------------------------------------------------
+    # Forward
+    # -----------------------------------------------------------------------------------------------------------------
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        vip_mask: torch.Tensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        output_attentions: bool | None = None,
+        output_hidden_states: bool | None = None,
+        output_compression_info: bool | None = None,
+        return_dict: bool | None = None,
+        **kwargs,
+    ) -> VCCT5EncoderOutput:
+        r"""
+        input_ids (`torch.LongTensor` of shape `(batch, length)`): the input, right-padded; any length.
+        attention_mask (`torch.Tensor` of shape `(batch, length)`): 1 for real tokens, 0 for padding.
+        vip_mask (`torch.Tensor` of shape `(batch, length)`): 1 for VIP tokens (the original's
+            `encoder_input_important_mask`). Default and rows without VIP: see [`VCCT5Encoder.resolve_vip_mask`].
+        output_compression_info (`bool`): also return [`VCCT5CompressionInfo`].
+        """
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("Pass exactly one of `input_ids` and `inputs_embeds` to the VCC-T5 encoder.")
+        check_token_ids("input_ids", input_ids)
+        if inputs_embeds is not None and (inputs_embeds.dim() != 3 or inputs_embeds.shape[1] == 0):
+            raise ValueError(
+                f"`inputs_embeds` must have shape [batch, length > 0, d_model], got {tuple(inputs_embeds.shape)}."
+            )
+        like = input_ids if input_ids is not None else inputs_embeds
+        check_mask("attention_mask", attention_mask, "input_ids", like)
+        self.check_vip_mask(vip_mask, like)
+        batch, length = like.shape[:2]
+        device = like.device
+        if attention_mask is None:
+            attention_mask = torch.ones(batch, length, dtype=torch.long, device=device)
+        attention_mask = (attention_mask > 0).long()
+        vip = self.resolve_vip_mask(vip_mask, attention_mask) if self.config.num_vcc_layers else attention_mask * 0
+
+        # Pad to the smallest length the original accepts (spec §2); real outputs do not depend on it.
+        padded_length = self.config.padded_length(length)
+        extra = padded_length - length
+        if inputs_embeds is None:
+            pad_id = self.config.pad_token_id if self.config.pad_token_id is not None else 0
+            input_ids = nn.functional.pad(input_ids, (0, extra), value=pad_id)
+            inputs_embeds = self.embed_tokens(input_ids)
+        else:
+            inputs_embeds = nn.functional.pad(inputs_embeds, (0, 0, 0, extra))
+        mask = nn.functional.pad(attention_mask, (0, extra))
+        vip = nn.functional.pad(vip, (0, extra))
+
+        hidden_states = self.dropout(inputs_embeds)
+        all_hidden = [hidden_states[:, :length]] if output_hidden_states else None
+        if self.config.num_vanilla_layers:
+            hidden_states = self._vanilla_layers(hidden_states, mask, all_hidden, length)
+        info = None
+        if self.config.num_vcc_layers:
+            hidden_states, info = self._vcc_layers(hidden_states, mask, vip, all_hidden, length, output_compression_info)
+        hidden_states = self.dropout(self.final_layer_norm(hidden_states))
+        # Crop back and zero padding (the original's output is 0 there; only uncompressed slots could differ).
+        hidden_states = hidden_states[:, :length] * attention_mask[..., None].to(hidden_states.dtype)
+        if all_hidden is not None:
+            all_hidden[-1] = hidden_states
+        return VCCT5EncoderOutput(
+            last_hidden_state=hidden_states,
+            hidden_states=tuple(all_hidden) if all_hidden is not None else None,
+            compression_info=info,
+        )
+
+    def _vanilla_layers(self, hidden_states, mask, all_hidden, length) -> torch.Tensor:
+        """Ordinary T5 layers on independent segments (spec §4.3). Positions are global, but the relative bias only
+        depends on differences, so one `[1, heads, S, S]` bias serves every segment; segments are processed in
+        chunks to bound the attention tensors."""
+        batch, padded_length, hidden = hidden_states.shape
+        segment = self.config.segment_length if self.config.uses_segments() else padded_length
+        segments = hidden_states.reshape(-1, segment, hidden)
+        segment_mask = mask.reshape(-1, segment)
+        positions = torch.arange(segment, device=hidden_states.device)
+        position_bias = self.relative_bias(positions, positions)
+        key_bias = MASK_VALUE * (1.0 - segment_mask[:, None, None, :].float())
+        chunk = max(1, VANILLA_TOKENS_PER_CHUNK // segment)
+        for block in self.block[: self.config.num_vanilla_layers]:
+            outputs = [
+                block(segments[start : start + chunk], position_bias + key_bias[start : start + chunk])
+                for start in range(0, segments.shape[0], chunk)
+            ]
+            segments = torch.cat(outputs, dim=0) if len(outputs) > 1 else outputs[0]
+            if all_hidden is not None:
+                all_hidden.append(segments.reshape(batch, padded_length, hidden)[:, :length])
+        return segments.reshape(batch, padded_length, hidden)
+
+    def _block_scores(self, block, important, important_positions, important_vip, means, mean_positions, mean_mask):
+        """Selection scores of VCC layer `block` (spec §4.5b): the layer's own ln0, q, k and the shared relative bias
+        with the VIP slots as queries and the block means as keys, no scale correction; softmax over blocks, mean over
+        heads, VIP-masked mean over the slots (divides by the slot count), `log(· + 1e-5)`. All in float32."""
+        attention_layer = block.layer[0]
+        attention = attention_layer.SelfAttention
+        queries = _split_heads(attention.q(attention_layer.layer_norm(important)), attention.n_heads).float()
+        keys = _split_heads(attention.k(attention_layer.layer_norm(means)), attention.n_heads).float()
+        bias = self.relative_bias(important_positions, mean_positions).float() + (
+            MASK_VALUE * (1.0 - mean_mask[:, None, None, :])
+        )
+        probabilities = torch.softmax(torch.matmul(queries, keys.transpose(-1, -2)) + bias, dim=-1)
+        votes = probabilities.mean(dim=1) * important_vip[:, :, None].float()  # [B, NI, n_b]
+        return torch.log(votes.mean(dim=1) + 1e-5)
+
+    def _rank_blocks(self, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Blocks by descending score (ties in block order); in training, rows explore a random order with
+        probability `exploration_probability` (spec §4.5b)."""
+        ranking = torch.argsort(scores, dim=1, descending=True, stable=True)
+        explored = torch.zeros(scores.shape[0], dtype=torch.bool, device=scores.device)
+        if self.training and self.config.exploration_probability > 0:
+            explored = torch.rand(scores.shape[0], device=scores.device) < self.config.exploration_probability
+            random_order = torch.argsort(torch.rand(scores.shape, device=scores.device), dim=1)
+            ranking = torch.where(explored[:, None], random_order, ranking)
+        return ranking, explored
+
+    def _vcc_layers(self, hidden_states, mask, vip, all_hidden, length, output_compression_info):
+        config = self.config
+        batch, padded_length, hidden = hidden_states.shape
+        slots, k, num_refined = config.num_vip_slots, config.block_size, config.num_refined_blocks
+        num_blocks = config.compression_sizes(padded_length)["num_blocks"]
+        num_coarse = num_blocks - num_refined
+
+        # Enter compression (spec §4.4): zero padding, VIP tokens first, important slots + blocks of k.
+        hidden_states = hidden_states * mask[..., None].to(hidden_states.dtype)
+        order = torch.sort(vip, dim=1, descending=True, stable=True).indices  # = the sorted tokens' positions
+        sorted_states = hidden_states.gather(1, _expand_index(order, hidden_states))
+        sorted_mask = mask.gather(1, order).float()
+        important, important_mask = sorted_states[:, :slots], sorted_mask[:, :slots]
+        important_positions, important_vip = order[:, :slots], vip.gather(1, order[:, :slots])
+        fine_mask = sorted_mask[:, slots:].reshape(batch, num_blocks, k)
+        fine_positions = order[:, slots:].reshape(batch, num_blocks, k)
+        means, deltas = coarsen(sorted_states[:, slots:].reshape(batch, num_blocks, k, hidden), fine_mask)
+        mean_mask = (fine_mask.sum(-1) > 0).float()
+        mean_positions = torch.round(fine_positions.float().mean(-1)).long()  # round half to even, as torch.round
+
+        duplicates = torch.cat([
+            torch.ones(batch, num_refined * k), torch.full((batch, num_coarse), float(k)), torch.ones(batch, slots)
+        ], dim=1).to(hidden_states.device)
+        log_duplicates = torch.log(duplicates + 1e-4) if config.scale_correction else None
+        ones_for_slots = torch.ones(batch, slots, device=hidden_states.device)
+        info = {name: [] for name in ("selection_scores", "fine_block_indices", "coarse_block_indices", "explored",
+                                      "compressed_hidden_states")}
+
+        for block in self.block[config.num_vanilla_layers:]:
+            # (b) Which blocks to refine, from this layer's attention of the VIP slots to the block means.
+            scores = self._block_scores(block, important, important_positions, important_vip, means, mean_positions,
+                                        mean_mask)
+            ranking, explored = self._rank_blocks(scores)
+            refined, coarse = ranking[:, :num_refined], ranking[:, num_refined:]
+            # (c) State scores: 1 in value, gradient of the selection probabilities (straight-through).
+            probabilities = torch.softmax(scores, dim=-1).gather(1, ranking)
+            refined_probability, coarse_complement = probabilities[:, :num_refined], 1 - probabilities[:, num_refined:]
+            refined_scores = 1 + refined_probability - refined_probability.detach()
+            coarse_scores = 1 + coarse_complement - coarse_complement.detach()
+            # (d) The compressed sequence [refined tokens; block means; important slots], positions travel along.
+            refined_mask = gather_blocks(fine_mask, refined)
+            refined_tokens = gather_blocks(means, refined)[:, :, None] - gather_blocks(deltas, refined)
+            compressed = torch.cat(
+                [refined_tokens.reshape(batch, -1, hidden), gather_blocks(means, coarse), important], dim=1
+            )
+            positions = torch.cat(
+                [gather_blocks(fine_positions, refined).reshape(batch, -1), gather_blocks(mean_positions, coarse),
+                 important_positions], dim=1,
+            )
+            key_mask = torch.cat(
+                [refined_mask.reshape(batch, -1), gather_blocks(mean_mask, coarse), important_mask], dim=1
+            )
+            state_scores = torch.cat([refined_scores.repeat_interleave(k, dim=1), coarse_scores, ones_for_slots], dim=1)
+            # (e) The unchanged T5 layer with the extra key terms log(σ + 1e-4) [+ log(dups + 1e-4)].
+            key_bias = MASK_VALUE * (1.0 - key_mask) + torch.log(state_scores + 1e-4)
+            if log_duplicates is not None:
+                key_bias = key_bias + log_duplicates
+            attention_bias = self.relative_bias(positions, positions) + key_bias[:, None, None, :]
+            compressed = block(compressed, attention_bias, state_scores)
+            # (f) + write back (spec §4.5a): refined blocks get new means and deltas, the others new means only.
+            new_refined = compressed[:, : num_refined * k].reshape(batch, num_refined, k, hidden)
+            new_coarse = compressed[:, num_refined * k : num_refined * k + num_coarse]
+            important = compressed[:, num_refined * k + num_coarse :]
+            refined_means, refined_deltas = coarsen(new_refined, refined_mask)
+            means = scatter_blocks(means, ranking, torch.cat([refined_means, new_coarse], dim=1))
+            deltas = scatter_blocks(deltas, refined, refined_deltas)
+
+            if all_hidden is not None:
+                all_hidden.append(decompress(important, means, deltas, fine_mask, order)[:, :length])
+            if output_compression_info:
+                for name, value in (("selection_scores", scores), ("fine_block_indices", refined),
+                                    ("coarse_block_indices", coarse), ("explored", explored),
+                                    ("compressed_hidden_states", compressed)):
+                    info[name].append(value)
+
+        hidden_states = decompress(important, means, deltas, fine_mask, order)  # spec §4.6
+        if not output_compression_info:
+            return hidden_states, None
+        return hidden_states, VCCT5CompressionInfo(
+            vip_sort_order=order,
+            coarse_token_positions=mean_positions,
+            coarse_token_mask=mean_mask,
+            padded_length=padded_length,
+            **{name: tuple(values) for name, values in info.items()},
+        )
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Tokenization helpers (the original collators' convention)
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def _encode_queries_and_contexts(tokenizer, queries, contexts, max_length=None, separator=QUERY_SEPARATOR,
+                                 pad_token_id=None) -> tuple[dict[str, torch.Tensor], list[int]]:
+    if isinstance(contexts, str):
+        contexts = [contexts]
+    contexts = list(contexts)
+    queries = [queries] * len(contexts) if isinstance(queries, str) else list(queries)
+    if len(queries) != len(contexts) or not contexts:
+        raise ValueError(
+            f"Pass one query per context (or one query string for all): got {len(queries)} queries for "
+            f"{len(contexts)} contexts."
+        )
+    if max_length is not None and (not isinstance(max_length, int) or max_length < 2):
+        raise ValueError(f"`max_length` must be an integer >= 2 or None, got {max_length!r}.")
+    texts = [query + separator + context for query, context in zip(queries, contexts)]
+    encoded = tokenizer(texts, add_special_tokens=True)["input_ids"]
+    # The original marks the first len(tokenizer(query).input_ids) positions, i.e. the query's tokens including its
+    # EOS: one context token beyond the query (spec §2). We keep that convention.
+    vip_counts = [len(ids) for ids in tokenizer(queries, add_special_tokens=True)["input_ids"]]
+    rows, dropped = [], []
+    for ids in encoded:
+        if max_length is not None and len(ids) > max_length:
+            dropped.append(len(ids) - max_length)
+            keep_last = tokenizer.eos_token_id is not None and ids[-1] == tokenizer.eos_token_id
+            ids = ids[: max_length - 1] + [ids[-1]] if keep_last else ids[:max_length]
+        else:
+            dropped.append(0)
+        rows.append(ids)
+    if pad_token_id is None:
+        pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    width = max(len(ids) for ids in rows)
+    input_ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
+    vip_mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for row, (ids, vip_count) in enumerate(zip(rows, vip_counts)):
+        input_ids[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+        attention_mask[row, : len(ids)] = 1
+        vip_mask[row, : min(vip_count, len(ids))] = 1
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "vip_mask": vip_mask}, dropped
+
+
+def prepare_vip_inputs(
+    tokenizer, queries: str | list[str], contexts: str | list[str], max_length: int | None = None,
+    separator: str = QUERY_SEPARATOR,
+) -> BatchEncoding:
+    """`input_ids`, `attention_mask` and `vip_mask` for VCC-T5, built as the original collators do.
+
+    Each input is `query + separator + context` (separator `"\\n\\n\\n"`), right-padded to the longest row (the model
+    pads internally to a valid length). The VIP tokens are the first `len(tokenizer(query).input_ids)` positions:
+    the query's tokens, and because that count includes the query's EOS, one more token, as in the original. With
+    `max_length`, longer inputs lose the end of their context (the final EOS is kept).
+
+    Args:
+        tokenizer: a T5-style tokenizer (appends EOS).
+        queries: the VIP text (a question, `"summarize"`); one string for all contexts or one per context.
+        contexts: the document(s).
+        max_length: maximum tokens per row, or None (no truncation).
+        separator: text between query and context.
+
+    Example:
+
+    ```python
+    >>> inputs = prepare_vip_inputs(tokenizer, "Who wrote it?", [long_document])
+    >>> answer_ids = model.generate(**inputs, max_new_tokens=32)
+    ```
+    """
+    encoding, _ = _encode_queries_and_contexts(tokenizer, queries, contexts, max_length, separator)
+    return BatchEncoding(encoding)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Models
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+class VCCT5PreTrainedModel(HubReadyMixin, PreTrainedModel):
+    config: VCCT5Config
+    config_class = VCCT5Config
+    base_model_prefix = "transformer"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["VCCT5EncoderBlock", "T5Block"]
+    _supports_sdpa = True
+    _supports_flash_attn = False
+    _supports_flex_attn = False
+    _hub_pipeline_auto_class = "AutoModelForSeq2SeqLM"
+    _hub_auto_classes = {"AutoModel": "VCCT5Model", "AutoModelForSeq2SeqLM": "VCCT5ForConditionalGeneration"}
+
+    @torch.no_grad()
+    def _init_weights(self, module: nn.Module) -> None:
+        """T5's initialisation; N(0, initializer_factor²) for the embedding and an untied head (as T5)."""
+        if init_t5_module(module, self.config, init):
+            return
+        if isinstance(module, (nn.Embedding, nn.Linear)):
+            init.normal_(module.weight, mean=0.0, std=self.config.initializer_factor)
+
+
+def _as_encoder_output(encoder_outputs) -> BaseModelOutput:
+    if isinstance(encoder_outputs, BaseModelOutput):
+        return encoder_outputs
+    return VCCT5EncoderOutput(
+        last_hidden_state=encoder_outputs[0],
+        hidden_states=encoder_outputs[1] if len(encoder_outputs) > 1 else None,
+    )
+
+
+class _VCCT5Seq2Seq(T5Seq2SeqLMMixin, VCCT5PreTrainedModel):
+    """Shared embedding, VCC encoder and T5 decoder; the public classes below add their outputs."""
+
+    _tied_weights_keys = {
+        "encoder.embed_tokens.weight": "shared.weight",
+        "decoder.embed_tokens.weight": "shared.weight",
+    }
+
+    def __init__(self, config: VCCT5Config):
+        super().__init__(config)
+        self.shared = nn.Embedding(config.vocab_size, config.d_model)
+        self.encoder = VCCT5Encoder(config, self.shared)
+        self.decoder = T5DecoderStack(config, self.shared)
+
+    def _encode(self, input_ids, attention_mask, vip_mask, inputs_embeds, encoder_outputs, output_hidden_states,
+                output_compression_info) -> BaseModelOutput:
+        if encoder_outputs is not None:
+            return _as_encoder_output(encoder_outputs)
+        if input_ids is None and inputs_embeds is None:
+            raise ValueError("Pass `input_ids`, `inputs_embeds` or precomputed `encoder_outputs`; got none.")
+        return self.encoder(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            vip_mask=vip_mask,
+            inputs_embeds=inputs_embeds,
+            output_hidden_states=output_hidden_states,
+            output_compression_info=output_compression_info,
+        )
+
+    def prepare_summarization_inputs(
+        self, tokenizer, documents: list[str], max_input_length: int | None = None
+    ) -> tuple[dict[str, torch.Tensor], list[int]]:
+        """`generate()` kwargs for plain summarization, the original's convention: `"summarize" + "\\n\\n\\n" +
+        document`, with the tokens of `"summarize"` (and its EOS count, spec §2) as VIP tokens. Returns the
+        kwargs (`input_ids`, `attention_mask`, `vip_mask`) and the number of tokens dropped per document because
+        of `max_input_length` (None: keep everything)."""
+        encoding, dropped = _encode_queries_and_contexts(
+            tokenizer, SUMMARIZATION_QUERY, list(documents), max_input_length, pad_token_id=self.config.pad_token_id
+        )
+        return {name: tensor.to(self.device) for name, tensor in encoding.items()}, dropped
+
+
+class VCCT5Model(_VCCT5Seq2Seq):
+    """VCC-T5 without the LM head: returns the decoder's last hidden state (like `T5Model`)."""
+
+    def __init__(self, config: VCCT5Config):
+        super().__init__(config)
+        self.post_init()
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        vip_mask: torch.Tensor | None = None,
+        decoder_input_ids: torch.LongTensor | None = None,
+        decoder_attention_mask: torch.Tensor | None = None,
+        encoder_outputs: BaseModelOutput | tuple | None = None,
+        past_key_values: Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        decoder_inputs_embeds: torch.Tensor | None = None,
+        use_cache: bool | None = None,
+        output_attentions: bool | None = None,
+        output_hidden_states: bool | None = None,
+        output_compression_info: bool | None = None,
+        return_dict: bool | None = None,
+        **kwargs,
+    ) -> VCCT5Seq2SeqModelOutput:
+        r"""Arguments as [`VCCT5ForConditionalGeneration.forward`] without `labels`."""
+        output_hidden_states = bool(output_hidden_states if output_hidden_states is not None
+                                    else self.config.output_hidden_states)
+        check_token_ids("decoder_input_ids", decoder_input_ids)
+        encoder_outputs = self._encode(input_ids, attention_mask, vip_mask, inputs_embeds, encoder_outputs,
+                                       output_hidden_states, output_compression_info)
+        if decoder_input_ids is None and decoder_inputs_embeds is None:
+            raise ValueError("Pass `decoder_input_ids` or `decoder_inputs_embeds` to `VCCT5Model`; got neither.")
+        decoder_outputs = self.decoder(
+            input_ids=decoder_input_ids,
+            attention_mask=decoder_attention_mask,
+            encoder_hidden_states=encoder_outputs.last_hidden_state,
+            encoder_attention_mask=attention_mask,
+            inputs_embeds=decoder_inputs_embeds,
+            past_key_values=past_key_values,
+            use_cache=bool(use_cache if use_cache is not None else self.config.use_cache),
+            output_attentions=bool(output_attentions),
+            output_hidden_states=output_hidden_states,
+        )
+        return VCCT5Seq2SeqModelOutput(
+            last_hidden_state=decoder_outputs.last_hidden_state,
+            past_key_values=decoder_outputs.past_key_values,
+            decoder_hidden_states=decoder_outputs.hidden_states,
+            decoder_attentions=decoder_outputs.attentions,
+            cross_attentions=decoder_outputs.cross_attentions,
+            encoder_last_hidden_state=encoder_outputs.last_hidden_state,
+            encoder_hidden_states=encoder_outputs.hidden_states,
+            encoder_compression_info=getattr(encoder_outputs, "compression_info", None),
+        )
+
+
+class VCCT5ForConditionalGeneration(_VCCT5Seq2Seq, GenerationMixin):
+    """VCC-T5 with the (tied) LM head: question answering and summarization over very long inputs, `generate()`,
+    training with `labels`.
+
+    Example:
+
+    ```python
+    >>> import torch, longreach
+    >>> from longreach import VCCT5Config, VCCT5ForConditionalGeneration
+    >>> config = VCCT5Config(vocab_size=128, d_model=64, d_kv=16, d_ff=128, num_layers=4, num_heads=4,
+    ...                      num_vanilla_layers=1, segment_length=128, num_vip_slots=16, block_size=8,
+    ...                      num_refined_blocks=8)
+    >>> model = VCCT5ForConditionalGeneration(config)
+    >>> ids = torch.randint(2, 128, (1, 5000))                     # a long input
+    >>> vip_mask = torch.zeros_like(ids); vip_mask[:, :6] = 1      # the question at its start
+    >>> answer_ids = model.generate(ids, vip_mask=vip_mask, max_new_tokens=20, num_beams=2)
+    ```
+    """
+
+    _tied_weights_keys = {**_VCCT5Seq2Seq._tied_weights_keys, "lm_head.weight": "shared.weight"}
+
+    def __init__(self, config: VCCT5Config):
+        super().__init__(config)
+        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        self.post_init()
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        vip_mask: torch.Tensor | None = None,
+        decoder_input_ids: torch.LongTensor | None = None,
+        decoder_attention_mask: torch.Tensor | None = None,
+        encoder_outputs: BaseModelOutput | tuple | None = None,
+        past_key_values: Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        decoder_inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        output_attentions: bool | None = None,
+        output_hidden_states: bool | None = None,
+        output_compression_info: bool | None = None,
+        return_dict: bool | None = None,
+        **kwargs,
+    ) -> VCCT5Seq2SeqLMOutput:
+        r"""
+        input_ids (`torch.LongTensor` of shape `(batch, length)`): the input, right-padded; any length.
+        attention_mask (`torch.Tensor` of shape `(batch, length)`): 1 for real tokens, 0 for padding.
+        vip_mask (`torch.Tensor` of shape `(batch, length)`): 1 for VIP tokens (the query, a task prefix; the
+            original's `encoder_input_important_mask`); pass it to `generate()` too. When omitted, and for rows
+            without any VIP, the first `config.num_vip_slots` real tokens are the VIP tokens.
+        labels (`torch.LongTensor` of shape `(batch, target_length)`): target ids, -100 where ignored; the decoder
+            inputs are derived from them (shift right) when `decoder_input_ids` is not given.
+        output_compression_info (`bool`): return the encoder's [`VCCT5CompressionInfo`] (refined blocks per layer,
+            selection scores, ...) as `encoder_compression_info`.
+        """
+        output_hidden_states = bool(output_hidden_states if output_hidden_states is not None
+                                    else self.config.output_hidden_states)
+        if use_cache is None:
+            use_cache = self.config.use_cache and labels is None
+        check_token_ids("decoder_input_ids", decoder_input_ids)
+        encoder_outputs = self._encode(input_ids, attention_mask, vip_mask, inputs_embeds, encoder_outputs,
+                                       output_hidden_states, output_compression_info)
+        output = self._lm_head_output(
+            encoder_outputs,
+            attention_mask,
+            decoder_input_ids,
+            decoder_attention_mask,
+            decoder_inputs_embeds,
+            past_key_values,
+            labels,
+            use_cache=bool(use_cache),
+            output_attentions=bool(output_attentions),
+            output_hidden_states=output_hidden_states,
+        )
+        return VCCT5Seq2SeqLMOutput(
+            **output, encoder_compression_info=getattr(encoder_outputs, "compression_info", None)
+        )
