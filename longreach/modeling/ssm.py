@@ -13,9 +13,10 @@ The two kernels are packed into one circular kernel of period 2L (K_0 at lags 0.
 applied with a real FFT of exactly 2L points: this is the authors' exact path (``fftconv_ref``). Their CUDA path rounds
 the FFT size to a power of two, which computes a different function for most lengths; we do not reproduce it.
 
-Memory: the authors materialise exp(ΔA·l) as [H, N/2, L] (51 GB at the released size and 16K tokens). We split the
-lags into chunks l = l0 + j and use exp(ΔA·(l0 + j)) = exp(ΔA·l0) · exp(ΔA·j): the powers for j < chunk are computed
-once and every chunk is one batched complex matmul, so the peak is O(H·N/2·chunk) whatever L is.
+Memory and time: the authors materialise exp(ΔA·l) as [H, N/2, L] (51 GB at the released size and 16K tokens, and
+L complex exponentials per mode). We split the lags into chunks l = l0 + j and use exp(ΔA·(l0 + j)) =
+exp(ΔA·l0) · exp(ΔA·j): about 2√L exponentials per mode, one real batched matmul, and no tensor larger than
+O(H·N/2·√L) besides the [directions, H, L] kernel itself.
 """
 
 from __future__ import annotations
@@ -98,19 +99,25 @@ class BidirectionalS4DConvolution(Float32ParametersModule):
         return dtA, C_hat
 
     def kernel(self, length: int) -> torch.Tensor:
-        """``K [directions, H, length]`` (float32): K_c[h, l] = 2·Re Σ_n Ĉ_chn exp(ΔA_hn·l), computed in chunks of lags."""
+        """``K [directions, H, length]`` (float32): K_c[h, l] = 2·Re Σ_n Ĉ_chn exp(ΔA_hn·l), computed in chunks of lags.
+
+        With l = l0 + j (chunk starts l0, offsets j < chunk): exp(ΔA·l) = exp(ΔA·l0) · exp(ΔA·j). A chunk of about
+        √L lags minimises the exponentials (chunk + L/chunk per mode instead of L); the sum over modes is then
+        2·(Re W · Re P − Im W · Im P), one real batched matmul with W = Ĉ·exp(ΔA·l0) and P = exp(ΔA·j).
+        """
         dtA, C_hat = self.discretized()
-        chunk = max(1, min(self.kernel_chunk_size, length))
+        chunk = max(1, min(self.kernel_chunk_size, math.isqrt(length - 1) + 1))
         num_chunks = -(-length // chunk)
         device = dtA.device
-        # exp(ΔA·j), j < chunk: [H, N/2, chunk]; exp(ΔA·l0) for every chunk start l0: [H, N/2, chunks].
-        powers = torch.exp(dtA[..., None] * torch.arange(chunk, device=device, dtype=torch.float32))
-        starts = torch.exp(dtA[..., None] * (torch.arange(num_chunks, device=device, dtype=torch.float32) * chunk))
-        # Σ_n Ĉ_cn exp(ΔA_n l0) · exp(ΔA_n j) for every (c, l0, j): one complex matmul per channel h.
-        weights = (C_hat[..., None] * starts[None]).permute(1, 0, 3, 2).reshape(self.channels, -1, self.modes)
-        values = torch.bmm(weights, powers)  # [H, directions·chunks, chunk]
+        offsets = torch.arange(chunk, device=device, dtype=torch.float32)
+        starts = torch.arange(num_chunks, device=device, dtype=torch.float32) * chunk
+        powers = torch.exp(dtA[..., None] * offsets)  # [H, N/2, chunk]
+        weights = C_hat[..., None] * torch.exp(dtA[..., None] * starts)  # [directions, H, N/2, chunks]
+        weights = weights.permute(1, 0, 3, 2).reshape(self.channels, -1, self.modes)  # [H, directions·chunks, N/2]
+        # 2·Re(W·P) = 2·[Re W, −Im W] @ [Re P; Im P]: one contiguous real matmul per channel.
+        values = torch.bmm(torch.cat([weights.real, -weights.imag], dim=-1), torch.cat([powers.real, powers.imag], dim=1))
         values = values.view(self.channels, C_hat.shape[0], num_chunks * chunk)[..., :length]
-        return 2.0 * values.real.transpose(0, 1).contiguous()
+        return 2.0 * values.transpose(0, 1).contiguous()
 
     def circular_kernel(self, length: int) -> torch.Tensor:
         """The packed kernel ``[H, 2·length]`` of period 2L: causal lags at [0, L), 0 at L, anti-causal lags L−1..1 after.
