@@ -106,6 +106,15 @@ def test_fast_path_references_differ_from_the_exact_function(converted_model, re
     assert max_diff(states, refs["encoder_last_hidden_state"]) <= 1e-4
 
 
+def test_authors_fft_size_option_reproduces_their_fast_path(converted, refs):
+    """Opt-in bit-compatibility with the authors' GPU path (`ssm_authors_fft_size=True`)."""
+    model = LocostForConditionalGeneration.from_pretrained(converted["hf_checkpoint"], ssm_authors_fft_size=True).eval()
+    with torch.no_grad():
+        out = model(refs["input_ids"], attention_mask=refs["attention_mask"], decoder_input_ids=refs["decoder_input_ids"])
+    assert max_diff(out.encoder_last_hidden_state, refs["fastpath_emulated.encoder_last_hidden_state"]) <= 1e-4
+    assert max_diff(out.logits, refs["fastpath_emulated.logits"]) <= 2e-5
+
+
 # --------------------------------------------------------------------------------------------------------------------
 # The converted folder
 # --------------------------------------------------------------------------------------------------------------------
@@ -157,6 +166,18 @@ def test_command_line(fixtures_dir, tmp_path, capsys):
                            "--pytorch_dump_folder_path", str(tmp_path / "cli")])
     assert code == 0 and "written to" in capsys.readouterr().out
     assert (tmp_path / "cli" / "model.safetensors").is_file()
+
+
+def test_tokenizer_is_saved_with_the_model(fixtures_dir, tmp_path):
+    from transformers import AutoTokenizer
+
+    from tokenizer_helpers import word_level_tokenizer
+
+    word_level_tokenizer(vocab_size=128).save_pretrained(tmp_path / "tokenizer")
+    converter.convert_locost_checkpoint(fixtures_dir / "locost" / "hf_checkpoint", tmp_path / "out",
+                                        tokenizer_name_or_path=str(tmp_path / "tokenizer"))
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "out")
+    assert tokenizer("w1 w2").input_ids == [4, 5, 1]
 
 
 def test_safetensors_input_without_tied_copies(fixtures_dir, tmp_path, refs):

@@ -12,6 +12,10 @@ class LocostConfig(PreTrainedConfig):
     (no attention, O(L log L) in the input length) and a T5 v1.1 decoder. The defaults are the released model
     (`flbbb/locost-gsg-pretrained`, 234.7M parameters).
 
+    Fields of the authors' `LOCOSTConfig` that nothing reads (`local_radius`, `global_block_size`,
+    `encoder_attention_type`, `ssm_type`) are not kept; their `use_fast_fft_conv` is `ssm_authors_fft_size` below,
+    off unless asked for.
+
     Args:
         vocab_size (`int`, defaults to 32100):
             Rows of the shared token embedding (the LongT5 tokenizer's `len(tokenizer)`).
@@ -53,8 +57,13 @@ class LocostConfig(PreTrainedConfig):
         ssm_dt_min (`float`, defaults to 1e-3), ssm_dt_max (`float`, defaults to 1e-1):
             Range of the log-uniform initialisation of the step size Δ (training from scratch only).
         ssm_kernel_chunk_size (`int`, defaults to 256):
-            Lags per chunk when computing the SSM kernel. Peak kernel memory is O(d_model · d_state/2 · chunk)
-            whatever the input length; larger chunks are a little faster on short inputs.
+            Largest number of lags per chunk when computing the SSM kernel (chunks of about √L lags are used below
+            it). Bounds the kernel's intermediate memory, O(d_model · d_state/2 · chunk), whatever the input length.
+        ssm_authors_fft_size (`bool`, defaults to `False`):
+            Reproduce the authors' CUDA fast path (`use_fast_fft_conv=True` in their configs): an FFT size rounded to
+            a power of two, which is a *different function* whenever the (even-padded) length is not a power of two
+            (anti-causal lags misplaced or lost). Only for bit-compatibility with outputs of their GPU runs; the
+            converters never turn it on by themselves.
         pad_token_id (`int`, defaults to 0), eos_token_id (`int`, defaults to 1), decoder_start_token_id (`int`,
         defaults to 0):
             Special token ids (T5 conventions).
@@ -103,6 +112,7 @@ class LocostConfig(PreTrainedConfig):
     ssm_dt_min: float = 1e-3
     ssm_dt_max: float = 1e-1
     ssm_kernel_chunk_size: int = 256
+    ssm_authors_fft_size: bool = False
     is_encoder_decoder: bool = True
     use_cache: bool = True
     pad_token_id: int | None = 0

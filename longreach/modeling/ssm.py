@@ -53,7 +53,7 @@ class BidirectionalS4DConvolution(Float32ParametersModule):
     """
 
     def __init__(self, channels: int, d_state: int, bidirectional: bool = True, dt_min: float = 1e-3,
-                 dt_max: float = 1e-1, kernel_chunk_size: int = 256):
+                 dt_max: float = 1e-1, kernel_chunk_size: int = 256, authors_fft_size: bool = False):
         super().__init__()
         if d_state < 2 or d_state % 2:
             raise ValueError(f"`d_state` must be a positive even number (N/2 complex modes are stored), got {d_state}.")
@@ -62,6 +62,7 @@ class BidirectionalS4DConvolution(Float32ParametersModule):
         self.channels, self.modes, self.bidirectional = channels, modes, bidirectional
         self.dt_min, self.dt_max = dt_min, dt_max
         self.kernel_chunk_size = kernel_chunk_size
+        self.authors_fft_size = authors_fft_size
         self.C = nn.Parameter(torch.empty(directions, channels, modes, 2))
         self.B = nn.Parameter(torch.empty(channels, modes, 2))
         self.inv_A_real = nn.Parameter(torch.empty(channels, modes))
@@ -138,8 +139,24 @@ class BidirectionalS4DConvolution(Float32ParametersModule):
         """``x [B, L, H]`` (any float dtype) -> ``y [B, L, H]`` in x's dtype; FFT and kernel in float32."""
         length = x.shape[1]
         signal = x.float().transpose(1, 2)  # [B, H, L]
-        fft_size = 2 * length
+        if self.authors_fft_size:
+            return self._authors_fft_size_forward(signal).transpose(1, 2).to(x.dtype)
+        fft_size = 2 * length  # the period of the packed kernel: exactly the bidirectional convolution
         kernel_f = torch.fft.rfft(self.circular_kernel(length), n=fft_size)
         y = torch.fft.irfft(torch.fft.rfft(signal, n=fft_size) * kernel_f, n=fft_size)[..., :length]
         y = y + signal * self.D.float()[:, None]
         return y.transpose(1, 2).to(x.dtype)
+
+    def _authors_fft_size_forward(self, signal: torch.Tensor) -> torch.Tensor:
+        """The authors' CUDA ``fftconv`` path (``use_fast_fft_conv=True``), reproduced for bit-compatibility only.
+
+        It pads an odd L by one zero step, then convolves with an FFT of ``max(2·2^⌈log2 L⌉, 16)`` points although
+        the packed kernel has period 2L: whenever that size differs from 2L, anti-causal lags land in the wrong place
+        or vanish. Not the architecture's function; see LocostConfig.ssm_authors_fft_size.
+        """
+        length = signal.shape[-1]
+        even_length = length + length % 2
+        fft_size = max(2 * 2 ** math.ceil(math.log2(even_length)), 16)
+        kernel_f = torch.fft.rfft(self.circular_kernel(even_length), n=fft_size)
+        y = torch.fft.irfft(torch.fft.rfft(signal, n=fft_size) * kernel_f, n=fft_size)[..., :length]
+        return y + signal * self.D.float()[:, None]
