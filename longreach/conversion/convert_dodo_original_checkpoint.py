@@ -1,0 +1,694 @@
+"""Convert a Dodo checkpoint written by the authors' code (``nugget.codec``, spec ``shared/specs/dodo.md`` §9) to
+longreach, or export a longreach Dodo model back to standard PEFT adapter folders.
+
+Three modes:
+
+1. The authors' PyTorch-Lightning checkpoint (trainable tensors only) plus the base Llama folder::
+
+       python -m longreach.conversion.convert_dodo_original_checkpoint --checkpoint_path ckpt/weights.ckpt \
+           [--hparams_path ckpt/hparams.yaml] [--base_model_path BASE] --pytorch_dump_folder_path OUT [--push_to_hub REPO]
+
+   The hyper-parameters come from ``--hparams_path``, else the checkpoint's ``hyper_parameters``, else ``hparams.yaml``
+   next to it. Their ``pretrained`` entry (the base model) is resolved relative to the checkpoint folder's parent (and
+   then the checkpoint folder) unless ``--base_model_path`` is given. A DeepSpeed ZeRO folder must first be turned into a
+   single file with Lightning's ``convert_zero_checkpoint_to_fp32_state_dict``.
+
+2. PEFT adapter folders (``adapter_config.json`` + ``adapter_model.bin``/``.safetensors``) plus a scorer file, either the
+   plain state dict of the scorer FFN (the authors' ``load_scorer`` format) or the generic Nugget package's
+   ``{"scorer_states": {"non_linear": ...}, "kwargs": ...}``; the options the folders do not record are explicit::
+
+       python -m longreach.conversion.convert_dodo_original_checkpoint --encoder_adapter_path A/encoder \
+           --decoder_adapter_path A/decoder --scorer_path scorer.pt --base_model_path BASE \
+           [--soft_prompt_path FILE | --soft_prompt_length 0] [--nugget_layer 3 --nugget_ratio 0.1 ...] \
+           --pytorch_dump_folder_path OUT
+
+3. The reverse: ``--export_peft_from DODO_FOLDER --pytorch_dump_folder_path OUT`` writes ``OUT/<adapter>/`` PEFT folders
+   that ``PeftModel.from_pretrained(llama, OUT/encoder, adapter_name="encoder")`` loads, ``OUT/scorer.pt`` and
+   ``OUT/soft_prompt.safetensors``.
+
+Safety (as every longreach converter): pickles are read with ``torch.load(weights_only=True)``; only
+``--unsafe_allow_pickle_code_execution`` (for a trusted file that holds other objects) lifts that, and says so. Every
+key is mapped by an explicit rule and a missing or unmatched key stops the conversion; the unused
+``soft_emb_tc`` tensor is the one documented drop. The output folder must be new or empty. The result is saved as
+safetensors, reloaded and compared tensor by tensor with the sources before success is reported.
+
+Numerics: the converted model computes the original's ``+ s`` score term (``score_in_forward=True``) and
+``int(n * ratio + 0.99)`` nugget counts. The original's decoder mask-order bug (spec §8.1) is fixed unless
+``--legacy_decoder_mask_order`` is given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import re
+import sys
+from pathlib import Path
+
+import torch
+
+from ..configuration.configuration_dodo import DodoLlamaConfig
+from ..modeling.modeling_dodo import DodoLlamaForCausalLM
+from .conversion_utils import (
+    ConversionError,
+    KeyMap,
+    load_state_dict_from_folder,
+    prepare_output_folder,
+    safe_torch_load,
+    verify_tensors,
+)
+
+logger = logging.getLogger(__name__)
+
+#: Trainable tensors of the authors' Lightning checkpoint -> longreach names.
+LIGHTNING_RULES = [
+    (
+        r"nugget\.lora_llama\.base_model\.model\.model\.layers\.(\d+)\.self_attn\.(q_proj|k_proj|v_proj|o_proj)"
+        r"\.lora_(A|B)\.(\w+)\.weight",
+        r"model.layers.\1.self_attn.\2.lora_\3.\4.weight",
+    ),
+    (r"nugget\.encoder\.scorer\.(0|2)\.(weight|bias)", r"nugget_scorer.\1.\2"),
+    (r"nugget\.decoder\.soft_emb\.weight", r"soft_prompt.weight"),
+]
+#: Tensors the original saves but never uses; dropped on purpose (and logged).
+DROPPED_LIGHTNING_KEYS = {"nugget.decoder.soft_emb_tc.weight": "created and saved by the original, never used (spec §8.2)"}
+
+#: A PEFT adapter folder's keys (peft 0.4.0 and current) -> longreach names; ``{adapter}`` is filled in.
+PEFT_RULE = (
+    r"base_model\.model\.model\.layers\.(\d+)\.self_attn\.(q_proj|k_proj|v_proj|o_proj)\.lora_(A|B)\.weight",
+    r"model.layers.\1.self_attn.\2.lora_\3.{adapter}.weight",
+)
+
+#: The scorer FFN's plain state dict.
+SCORER_KEYS = ("0.weight", "0.bias", "2.weight", "2.bias")
+
+#: Hyper-parameters that define the model (compared between the checkpoint and hparams.yaml).
+MODEL_HPARAMS = ("pretrained", "encoder_type", "nugget_layer", "ratio", "lora", "soft", "ind_scorer", "freeze_decoder", "auto")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Reading the original files
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def load_pickle(path: Path, allow_code_execution: bool = False) -> object:
+    """``torch.load(weights_only=True)``; with ``allow_code_execution`` a trusted file may fall back to full unpickling."""
+    try:
+        return safe_torch_load(path)
+    except ConversionError:
+        if not allow_code_execution:
+            raise
+        logger.warning(
+            "Loading %s with torch.load(weights_only=False) because --unsafe_allow_pickle_code_execution was given: "
+            "unpickling can execute arbitrary code; only do this for files you trust.", path,
+        )
+        return torch.load(path, map_location="cpu", weights_only=False)
+
+
+def read_lightning_checkpoint(
+    checkpoint_path: Path, hparams_path: Path | None = None, allow_code_execution: bool = False
+) -> tuple[dict[str, torch.Tensor], dict]:
+    """``(state_dict, hyper_parameters)`` of the authors' ``weights.ckpt``."""
+    if checkpoint_path.is_dir():
+        raise ConversionError(
+            f"--checkpoint_path {checkpoint_path} is a folder (a DeepSpeed ZeRO checkpoint?). Convert it to one file "
+            "first: `from lightning.pytorch.utilities.deepspeed import convert_zero_checkpoint_to_fp32_state_dict; "
+            "convert_zero_checkpoint_to_fp32_state_dict(folder, 'weights.lightning.ckpt')`, then pass that file."
+        )
+    if not checkpoint_path.is_file():
+        raise ConversionError(f"--checkpoint_path {checkpoint_path} does not exist.")
+    checkpoint = load_pickle(checkpoint_path, allow_code_execution)
+    if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint:
+        raise ConversionError(f"{checkpoint_path} is not a Lightning checkpoint (no 'state_dict' entry).")
+    from_checkpoint = dict(checkpoint.get("hyper_parameters") or {})
+    yaml_path = hparams_path or (checkpoint_path.parent / "hparams.yaml")
+    from_yaml = None
+    if hparams_path is not None or yaml_path.is_file():
+        if not yaml_path.is_file():
+            raise ConversionError(f"--hparams_path {yaml_path} does not exist.")
+        import yaml
+
+        from_yaml = yaml.safe_load(yaml_path.read_text(encoding="utf-8")) or {}
+        if not isinstance(from_yaml, dict):
+            raise ConversionError(f"{yaml_path} does not hold a mapping of hyper-parameters.")
+    if from_yaml is not None and from_checkpoint:
+        clashes = {
+            key: (from_checkpoint[key], from_yaml[key])
+            for key in MODEL_HPARAMS
+            if key in from_checkpoint and key in from_yaml and from_checkpoint[key] != from_yaml[key]
+        }
+        if clashes:
+            raise ConversionError(
+                f"The hyper-parameters in {checkpoint_path} and {yaml_path} disagree (checkpoint, yaml): {clashes}."
+            )
+    hparams = from_yaml if hparams_path is not None else (from_checkpoint or from_yaml)
+    if not hparams:
+        raise ConversionError(f"No hyper-parameters in {checkpoint_path} and no hparams.yaml; pass --hparams_path.")
+    return checkpoint["state_dict"], hparams
+
+
+def resolve_base_model(pretrained: str | None, checkpoint_path: Path | None, base_model_path: str | None) -> Path:
+    """The base Llama folder: ``--base_model_path``, else the checkpoint's ``pretrained`` entry (relative paths are
+    resolved against the checkpoint folder's parent, then the checkpoint folder)."""
+    if base_model_path is not None:
+        candidates = [Path(base_model_path)]
+    elif pretrained:
+        pretrained_path = Path(pretrained)
+        candidates = [pretrained_path] if pretrained_path.is_absolute() else []
+        if checkpoint_path is not None and not pretrained_path.is_absolute():
+            candidates += [checkpoint_path.parent.parent / pretrained_path, checkpoint_path.parent / pretrained_path]
+    else:
+        raise ConversionError("The base model is unknown: pass --base_model_path (a Llama folder with config.json).")
+    for candidate in candidates:
+        if (candidate / "config.json").is_file():
+            return candidate
+    raise ConversionError(
+        f"No base Llama folder (config.json + weights) at {[str(c) for c in candidates]}. If {pretrained!r} is a Hub "
+        "name, download it (`huggingface-cli download NAME --local-dir DIR`) and pass --base_model_path DIR."
+    )
+
+
+def read_base_config(base_path: Path) -> dict:
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(base_path)
+    if config.model_type != "llama":
+        raise ConversionError(f"The base model at {base_path} is a {config.model_type!r} model; Dodo needs a Llama.")
+    fields = {key: value for key, value in config.to_dict().items() if key not in ("model_type", "architectures")}
+    rope = fields.get("rope_parameters") or {}
+    if rope.get("rope_theta", 10000.0) != 10000.0:
+        logger.warning(
+            "The base model uses rope_theta=%s. The authors' code ran on transformers 4.32, which ignores rope_theta "
+            "(always 10000, spec §8.9); the converted model uses the base model's value.", rope.get("rope_theta"),
+        )
+    return fields
+
+
+def dodo_fields_from_hparams(hparams: dict, num_hidden_layers: int) -> dict:
+    """`DodoLlamaConfig` fields from the authors' hyper-parameters (spec §10)."""
+    encoder_type = hparams.get("encoder_type", "nugget")
+    if encoder_type != "nugget":
+        raise ConversionError(
+            f"encoder_type={encoder_type!r}: only Dodo checkpoints (encoder_type 'nugget') can be converted; the "
+            "'llama' and 'compress' baselines are not Dodo models."
+        )
+    if hparams.get("auto"):
+        raise ConversionError(
+            "auto=True (the experimental re-encoding encoder, spec §4) is not supported by DodoLlamaForCausalLM."
+        )
+    for key in ("new_line_stop", "extractive"):
+        if hparams.get(key):
+            logger.warning("%s=True is a LLaMA-2-specific generation option of the original; it is not converted.", key)
+    nugget_layer = int(hparams.get("nugget_layer", 3))
+    ind_scorer = bool(hparams.get("ind_scorer", True))
+    fields = {
+        "nugget_layer": nugget_layer,
+        "nugget_ratio": float(hparams.get("ratio", 0.1)),
+        "nugget_count_rounding": "dodo",
+        "force_last_nugget": True,
+        "scorer_features": "base_final_norm" if ind_scorer else "encoder_hidden",
+        "score_in_forward": True,
+        "soft_prompt_length": int(hparams.get("soft") or 0),
+        "lora_r": int(hparams.get("lora", 32)),
+        "lora_alpha": 32.0,  # hard-coded by the authors
+        "lora_dropout": 0.1,
+        "lora_target_modules": ["q_proj", "v_proj", "o_proj"],
+        "lora_layers": None if ind_scorer else list(range(nugget_layer, num_hidden_layers)),
+        "encoder_adapter_name": "encoder",
+        "decoder_adapter_name": "encoder" if hparams.get("freeze_decoder") else "decoder",
+    }
+    if hparams.get("freeze_decoder"):
+        logger.warning(
+            "freeze_decoder=True: the original's decoder silently runs with the *encoder* adapter (spec §8.3); the "
+            "converted model does the same (decoder_adapter_name='encoder')."
+        )
+    return fields
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Key maps
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def base_key_map(config: DodoLlamaConfig) -> KeyMap:
+    """Base Llama keys -> the LoRA-wrapped model's names (``q_proj.weight`` -> ``q_proj.base_layer.weight``)."""
+    layers = r"\d+" if config.lora_layers is None else "|".join(str(layer) for layer in config.lora_layers)
+    modules = "|".join(config.lora_target_modules)
+    rules = [
+        (rf"model\.layers\.({layers})\.self_attn\.({modules})\.(weight|bias)", r"model.layers.\1.self_attn.\2.base_layer.\3"),
+        (
+            r"(model\.layers\.\d+\.(?:self_attn\.(?:q|k|v|o)_proj|mlp\.(?:gate|up|down)_proj)\.(?:weight|bias))",
+            r"\1",
+        ),
+        (r"(model\.layers\.\d+\.(?:input|post_attention)_layernorm\.weight)", r"\1"),
+        (r"(model\.embed_tokens\.weight|model\.norm\.weight|lm_head\.weight)", r"\1"),
+    ]
+    tied = {r"lm_head\.weight": "model.embed_tokens.weight"} if config.tie_word_embeddings else {}
+    return KeyMap(rules, tied)
+
+
+def convert_base_state_dict(base_path: Path, config: DodoLlamaConfig, expected: set[str]) -> dict[str, torch.Tensor]:
+    state_dict = load_state_dict_from_folder(base_path)
+    # transformers 4.x wrote the RoPE frequencies as a buffer in some versions; they are recomputed from the config
+    state_dict = {key: value for key, value in state_dict.items() if not key.endswith("rotary_emb.inv_freq")}
+    expected_base = {key for key in expected if not _is_dodo_key(key)}
+    return base_key_map(config).apply(state_dict, expected_base, source=str(base_path))
+
+
+def _is_dodo_key(key: str) -> bool:
+    """Adapters, scorer and soft prompt: the tensors a Dodo checkpoint adds to the base Llama."""
+    return ".lora_" in key or key.startswith(("nugget_scorer.", "soft_prompt."))
+
+
+def _expected_keys(model: DodoLlamaForCausalLM) -> set[str]:
+    keys = set(model.state_dict())
+    if model.config.tie_word_embeddings:
+        keys.discard("lm_head.weight")
+    return keys
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# PEFT folders and scorer files
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def read_peft_adapter(folder: Path, allow_code_execution: bool = False) -> tuple[dict, dict[str, torch.Tensor]]:
+    config_file = folder / "adapter_config.json"
+    if not config_file.is_file():
+        raise ConversionError(f"{folder} is not a PEFT adapter folder (no adapter_config.json).")
+    adapter_config = json.loads(config_file.read_text(encoding="utf-8"))
+    if adapter_config.get("peft_type", "LORA") != "LORA":
+        raise ConversionError(f"{folder} holds a {adapter_config.get('peft_type')} adapter; Dodo uses LoRA.")
+    for name in ("adapter_model.safetensors", "adapter_model.bin"):
+        if (folder / name).is_file():
+            if name.endswith(".safetensors"):
+                from safetensors.torch import load_file
+
+                weights = load_file(str(folder / name))
+            else:
+                weights = load_pickle(folder / name, allow_code_execution)
+            return adapter_config, weights
+    raise ConversionError(f"No adapter_model.safetensors or adapter_model.bin in {folder}.")
+
+
+def lora_targets_from_adapter_config(adapter_config: dict, num_hidden_layers: int) -> tuple[list[str], list[int] | None]:
+    """``(target modules, layers or None for all)`` of a LoRA config, found by matching its ``target_modules`` (regex
+    string or list) against the Llama module names as PEFT does."""
+    targets = adapter_config.get("target_modules")
+    modules = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    matched: set[tuple[int, str]] = set()
+    for layer in range(num_hidden_layers):
+        for module in modules:
+            parent = "self_attn" if module.endswith(("q_proj", "k_proj", "v_proj", "o_proj")) else "mlp"
+            name = f"model.layers.{layer}.{parent}.{module}"
+            if isinstance(targets, str):
+                hit = re.fullmatch(targets, name) is not None
+            else:
+                hit = any(name == target or name.endswith("." + target) for target in targets or [])
+                layers_to_transform = adapter_config.get("layers_to_transform")
+                if hit and layers_to_transform is not None:
+                    allowed = [layers_to_transform] if isinstance(layers_to_transform, int) else layers_to_transform
+                    hit = layer in allowed
+            if hit:
+                matched.add((layer, module))
+    if not matched:
+        raise ConversionError(f"target_modules {targets!r} matches no Llama attention projection.")
+    found_modules = sorted({module for _, module in matched}, key=modules.index)
+    found_layers = sorted({layer for layer, _ in matched})
+    if any(module.endswith(("gate_proj", "up_proj", "down_proj")) for module in found_modules) or matched != {
+        (layer, module) for layer in found_layers for module in found_modules
+    }:
+        raise ConversionError(
+            f"target_modules {targets!r} selects {sorted(matched)}; Dodo supports the same attention projections "
+            "(q/k/v/o) on a set of layers."
+        )
+    return found_modules, (None if len(found_layers) == num_hidden_layers else found_layers)
+
+
+def read_scorer(path: Path, allow_code_execution: bool = False) -> dict[str, torch.Tensor]:
+    """The scorer FFN from a plain state dict or the generic Nugget package's ``scorer_states`` file (spec §9.4)."""
+    if path.suffix == ".safetensors":
+        from safetensors.torch import load_file
+
+        payload = load_file(str(path))
+    else:
+        payload = load_pickle(path, allow_code_execution)
+    if not isinstance(payload, dict):
+        raise ConversionError(f"{path} does not hold a dict (got {type(payload).__name__}).")
+    if "scorer_states" in payload:
+        states = payload["scorer_states"]
+        kwargs = payload.get("kwargs") or {}
+        logger.info(
+            "%s is a Nugget-package scorer file (kwargs %s). Its recorded scorer_layer/value_ffn are not trusted (the "
+            "package always writes 3/True, spec §8.10); value_ffn is unused for Llama and dropped.", path, kwargs,
+        )
+        payload = states.get("non_linear") if isinstance(states, dict) else None
+        if payload is None:
+            raise ConversionError(f"{path}: 'scorer_states' has no 'non_linear' entry.")
+    elif "non_linear" in payload:
+        payload = payload["non_linear"]
+    keys = set(payload)
+    if keys != set(SCORER_KEYS):
+        raise ConversionError(
+            f"{path}: expected the scorer FFN keys {list(SCORER_KEYS)}; unexpected {sorted(keys - set(SCORER_KEYS))}, "
+            f"missing {sorted(set(SCORER_KEYS) - keys)}."
+        )
+    return {f"nugget_scorer.{key}": tensor for key, tensor in payload.items()}
+
+
+def read_soft_prompt(path: Path, allow_code_execution: bool = False) -> torch.Tensor:
+    """A ``[soft, hidden]`` tensor from a safetensors/pt file (a tensor, or a dict with exactly one 2-D tensor or with the
+    Lightning key ``nugget.decoder.soft_emb.weight``), or from the authors' Lightning checkpoint."""
+    if path.suffix == ".safetensors":
+        from safetensors.torch import load_file
+
+        payload = load_file(str(path))
+    else:
+        payload = load_pickle(path, allow_code_execution)
+    if isinstance(payload, dict) and "state_dict" in payload:
+        payload = payload["state_dict"]
+    if isinstance(payload, dict):
+        for key in ("nugget.decoder.soft_emb.weight", "soft_prompt.weight", "soft_emb.weight", "weight"):
+            if key in payload:
+                payload = payload[key]
+                break
+        else:
+            tensors = [value for value in payload.values() if isinstance(value, torch.Tensor) and value.dim() == 2]
+            if len(tensors) != 1:
+                raise ConversionError(f"{path}: cannot tell which tensor is the soft prompt (keys {sorted(payload)}).")
+            payload = tensors[0]
+    if not isinstance(payload, torch.Tensor) or payload.dim() != 2:
+        raise ConversionError(f"{path} must hold a [soft_prompt_length, hidden_size] tensor.")
+    return payload
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Conversion
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def _widest_dtype(tensors) -> torch.dtype:
+    dtypes = {tensor.dtype for tensor in tensors if tensor.is_floating_point()}
+    return max(dtypes, key=lambda dtype: torch.finfo(dtype).bits) if dtypes else torch.float32
+
+
+def _build_and_save(
+    model: DodoLlamaForCausalLM,
+    tensors: dict[str, torch.Tensor],
+    base_path: Path,
+    output: Path,
+    source: str,
+    max_new_tokens: int | None,
+    tokenizer_name_or_path: str | None,
+    push_to_hub: str | None,
+    dtype: str | None = None,
+) -> Path:
+    """Load base + Dodo tensors into ``model``, save it Hub-ready, reload and verify every tensor."""
+    config = model.config
+    expected = _expected_keys(model)
+    converted = convert_base_state_dict(base_path, config, expected)
+    overlap = set(converted) & set(tensors)
+    if overlap:
+        raise ConversionError(f"{source}: keys given twice: {sorted(overlap)}")
+    converted.update(tensors)
+    missing = sorted(expected - set(converted))
+    unexpected = sorted(set(converted) - expected)
+    if missing or unexpected:
+        raise ConversionError(
+            f"{source}: the checkpoint does not match the model.\nMissing keys: {missing}\nUnexpected keys: {unexpected}"
+        )
+    shapes = {key: tuple(tensor.shape) for key, tensor in model.state_dict().items()}
+    wrong = {key: (tuple(tensor.shape), shapes[key]) for key, tensor in converted.items() if tuple(tensor.shape) != shapes[key]}
+    if wrong:
+        raise ConversionError(f"{source}: tensor shapes differ from the model's (checkpoint, model): {wrong}")
+    # One dtype for the whole model: by default the widest of the sources (lossless: the authors keep float32 adapters)
+    target_dtype = getattr(torch, dtype) if dtype else _widest_dtype(converted.values())
+    converted = {key: tensor.to(target_dtype) if tensor.is_floating_point() else tensor for key, tensor in converted.items()}
+    model.to(target_dtype)
+    model.load_state_dict(converted, strict=not config.tie_word_embeddings)
+
+    generation_file = base_path / "generation_config.json"
+    if generation_file.is_file():
+        from transformers import GenerationConfig
+
+        model.generation_config = GenerationConfig.from_pretrained(base_path)
+    if max_new_tokens:
+        model.generation_config.max_new_tokens = int(max_new_tokens)  # the authors generate greedily (paper §5)
+    model.save_pretrained(output)
+
+    tokenizer = None
+    tokenizer_source = tokenizer_name_or_path
+    if tokenizer_source is None and any(
+        (base_path / name).is_file() for name in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
+    ):
+        tokenizer_source = str(base_path)
+    if tokenizer_source is not None:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_source)
+        tokenizer.save_pretrained(output)
+    _write_model_card(output, "dodo_llama", source)
+
+    reloaded = DodoLlamaForCausalLM.from_pretrained(output, dtype=target_dtype)
+    verify_tensors(reloaded, converted, source=str(output))
+    trainable = {name for name, param in reloaded.named_parameters() if param.requires_grad}
+    if any(".lora_" not in name and not name.startswith(("nugget_scorer.", "soft_prompt.")) for name in trainable):
+        raise ConversionError("Verification failed: base weights of the reloaded model are trainable (should be frozen).")
+    logger.info("Converted %s -> %s: %d tensors verified (dtype %s).", source, output, len(converted), target_dtype)
+    if push_to_hub:
+        reloaded.push_to_hub(push_to_hub, tokenizer=tokenizer)
+    return output
+
+
+def convert_dodo_checkpoint(
+    checkpoint_path: str | Path,
+    pytorch_dump_folder_path: str | Path,
+    hparams_path: str | Path | None = None,
+    base_model_path: str | Path | None = None,
+    tokenizer_name_or_path: str | None = None,
+    legacy_decoder_mask_order: bool = False,
+    push_to_hub: str | None = None,
+    allow_pickle_code_execution: bool = False,
+    dtype: str | None = None,
+) -> Path:
+    """Mode 1: the authors' Lightning ``weights.ckpt`` (+ hyper-parameters) and the base Llama folder."""
+    checkpoint_path = Path(checkpoint_path)
+    hparams_path = Path(hparams_path) if hparams_path is not None else None
+    state_dict, hparams = read_lightning_checkpoint(checkpoint_path, hparams_path, allow_pickle_code_execution)
+    base_path = resolve_base_model(hparams.get("pretrained"), checkpoint_path, str(base_model_path) if base_model_path else None)
+    output = prepare_output_folder(pytorch_dump_folder_path, [checkpoint_path, hparams_path, base_path])
+    base_fields = read_base_config(base_path)
+    dodo_fields = dodo_fields_from_hparams(hparams, base_fields["num_hidden_layers"])
+    config = DodoLlamaConfig(**base_fields, **dodo_fields, legacy_decoder_mask_order=legacy_decoder_mask_order)
+
+    for key, reason in DROPPED_LIGHTNING_KEYS.items():
+        if key in state_dict:
+            logger.info("Dropping %s: %s.", key, reason)
+    kept = {key: value for key, value in state_dict.items() if key not in DROPPED_LIGHTNING_KEYS}
+    model = DodoLlamaForCausalLM(config)
+    expected_trainable = {key for key in _expected_keys(model) if _is_dodo_key(key)}
+    tensors = KeyMap(LIGHTNING_RULES).apply(kept, expected_trainable, source=str(checkpoint_path))
+    return _build_and_save(
+        model, tensors, base_path, output, str(checkpoint_path), hparams.get("new_tokens"), tokenizer_name_or_path,
+        push_to_hub, dtype,
+    )
+
+
+def convert_dodo_peft_folders(
+    encoder_adapter_path: str | Path,
+    decoder_adapter_path: str | Path | None,
+    scorer_path: str | Path,
+    base_model_path: str | Path,
+    pytorch_dump_folder_path: str | Path,
+    soft_prompt_path: str | Path | None = None,
+    soft_prompt_length: int | None = None,
+    nugget_layer: int = 3,
+    nugget_ratio: float = 0.1,
+    nugget_count_rounding: str = "dodo",
+    scorer_features: str = "base_final_norm",
+    score_in_forward: bool = True,
+    legacy_decoder_mask_order: bool = False,
+    tokenizer_name_or_path: str | None = None,
+    max_new_tokens: int | None = None,
+    push_to_hub: str | None = None,
+    allow_pickle_code_execution: bool = False,
+    dtype: str | None = None,
+) -> Path:
+    """Mode 2: PEFT adapter folders (φ and θ; θ may be omitted: then the decoder uses φ, as ``freeze_decoder=True``) plus
+    a scorer file, a soft prompt file (or ``soft_prompt_length=0``) and the base Llama folder."""
+    encoder_adapter_path, scorer_path, base_path = Path(encoder_adapter_path), Path(scorer_path), Path(base_model_path)
+    decoder_adapter_path = Path(decoder_adapter_path) if decoder_adapter_path is not None else None
+    soft_prompt_path = Path(soft_prompt_path) if soft_prompt_path is not None else None
+    inputs = [encoder_adapter_path, decoder_adapter_path, scorer_path, base_path, soft_prompt_path]
+    output = prepare_output_folder(pytorch_dump_folder_path, inputs)
+    if not (base_path / "config.json").is_file():
+        raise ConversionError(f"--base_model_path {base_path} is not a Llama folder (no config.json).")
+    base_fields = read_base_config(base_path)
+    layers = base_fields["num_hidden_layers"]
+
+    adapters = {"encoder": read_peft_adapter(encoder_adapter_path, allow_pickle_code_execution)}
+    if decoder_adapter_path is not None:
+        adapters["decoder"] = read_peft_adapter(decoder_adapter_path, allow_pickle_code_execution)
+    settings = {}
+    for name, (adapter_config, _) in adapters.items():
+        modules, lora_layers = lora_targets_from_adapter_config(adapter_config, layers)
+        settings[name] = (
+            adapter_config.get("r"), float(adapter_config.get("lora_alpha", 8)), tuple(modules),
+            None if lora_layers is None else tuple(lora_layers),
+        )
+    if len(set(settings.values())) != 1:
+        raise ConversionError(f"The adapters differ in (r, lora_alpha, target modules, layers): {settings}; Dodo needs one LoRA setting.")
+    r, alpha, modules, lora_layers = settings["encoder"]
+    modules, lora_layers = list(modules), (None if lora_layers is None else list(lora_layers))
+    dropout = float(adapters["encoder"][0].get("lora_dropout", 0.0))
+
+    tensors: dict[str, torch.Tensor] = {}
+    for name, (_, weights) in adapters.items():
+        rule = (PEFT_RULE[0], PEFT_RULE[1].format(adapter=name))
+        expected = {
+            f"model.layers.{layer}.self_attn.{module}.lora_{part}.{name}.weight"
+            for layer in (lora_layers if lora_layers is not None else range(layers))
+            for module in modules
+            for part in "AB"
+        }
+        tensors.update(KeyMap([rule]).apply(weights, expected, source=f"adapter {name!r}"))
+    tensors.update(read_scorer(scorer_path, allow_pickle_code_execution))
+    if soft_prompt_path is not None:
+        soft = read_soft_prompt(soft_prompt_path, allow_pickle_code_execution)
+        if soft_prompt_length is not None and soft_prompt_length != soft.shape[0]:
+            raise ConversionError(f"--soft_prompt_length {soft_prompt_length} but {soft_prompt_path} holds {soft.shape[0]} rows.")
+        tensors["soft_prompt.weight"] = soft
+        soft_prompt_length = soft.shape[0]
+    elif soft_prompt_length is None or soft_prompt_length > 0:
+        raise ConversionError(
+            "PEFT folders and scorer files do not hold the soft prompt: pass --soft_prompt_path (a tensor file or the "
+            "authors' weights.ckpt) or --soft_prompt_length 0 for a model without one."
+        )
+
+    config = DodoLlamaConfig(
+        **base_fields,
+        nugget_layer=nugget_layer,
+        nugget_ratio=nugget_ratio,
+        nugget_count_rounding=nugget_count_rounding,
+        scorer_features=scorer_features,
+        score_in_forward=score_in_forward,
+        soft_prompt_length=soft_prompt_length,
+        lora_r=int(r),
+        lora_alpha=alpha,
+        lora_dropout=dropout,
+        lora_target_modules=modules,
+        lora_layers=lora_layers,
+        encoder_adapter_name="encoder",
+        decoder_adapter_name="decoder" if decoder_adapter_path is not None else "encoder",
+        legacy_decoder_mask_order=legacy_decoder_mask_order,
+    )
+    source = f"{encoder_adapter_path} + {decoder_adapter_path} + {scorer_path}"
+    model = DodoLlamaForCausalLM(config)
+    return _build_and_save(
+        model, tensors, base_path, output, source, max_new_tokens, tokenizer_name_or_path, push_to_hub, dtype
+    )
+
+
+def export_peft_adapters(dodo_model_path: str | Path, pytorch_dump_folder_path: str | Path) -> Path:
+    """Mode 3: write each adapter of a longreach Dodo folder as a standard PEFT folder (+ scorer and soft prompt),
+    then read everything back and compare with the model's tensors."""
+    dodo_model_path = Path(dodo_model_path)
+    output = prepare_output_folder(pytorch_dump_folder_path, [dodo_model_path])
+    model = DodoLlamaForCausalLM.from_pretrained(dodo_model_path)
+    model.export_peft_adapters(output, base_model_name_or_path=None)
+    state_dict = model.state_dict()
+    for name in model.config.adapter_names:
+        _, weights = read_peft_adapter(output / name)
+        for key, tensor in weights.items():
+            ours = re.sub(r"^base_model\.model\.(.*)\.(lora_[AB])\.weight$", rf"\1.\2.{name}.weight", key)
+            if ours not in state_dict or not torch.equal(state_dict[ours].cpu(), tensor):
+                raise ConversionError(f"Export verification failed for {key} of adapter {name!r}.")
+    scorer = read_scorer(output / "scorer.pt")
+    if any(not torch.equal(state_dict[key].cpu(), tensor) for key, tensor in scorer.items()):
+        raise ConversionError("Export verification failed for the scorer.")
+    logger.info("Exported the adapters of %s to %s.", dodo_model_path, output)
+    return output
+
+
+def _write_model_card(output: Path, model_name: str, source: str) -> None:
+    try:
+        from ..hub import write_model_card
+    except ImportError:  # model cards arrive with the workflows; conversion does not depend on them
+        return
+    write_model_card(output, model_name, converted_from=source)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Command line
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    modes = parser.add_argument_group("input (one mode)")
+    modes.add_argument("--checkpoint_path", help="Mode 1: the authors' Lightning weights.ckpt.")
+    modes.add_argument("--encoder_adapter_path", help="Mode 2: PEFT folder of the encoder (φ) adapter.")
+    modes.add_argument("--export_peft_from", help="Mode 3: a longreach Dodo folder to export as PEFT folders.")
+    parser.add_argument("--pytorch_dump_folder_path", required=True, help="New or empty output folder.")
+    parser.add_argument("--hparams_path", help="hparams.yaml (default: the checkpoint's own hyper-parameters).")
+    parser.add_argument("--base_model_path", help="Base Llama folder (default: the hyper-parameters' `pretrained`).")
+    parser.add_argument("--decoder_adapter_path", help="Mode 2: PEFT folder of the decoder (θ) adapter.")
+    parser.add_argument("--scorer_path", help="Mode 2: scorer file (plain FFN state dict or Nugget-package file).")
+    parser.add_argument("--soft_prompt_path", help="Mode 2: soft prompt tensor file (or the authors' weights.ckpt).")
+    parser.add_argument("--soft_prompt_length", type=int, help="Mode 2: 0 for a model without a soft prompt.")
+    parser.add_argument("--nugget_layer", type=int, default=3, help="Mode 2: ι (default 3).")
+    parser.add_argument("--nugget_ratio", type=float, default=0.1, help="Mode 2: nuggets per token (default 0.1).")
+    parser.add_argument("--nugget_count_rounding", choices=("dodo", "ceil"), default="dodo", help="Mode 2 (default dodo).")
+    parser.add_argument("--scorer_features", choices=("base_final_norm", "encoder_hidden"), default="base_final_norm",
+                        help="Mode 2: base_final_norm (ind_scorer=True, default) or encoder_hidden.")
+    parser.add_argument("--straight_through_scores", action="store_true",
+                        help="Mode 2: use s - stopgrad(s) instead of the original's + s (only for models trained so).")
+    parser.add_argument("--max_new_tokens", type=int, help="Mode 2: generation_config.max_new_tokens.")
+    parser.add_argument("--legacy_decoder_mask_order", action="store_true",
+                        help="Reproduce the original's decoder mask-order bug (spec §8.1) for bug-for-bug parity.")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
+                        help="dtype of the converted model (default: the widest dtype among the sources, lossless).")
+    parser.add_argument("--tokenizer_name_or_path", help="Tokenizer to save (default: the base folder's, if any).")
+    parser.add_argument("--push_to_hub", metavar="REPO_ID", help="Also upload the result to this Hub repo.")
+    parser.add_argument("--unsafe_allow_pickle_code_execution", action="store_true",
+                        help="Allow torch.load(weights_only=False) for trusted pickles that hold other objects: this can "
+                             "execute arbitrary code.")
+    args = parser.parse_args(argv)
+    chosen = [name for name in ("checkpoint_path", "encoder_adapter_path", "export_peft_from") if getattr(args, name)]
+    if len(chosen) != 1:
+        parser.error("pass exactly one of --checkpoint_path, --encoder_adapter_path and --export_peft_from")
+    if args.encoder_adapter_path and not (args.scorer_path and args.base_model_path):
+        parser.error("--encoder_adapter_path needs --scorer_path and --base_model_path")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
+    args = parse_args(argv)
+    unsafe = args.unsafe_allow_pickle_code_execution
+    try:
+        if args.checkpoint_path:
+            output = convert_dodo_checkpoint(
+                args.checkpoint_path, args.pytorch_dump_folder_path, args.hparams_path, args.base_model_path,
+                args.tokenizer_name_or_path, args.legacy_decoder_mask_order, args.push_to_hub, unsafe, args.dtype,
+            )
+        elif args.encoder_adapter_path:
+            output = convert_dodo_peft_folders(
+                args.encoder_adapter_path, args.decoder_adapter_path, args.scorer_path, args.base_model_path,
+                args.pytorch_dump_folder_path, args.soft_prompt_path, args.soft_prompt_length, args.nugget_layer,
+                args.nugget_ratio, args.nugget_count_rounding, args.scorer_features, not args.straight_through_scores,
+                args.legacy_decoder_mask_order, args.tokenizer_name_or_path, args.max_new_tokens, args.push_to_hub,
+                unsafe, args.dtype,
+            )
+        else:
+            output = export_peft_adapters(args.export_peft_from, args.pytorch_dump_folder_path)
+    except ConversionError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    print(f"Dodo {'PEFT export' if args.export_peft_from else 'checkpoint'} written to {output}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
