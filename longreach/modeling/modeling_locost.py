@@ -135,9 +135,10 @@ class LocostEncoder(nn.Module):
         hidden_states = self.dropout(self.final_layer_norm(hidden_states))
         if all_hidden is not None:
             all_hidden.append(hidden_states)
-        return BaseModelOutput(
+        output = BaseModelOutput(
             last_hidden_state=hidden_states, hidden_states=tuple(all_hidden) if all_hidden is not None else None
         )
+        return output if return_dict is not False else output.to_tuple()
 
 
 class LocostPreTrainedModel(HubReadyMixin, PreTrainedModel):
@@ -166,6 +167,11 @@ class LocostPreTrainedModel(HubReadyMixin, PreTrainedModel):
             module.reset_parameters()  # transformers guards torch.nn.init here: loaded tensors are kept
         elif isinstance(module, (nn.Embedding, nn.Linear)):
             init.normal_(module.weight, mean=0.0, std=self.config.initializer_factor)
+
+
+def _returns_dict(return_dict: bool | None, config: LocostConfig) -> bool:
+    """transformers' convention: ``return_dict=False`` (argument, else config) returns a plain tuple."""
+    return return_dict if return_dict is not None else config.return_dict
 
 
 def _as_encoder_output(encoder_outputs) -> BaseModelOutput:
@@ -246,7 +252,7 @@ class LocostModel(_LocostSeq2Seq):
             output_attentions=bool(output_attentions),
             output_hidden_states=output_hidden_states,
         )
-        return Seq2SeqModelOutput(
+        output = Seq2SeqModelOutput(
             last_hidden_state=decoder_outputs.last_hidden_state,
             past_key_values=decoder_outputs.past_key_values,
             decoder_hidden_states=decoder_outputs.hidden_states,
@@ -255,6 +261,7 @@ class LocostModel(_LocostSeq2Seq):
             encoder_last_hidden_state=encoder_outputs.last_hidden_state,
             encoder_hidden_states=encoder_outputs.hidden_states,
         )
+        return output if _returns_dict(return_dict, self.config) else output.to_tuple()
 
 
 class LocostForConditionalGeneration(_LocostSeq2Seq, GenerationMixin):
@@ -308,7 +315,7 @@ class LocostForConditionalGeneration(_LocostSeq2Seq, GenerationMixin):
             use_cache = self.config.use_cache and labels is None
         check_token_ids("decoder_input_ids", decoder_input_ids)
         encoder_outputs = self._encode(input_ids, attention_mask, inputs_embeds, encoder_outputs, output_hidden_states)
-        return self._lm_head_output(
+        output = self._lm_head_output(
             encoder_outputs,
             attention_mask,
             decoder_input_ids,
@@ -320,3 +327,4 @@ class LocostForConditionalGeneration(_LocostSeq2Seq, GenerationMixin):
             output_attentions=bool(output_attentions),
             output_hidden_states=output_hidden_states,
         )
+        return output if _returns_dict(return_dict, self.config) else output.to_tuple()
