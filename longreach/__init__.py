@@ -10,7 +10,12 @@ from transformers import AutoConfig, AutoModel, AutoModelForSeq2SeqLM
 from .configuration.configuration_locost import LocostConfig
 from .configuration.configuration_vcc_t5 import VCCT5Config
 from .modeling.modeling_locost import LocostForConditionalGeneration, LocostModel
-from .modeling.modeling_vcc_t5 import VCCT5ForConditionalGeneration, VCCT5Model, prepare_vip_inputs
+from .modeling.modeling_vcc_t5 import (
+    VCCT5DataCollator,
+    VCCT5ForConditionalGeneration,
+    VCCT5Model,
+    prepare_vip_inputs,
+)
 
 __version__ = "0.1.0"
 
@@ -29,5 +34,5 @@ AutoModelForSeq2SeqLM.register(VCCT5Config, VCCT5ForConditionalGeneration, exist
 # -- pipelines --
 
 __all__ = ["LocostConfig", "LocostModel", "LocostForConditionalGeneration",
-           "VCCT5Config", "VCCT5Model", "VCCT5ForConditionalGeneration", "prepare_vip_inputs",
+           "VCCT5Config", "VCCT5Model", "VCCT5ForConditionalGeneration", "VCCT5DataCollator", "prepare_vip_inputs",
            "__version__"]

@@ -19,7 +19,7 @@ from transformers import (
 )
 
 import longreach  # noqa: F401  (registers the Auto classes)
-from longreach import VCCT5Config, VCCT5ForConditionalGeneration, VCCT5Model, prepare_vip_inputs
+from longreach import VCCT5Config, VCCT5DataCollator, VCCT5ForConditionalGeneration, VCCT5Model, prepare_vip_inputs
 from remote_code_helpers import run_without_longreach
 
 T5_SIZES = dict(vocab_size=200, d_model=32, d_kv=8, d_ff=64, num_layers=3, num_decoder_layers=2, num_heads=4,
@@ -257,19 +257,30 @@ def test_generate_carries_vip_mask_with_and_without_cache():
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-def test_seq2seq_trainer_step(tmp_path):
+def test_seq2seq_trainer_step_with_the_vip_collator(tmp_path, tokenizer):
     from datasets import Dataset
 
     model = tiny_model(dropout_rate=0.1)
-    input_ids, attention_mask, vip_mask = batch(length=70, lengths=(70, 50, 64, 33))
-    labels = torch.randint(2, 200, (4, 5))
-    dataset = Dataset.from_dict({"input_ids": input_ids.tolist(), "attention_mask": attention_mask.tolist(),
-                                 "vip_mask": vip_mask.tolist(), "labels": labels.tolist()})
+    contexts = ["The committee met on Tuesday to discuss the budget. " * n for n in (9, 3, 6, 1)]
+    rows = [prepare_vip_inputs(tokenizer, "Who met?", context) for context in contexts]  # one row each: ragged
+    dataset = Dataset.from_dict({
+        "input_ids": [row["input_ids"][0].tolist() for row in rows],
+        "attention_mask": [row["attention_mask"][0].tolist() for row in rows],
+        "vip_mask": [row["vip_mask"][0].tolist() for row in rows],
+        "labels": [tokenizer("the committee").input_ids, tokenizer("budget").input_ids] * 2,
+    })
+    collator = VCCT5DataCollator(tokenizer, model=model, label_pad_token_id=-100)
+    collated = collator([dataset[0], dataset[1]])
+    assert collated["vip_mask"].shape == collated["input_ids"].shape
+    assert torch.equal(collated["vip_mask"][1, : len(dataset[1]["vip_mask"])], torch.tensor(dataset[1]["vip_mask"]))
+    assert collated["vip_mask"][1, len(dataset[1]["vip_mask"]) :].sum() == 0
+
     before = {name: parameter.detach().clone() for name, parameter in model.named_parameters()}
     args = Seq2SeqTrainingArguments(output_dir=str(tmp_path / "run"), per_device_train_batch_size=2, max_steps=2,
                                     learning_rate=1e-2, use_cpu=True, report_to="none", save_strategy="no",
                                     logging_steps=1, disable_tqdm=True)
-    result = Seq2SeqTrainer(model=model, args=args, train_dataset=dataset).train()
+    trainer = Seq2SeqTrainer(model=model, args=args, train_dataset=dataset, data_collator=collator)
+    result = trainer.train()
     assert torch.isfinite(torch.tensor(result.training_loss))
     changed = [name for name, parameter in model.named_parameters() if not torch.equal(parameter, before[name])]
     assert "encoder.block.2.layer.0.SelfAttention.q.weight" in changed  # a VCC layer learned

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from transformers import BatchEncoding
+from transformers import BatchEncoding, DataCollatorForSeq2Seq
 from transformers import initialization as init
 from transformers.cache_utils import Cache
 from transformers.generation import GenerationMixin
@@ -348,25 +348,28 @@ class VCCT5Encoder(nn.Module):
 
     def _vanilla_layers(self, hidden_states, mask, all_hidden, length) -> torch.Tensor:
         """Ordinary T5 layers on independent segments (spec §4.3). Positions are global, but the relative bias only
-        depends on differences, so one `[1, heads, S, S]` bias serves every segment; segments are processed in
-        chunks to bound the attention tensors."""
+        depends on differences, so one `[1, heads, S, S]` bias serves every segment. Segments are independent, so
+        they go through all vanilla layers in chunks, which bounds the `[segments, heads, S, S]` attention tensors."""
         batch, padded_length, hidden = hidden_states.shape
         segment = self.config.segment_length if self.config.uses_segments() else padded_length
         segments = hidden_states.reshape(-1, segment, hidden)
         segment_mask = mask.reshape(-1, segment)
         positions = torch.arange(segment, device=hidden_states.device)
         position_bias = self.relative_bias(positions, positions)
-        key_bias = MASK_VALUE * (1.0 - segment_mask[:, None, None, :].float())
         chunk = max(1, VANILLA_TOKENS_PER_CHUNK // segment)
-        for block in self.block[: self.config.num_vanilla_layers]:
-            outputs = [
-                block(segments[start : start + chunk], position_bias + key_bias[start : start + chunk])
-                for start in range(0, segments.shape[0], chunk)
-            ]
-            segments = torch.cat(outputs, dim=0) if len(outputs) > 1 else outputs[0]
-            if all_hidden is not None:
-                all_hidden.append(segments.reshape(batch, padded_length, hidden)[:, :length])
-        return segments.reshape(batch, padded_length, hidden)
+        outputs = []  # per chunk: the output of every vanilla layer
+        for start in range(0, segments.shape[0], chunk):
+            key_bias = MASK_VALUE * (1.0 - segment_mask[start : start + chunk, None, None, :].float())
+            attention_bias = position_bias + key_bias
+            states, layer_outputs = segments[start : start + chunk], []
+            for block in self.block[: self.config.num_vanilla_layers]:
+                states = block(states, attention_bias)
+                layer_outputs.append(states)
+            outputs.append(layer_outputs if all_hidden is not None else [states])
+        per_layer = [torch.cat(chunks, dim=0).reshape(batch, padded_length, hidden) for chunks in zip(*outputs)]
+        if all_hidden is not None:
+            all_hidden.extend(states[:, :length] for states in per_layer)
+        return per_layer[-1]
 
     def _block_scores(self, block, important, important_positions, important_vip, means, mean_positions, mean_mask):
         """Selection scores of VCC layer `block` (spec §4.5b): the layer's own ln0, q, k and the shared relative bias
@@ -553,6 +556,37 @@ def prepare_vip_inputs(
     """
     encoding, _ = _encode_queries_and_contexts(tokenizer, queries, contexts, max_length, separator)
     return BatchEncoding(encoding)
+
+
+@dataclass
+class VCCT5DataCollator(DataCollatorForSeq2Seq):
+    """`DataCollatorForSeq2Seq` that also pads `vip_mask` (with 0s, on the tokenizer's padding side) to the padded
+    `input_ids` width, so that features of different lengths (e.g. from [`prepare_vip_inputs`] row by row) batch.
+
+    ```python
+    >>> collator = VCCT5DataCollator(tokenizer, model=model, label_pad_token_id=-100)
+    >>> trainer = Seq2SeqTrainer(model=model, args=args, train_dataset=dataset, data_collator=collator)
+    ```
+    """
+
+    def __call__(self, features, return_tensors=None):
+        if not features or "vip_mask" not in features[0]:
+            return super().__call__(features, return_tensors)
+        vip_masks = [list(feature["vip_mask"]) for feature in features]
+        batch = super().__call__([{k: v for k, v in feature.items() if k != "vip_mask"} for feature in features],
+                                 return_tensors)
+        width = len(batch["input_ids"][0])
+        padded = torch.zeros(len(vip_masks), width, dtype=torch.long)
+        for row, values in enumerate(vip_masks):
+            if len(values) > width:
+                raise ValueError(f"`vip_mask` of feature {row} is longer ({len(values)}) than its `input_ids` ({width}).")
+            values = torch.tensor(values, dtype=torch.long)
+            if self.tokenizer.padding_side == "left":
+                padded[row, width - len(values):] = values
+            else:
+                padded[row, : len(values)] = values
+        batch["vip_mask"] = padded if (return_tensors or self.return_tensors) == "pt" else padded.numpy()
+        return batch
 
 
 # ---------------------------------------------------------------------------------------------------------------------
