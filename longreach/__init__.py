@@ -5,11 +5,13 @@
 on import.
 """
 
-from transformers import AutoConfig, AutoModel, AutoModelForSeq2SeqLM
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
 from .configuration.configuration_locost import LocostConfig
 from .configuration.configuration_vcc_t5 import VCCT5Config
+from .configuration.configuration_dodo import DodoLlamaConfig
 from .modeling.modeling_locost import LocostForConditionalGeneration, LocostModel
+from .modeling.modeling_dodo import DodoDataCollator, DodoLlamaForCausalLM, DodoNuggets
 from .modeling.modeling_vcc_t5 import (
     VCCT5DataCollator,
     VCCT5ForConditionalGeneration,
@@ -30,9 +32,13 @@ AutoModel.register(VCCT5Config, VCCT5Model, exist_ok=True)
 AutoModelForSeq2SeqLM.register(VCCT5Config, VCCT5ForConditionalGeneration, exist_ok=True)
 
 # -- Dodo --
+AutoConfig.register(DodoLlamaConfig.model_type, DodoLlamaConfig, exist_ok=True)
+AutoModel.register(DodoLlamaConfig, DodoLlamaForCausalLM, exist_ok=True)
+AutoModelForCausalLM.register(DodoLlamaConfig, DodoLlamaForCausalLM, exist_ok=True)
 
 # -- pipelines --
 
 __all__ = ["LocostConfig", "LocostModel", "LocostForConditionalGeneration",
            "VCCT5Config", "VCCT5Model", "VCCT5ForConditionalGeneration", "VCCT5DataCollator", "prepare_vip_inputs",
+           "DodoLlamaConfig", "DodoLlamaForCausalLM", "DodoNuggets", "DodoDataCollator",
            "__version__"]

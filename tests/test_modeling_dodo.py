@@ -1,0 +1,649 @@
+"""Dodo: configuration, adapters and freezing, compression, nugget-conditioned decoding, generation (greedy, sampling,
+beam search, right and left padding), autoregressive mode, training, Hub-ready saving, summarization inputs, errors.
+
+Parity with the authors' outputs lives in ``test_convert_dodo.py`` (it needs the converter)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from peft import LoraConfig, PeftModel, inject_adapter_in_model
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import (
+    AutoConfig,
+    AutoModel,
+    AutoModelForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedTokenizerFast,
+    Trainer,
+    TrainingArguments,
+    pipeline,
+)
+
+import longreach
+from longreach import DodoDataCollator, DodoLlamaConfig, DodoLlamaForCausalLM, DodoNuggets
+from longreach.modeling.modeling_dodo import DodoCache, token_positions
+from remote_code_helpers import run_without_longreach
+
+VOCAB = 100
+
+
+def tiny_config(**overrides) -> DodoLlamaConfig:
+    values = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+                  num_key_value_heads=2, nugget_layer=2, nugget_ratio=0.2, lora_r=4, lora_alpha=8.0,
+                  lora_dropout=0.0, soft_prompt_length=2, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    values.update(overrides)
+    return DodoLlamaConfig(**values)
+
+
+def randomize_adapters(model: DodoLlamaForCausalLM, scale: float = 0.3) -> DodoLlamaForCausalLM:
+    """Fresh LoRA B is zero (φ = θ = base); give both adapters distinct non-zero weights."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if ".lora_B." in name:
+                param.normal_(0.0, scale)
+    return model
+
+
+def tiny_model(**overrides) -> DodoLlamaForCausalLM:
+    torch.manual_seed(0)
+    return randomize_adapters(DodoLlamaForCausalLM(tiny_config(**overrides))).eval()
+
+
+@pytest.fixture
+def model():
+    return tiny_model()
+
+
+def ids(batch: int, length: int, low: int = 3) -> torch.LongTensor:
+    return torch.randint(low, VOCAB, (batch, length))
+
+
+def left_pad(tokens: torch.LongTensor, width: int) -> tuple[torch.LongTensor, torch.LongTensor]:
+    pad = width - tokens.shape[1]
+    return (torch.cat([tokens.new_zeros(1, pad), tokens], 1),
+            torch.cat([torch.zeros(1, pad, dtype=torch.long), torch.ones_like(tokens)], 1))
+
+
+def right_pad(tokens: torch.LongTensor, width: int) -> tuple[torch.LongTensor, torch.LongTensor]:
+    pad = width - tokens.shape[1]
+    return (torch.cat([tokens, tokens.new_zeros(1, pad)], 1),
+            torch.cat([torch.ones_like(tokens), torch.zeros(1, pad, dtype=torch.long)], 1))
+
+
+def max_diff(a, b) -> float:
+    return (a.float() - b.float()).abs().max().item()
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Configuration and registration
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def test_defaults_are_the_papers_and_registration():
+    config = DodoLlamaConfig()
+    assert isinstance(config, LlamaConfig) and config.model_type == "dodo_llama"
+    assert (config.nugget_layer, config.nugget_ratio, config.lora_r, config.lora_alpha, config.soft_prompt_length) == (3, 0.1, 32, 32.0, 1)
+    assert config.lora_target_modules == ["q_proj", "v_proj", "o_proj"] and config.adapter_names == ["encoder", "decoder"]
+    assert config.nugget_count_rounding == "dodo" and config.score_in_forward and config.force_last_nugget
+    assert not config.legacy_decoder_mask_order and config.recent_window is None
+    assert config.lora_target_regex == r".*layers\.(\d+)\.self_attn\.(q_proj|v_proj|o_proj)"  # the authors' own pattern
+    assert type(AutoConfig.for_model("dodo_llama")) is DodoLlamaConfig
+    small = tiny_config()
+    assert type(AutoModelForCausalLM.from_config(small)) is DodoLlamaForCausalLM
+    assert type(AutoModel.from_config(small)) is DodoLlamaForCausalLM
+    assert {"DodoLlamaConfig", "DodoLlamaForCausalLM", "DodoNuggets"} <= set(longreach.__all__)
+
+
+def test_config_round_trip_and_counts(tmp_path):
+    config = tiny_config(lora_layers=[2, 1], recent_window=16, nugget_threshold=0.5)
+    config.save_pretrained(tmp_path)
+    loaded = AutoConfig.from_pretrained(tmp_path)
+    assert type(loaded) is DodoLlamaConfig and loaded.lora_layers == [1, 2] and loaded.recent_window == 16
+    assert loaded.effective_compression_stride == 16 and loaded.nugget_threshold == 0.5
+    dodo = DodoLlamaConfig(nugget_ratio=0.1)
+    assert [dodo.num_nuggets_for_length(n) for n in (1, 10, 11, 23, 37, 101)] == [1, 1, 2, 3, 4, 11]
+    ceil = DodoLlamaConfig(nugget_ratio=0.1, nugget_count_rounding="ceil")
+    assert [ceil.num_nuggets_for_length(n) for n in (1, 10, 11, 30, 101)] == [1, 1, 2, 3, 11]
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [("nugget_layer", 9), ("nugget_ratio", 0.0), ("nugget_count_rounding", "floor"), ("scorer_features", "x"),
+     ("soft_prompt_length", -1), ("lora_target_modules", ["gate_proj"]), ("lora_layers", [7]),
+     ("encoder_adapter_name", "a b"), ("recent_window", -2), ("compression_stride", 0)],
+)
+def test_config_rejects_bad_values(field, value):
+    with pytest.raises(ValueError, match=field):
+        tiny_config(**{field: value})
+
+
+def test_encoder_hidden_features_need_adapter_free_early_layers():
+    with pytest.raises(ValueError, match="lora_layers"):
+        tiny_config(scorer_features="encoder_hidden")
+    config = tiny_config(scorer_features="encoder_hidden", lora_layers=[2])
+    assert config.lora_target_regex == r".*layers\.(2)\.self_attn\.(q_proj|v_proj|o_proj)"
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Adapters, initialisation, freezing, saving
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def test_one_state_dict_holds_base_adapters_scorer_and_soft_prompt(tmp_path, model):
+    model.save_pretrained(tmp_path)
+    from safetensors.torch import load_file
+
+    keys = set(load_file(str(tmp_path / "model.safetensors")))
+    assert "model.layers.0.self_attn.q_proj.base_layer.weight" in keys and "model.layers.0.self_attn.k_proj.weight" in keys
+    for adapter in ("encoder", "decoder"):
+        assert f"model.layers.2.self_attn.o_proj.lora_B.{adapter}.weight" in keys
+    assert {"nugget_scorer.0.weight", "nugget_scorer.0.bias", "nugget_scorer.2.weight", "nugget_scorer.2.bias",
+            "soft_prompt.weight", "lm_head.weight"} <= keys
+    assert not any("k_proj.lora" in key or "mlp" in key and "lora" in key for key in keys)
+    reloaded = DodoLlamaForCausalLM.from_pretrained(tmp_path).eval()
+    context, prompt = ids(1, 12), ids(1, 4)
+    with torch.no_grad():
+        assert max_diff(reloaded(prompt, context_input_ids=context).logits, model(prompt, context_input_ids=context).logits) == 0
+
+
+def test_fresh_adapters_are_the_identity_and_switching_changes_outputs():
+    torch.manual_seed(0)
+    fresh = DodoLlamaForCausalLM(tiny_config()).eval()
+    lora_b = [p for n, p in fresh.named_parameters() if ".lora_B." in n]
+    assert lora_b and all(torch.count_nonzero(p) == 0 for p in lora_b)  # gotcha 2: transformers' init must not touch B
+    assert all(torch.count_nonzero(p) > 0 for n, p in fresh.named_parameters() if ".lora_A." in n)
+    tokens = ids(1, 6)
+    outputs = {}
+    randomize_adapters(fresh)
+    with torch.no_grad():
+        for name in ("encoder", "decoder", None):
+            fresh.set_active_adapter(name)
+            outputs[name] = fresh.lm_head(fresh.model(tokens).last_hidden_state)
+    assert max_diff(outputs["encoder"], outputs["decoder"]) > 1e-3 and max_diff(outputs[None], outputs["decoder"]) > 1e-3
+    fresh.set_active_adapter(None)
+    with torch.no_grad():  # disabling is reversible
+        assert max_diff(fresh.lm_head(fresh.model(tokens).last_hidden_state), outputs[None]) == 0
+    with pytest.raises(ValueError, match="adapter_name"):
+        fresh.set_active_adapter("theta")
+
+
+def trainable_names(model) -> set[str]:
+    return {name for name, param in model.named_parameters() if param.requires_grad}
+
+
+def test_base_is_frozen_at_init_after_switching_and_after_from_pretrained(tmp_path, model):
+    expected = {name for name, _ in model.named_parameters()
+                if ".lora_" in name or name.startswith(("nugget_scorer.", "soft_prompt."))}
+    assert trainable_names(model) == expected and len(expected) == 3 * 3 * 2 * 2 + 4 + 1
+    for name in ("encoder", None, "decoder", "encoder"):  # gotcha 3: switching must not freeze the inactive adapter
+        model.set_active_adapter(name)
+        assert trainable_names(model) == expected
+    model.save_pretrained(tmp_path)
+    for loaded in (DodoLlamaForCausalLM.from_pretrained(tmp_path), AutoModelForCausalLM.from_pretrained(tmp_path)):
+        assert trainable_names(loaded) == expected  # gotcha 4
+
+
+def test_from_base_model_loads_a_plain_llama(tmp_path):
+    torch.manual_seed(0)
+    llama_config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                               num_attention_heads=4, num_key_value_heads=2)
+    llama = LlamaForCausalLM(llama_config).eval()
+    llama.save_pretrained(tmp_path / "llama")
+    dodo = DodoLlamaForCausalLM.from_base_model(tmp_path / "llama", {"nugget_layer": 2, "lora_r": 4}).eval()
+    assert dodo.config.model_type == "dodo_llama" and dodo.config.lora_r == 4
+    tokens = ids(2, 7)
+    with torch.no_grad():  # gotcha 1: base_layer weights loaded; fresh θ is the identity, so plain decoding = the base
+        assert max_diff(dodo(tokens).logits, llama(tokens).logits) < 1e-5
+    assert trainable_names(dodo) and all(".lora_" in n or n.startswith(("nugget_", "soft_")) for n in trainable_names(dodo))
+    with pytest.raises(ValueError, match="from_base_model"):
+        DodoLlamaForCausalLM.from_pretrained(tmp_path / "llama")
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Compression
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def test_compress_output_and_counts(model):
+    context = ids(2, 23)
+    mask = torch.ones_like(context)
+    mask[1, 12:] = 0
+    nuggets = model.compress(context, mask, output_features=True)
+    assert isinstance(nuggets, DodoNuggets)
+    # dodo rounding: int(23*0.2 + 0.99) = 5, int(12*0.2 + 0.99) = 3
+    assert nuggets.mask.tolist() == [[True] * 5, [True] * 3 + [False] * 2]
+    assert nuggets.indices[0, -1] == 22 and nuggets.indices[1, 2] == 11  # the last real token is always a nugget
+    assert (nuggets.indices[0].diff() > 0).all() and (nuggets.indices[1, :3].diff() > 0).all()
+    assert len(nuggets.key_values) == 3 and nuggets.key_values[0][0].shape == (2, 2, 5, 8)
+    assert nuggets.scores.shape == (2, 5) and nuggets.all_scores.shape == (2, 23) and nuggets.features.shape == (2, 23, 32)
+    assert torch.equal(nuggets.scores, nuggets.all_scores.gather(1, nuggets.indices))
+    assert torch.equal(nuggets.positions, nuggets.indices)  # right padding: positions are the columns
+    # the non-forced nuggets are the top scores of the real tokens
+    real_scores = nuggets.all_scores[0, :22]
+    assert set(nuggets.indices[0, :4].tolist()) == set(real_scores.topk(4).indices.tolist())
+
+    ceil = tiny_model(nugget_count_rounding="ceil")
+    assert ceil.compress(ids(1, 10)).mask.shape[1] == 2  # ceil(10 * 0.2) = 2 (dodo: int(2.99) = 2 as well)
+    assert tiny_model().compress(ids(1, 11)).mask.shape[1] == 3  # int(2.2 + 0.99) = 3; ceil gives 3 too
+    assert tiny_model(nugget_ratio=0.1).compress(ids(1, 21)).mask.shape[1] == 3  # int(3.09) = 3 = ceil(2.1)
+
+
+def test_compress_left_padding_equals_unpadded(model):
+    context = ids(1, 14)
+    padded, mask = left_pad(context, 20)
+    plain, left = model.compress(context), model.compress(padded, mask)
+    assert torch.equal(left.indices - 6, plain.indices) and torch.equal(left.positions, plain.positions)
+    assert left.indices[0, -1] == 19  # forced last token is the last real one, not column n_b - 1
+    for (k1, v1), (k2, v2) in zip(plain.key_values, left.key_values):
+        assert max_diff(k1, k2) < 1e-5 and max_diff(v1, v2) < 1e-5
+    assert max_diff(plain.scores, left.scores) < 1e-5
+
+
+def test_selection_ties_prefer_earlier_tokens(model):
+    with torch.no_grad():  # a constant scorer: every token ties
+        model.nugget_scorer[2].weight.zero_()
+        model.nugget_scorer[2].bias.fill_(0.5)
+    nuggets = model.compress(ids(1, 20))  # k = int(4 + 0.99) = 4: the forced last token and the first three
+    assert nuggets.indices.tolist() == [[0, 1, 2, 19]]
+
+
+def test_token_positions_for_right_left_and_no_padding():
+    mask = torch.tensor([[1, 1, 1, 0, 0], [0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
+    assert token_positions(mask).tolist() == [[0, 1, 2, 3, 4], [0, 0, 0, 1, 2], [0, 1, 2, 3, 4]]
+    assert token_positions(mask, torch.tensor([3, 0, 1]))[:, -1].tolist() == [7, 2, 5]
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Decoding with nuggets
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def test_forward_logits_cover_input_ids_only_and_match_a_cached_continuation(model):
+    context, tokens = ids(2, 15), ids(2, 7)
+    with torch.no_grad():
+        nuggets = model.compress(context)
+        full = model(tokens, nuggets=nuggets)
+        assert full.logits.shape == (2, 7, VOCAB)
+        first = model(tokens[:, :4], nuggets=nuggets, use_cache=True)
+        cache = first.past_key_values
+        assert isinstance(cache, DodoCache) and cache.seen_tokens == 4
+        assert cache.get_seq_length() == nuggets.mask.shape[1] + 2 + 4  # nuggets + soft prompt + tokens
+        rest = model(tokens[:, 4:], attention_mask=torch.ones(2, 7), past_key_values=cache, nuggets=nuggets)
+    assert max_diff(torch.cat([first.logits, rest.logits], 1), full.logits) < 1e-5
+
+
+def test_soft_prompt_and_score_term_change_the_decoder(model):
+    context, tokens = ids(1, 15), ids(1, 6)
+    with torch.no_grad():
+        nuggets = model.compress(context)
+        reference = model(tokens, nuggets=nuggets).logits
+        model.soft_prompt.weight.add_(1.0)
+        assert max_diff(model(tokens, nuggets=nuggets).logits, reference) > 1e-4
+        model.soft_prompt.weight.sub_(1.0)
+        shifted = DodoNuggets(**{**nuggets, "scores": nuggets.scores + 2.0})
+        assert max_diff(model(tokens, nuggets=shifted).logits, reference) > 1e-4
+        model.config.score_in_forward = False  # straight-through: the scores vanish from the forward pass
+        zero = DodoNuggets(**{**nuggets, "scores": torch.zeros_like(nuggets.scores)})
+        model.config.score_in_forward = True
+        with_zero_scores = model(tokens, nuggets=zero).logits
+        model.config.score_in_forward = False
+        assert max_diff(model(tokens, nuggets=nuggets).logits, with_zero_scores) < 1e-6
+        model.config.score_in_forward = True
+
+
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_padded_batches_equal_single_rows(model, side):
+    pad = right_pad if side == "right" else left_pad
+    contexts = [ids(1, 18), ids(1, 11)]
+    prompts = [ids(1, 6), ids(1, 3)]
+    context_ids, context_mask = map(torch.cat, zip(*(pad(c, 18) for c in contexts)))
+    prompt_ids, prompt_mask = map(torch.cat, zip(*(pad(p, 6) for p in prompts)))
+    with torch.no_grad():
+        nuggets = model.compress(context_ids, context_mask)
+        logits = model(prompt_ids, attention_mask=prompt_mask, nuggets=nuggets).logits
+        batch_generated = model.generate(prompt_ids, attention_mask=prompt_mask, nuggets=nuggets, max_new_tokens=5,
+                                         do_sample=False)
+        for row, (context, prompt) in enumerate(zip(contexts, prompts)):
+            single = model.compress(context)
+            row_logits = model(prompt, nuggets=single).logits[0]
+            real = prompt_mask[row].bool()
+            assert max_diff(logits[row][real], row_logits) < 1e-5
+            generated = model.generate(prompt, nuggets=single, max_new_tokens=5, do_sample=False)
+            assert torch.equal(batch_generated[row, 6:], generated[0, prompt.shape[1]:])
+
+
+def test_legacy_mask_order_only_changes_rows_with_padded_nugget_slots():
+    model = tiny_model()
+    legacy = tiny_model(legacy_decoder_mask_order=True)
+    context_ids, context_mask = map(torch.cat, zip(right_pad(ids(1, 18), 18), right_pad(ids(1, 9), 18)))
+    tokens = ids(2, 5)
+    with torch.no_grad():
+        fixed = model(tokens, nuggets=model.compress(context_ids, context_mask)).logits
+        bug = legacy(tokens, nuggets=legacy.compress(context_ids, context_mask)).logits
+    assert max_diff(fixed[0], bug[0]) == 0 and max_diff(fixed[1], bug[1]) > 1e-4
+
+
+def test_eager_and_sdpa_agree(model, tmp_path):
+    model.save_pretrained(tmp_path)
+    eager = DodoLlamaForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").eval()
+    sdpa = DodoLlamaForCausalLM.from_pretrained(tmp_path, attn_implementation="sdpa").eval()
+    context_ids, context_mask = map(torch.cat, zip(right_pad(ids(1, 16), 16), left_pad(ids(1, 9), 16)))
+    tokens = ids(2, 5)
+    with torch.no_grad():
+        a, b = eager.compress(context_ids, context_mask), sdpa.compress(context_ids, context_mask)
+        assert torch.equal(a.indices, b.indices) and max_diff(a.scores, b.scores) < 1e-5
+        assert max_diff(eager(tokens, nuggets=a).logits, sdpa(tokens, nuggets=b).logits) < 1e-5
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Generation
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def test_greedy_generation_is_the_argmax_loop_and_starts_with_the_prompt(model):
+    context, prompt = ids(1, 20), ids(1, 4)
+    with torch.no_grad():
+        nuggets = model.compress(context)
+        generated = model.generate(prompt, nuggets=nuggets, max_new_tokens=6, do_sample=False)
+        sequence = prompt
+        for _ in range(6):
+            next_token = model(sequence, nuggets=nuggets).logits[:, -1].argmax(-1, keepdim=True)
+            sequence = torch.cat([sequence, next_token], 1)
+        one_call = model.generate(input_ids=prompt, context_input_ids=context, max_new_tokens=6, do_sample=False)
+        no_cache = model.generate(prompt, nuggets=nuggets, max_new_tokens=6, do_sample=False, use_cache=False)
+    assert torch.equal(generated[:, :4], prompt) and torch.equal(generated, sequence)
+    assert torch.equal(one_call, generated) and torch.equal(no_cache, generated)
+
+
+def test_beam_search_and_sampling(model):
+    contexts, prompts = ids(2, 17), ids(2, 4)
+    with torch.no_grad():
+        nuggets = model.compress(contexts)
+        beams = model.generate(prompts, nuggets=nuggets, max_new_tokens=5, num_beams=3, do_sample=False)
+        for row in range(2):  # beam search of a batch equals beam search of each row
+            single = model.generate(prompts[row:row + 1], nuggets=model.compress(contexts[row:row + 1]),
+                                    max_new_tokens=5, num_beams=3, do_sample=False)
+            assert torch.equal(beams[row], single[0])
+        beam_out = model.generate(prompts, nuggets=nuggets, max_new_tokens=5, num_beams=3, num_return_sequences=2,
+                                  do_sample=False, output_scores=True, return_dict_in_generate=True)
+        # the best beam's score is its log-probability per generated token, recomputed here with a plain forward pass
+        best = model(beam_out.sequences[::2], nuggets=nuggets).logits
+        log_probs = best[:, 3:-1].log_softmax(-1).gather(2, beam_out.sequences[::2, 4:, None]).sum((1, 2)) / 5
+        assert max_diff(log_probs, beam_out.sequences_scores[::2]) < 1e-4
+        torch.manual_seed(1)
+        sampled = model.generate(input_ids=prompts, context_input_ids=contexts, do_sample=True, top_k=10,
+                                 max_new_tokens=5, num_return_sequences=3)
+    assert sampled.shape == (6, 9) and torch.equal(sampled[::3, :4], prompts)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Autoregressive mode (paper §2.2): self-consistency
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def peft_llama_with_theta(model: DodoLlamaForCausalLM) -> torch.nn.Module:
+    """Stock transformers Llama + PEFT θ adapter, with our weights."""
+    config = model.config
+    llama = LlamaForCausalLM(LlamaConfig(**{k: v for k, v in config.to_dict().items() if k in LlamaConfig().to_dict()}))
+    lora = LoraConfig(r=config.lora_r, lora_alpha=config.lora_alpha, target_modules=config.lora_target_regex)
+    inject_adapter_in_model(lora, llama.model, adapter_name="decoder")
+    state = {k: v for k, v in model.state_dict().items() if ".lora_" not in k or ".decoder." in k}
+    missing, unexpected = llama.load_state_dict({k: v for k, v in state.items() if not k.startswith(("nugget_", "soft_"))})
+    assert not missing and not unexpected
+    return llama.eval()
+
+
+def test_autoregressive_window_longer_than_the_text_is_plain_llama_with_theta(model):
+    stock = peft_llama_with_theta(model)
+    windowed = tiny_model(recent_window=64)
+    text = ids(2, 20)
+    with torch.no_grad():
+        output = windowed(text)
+        assert output.past_key_values.autoregressive and output.past_key_values.num_nugget_slots == 0
+        assert max_diff(output.logits, stock(text).logits) < 1e-5
+        generated = windowed.generate(text, max_new_tokens=8, do_sample=False)
+        assert torch.equal(generated, stock.generate(text, max_new_tokens=8, do_sample=False))
+
+
+def test_autoregressive_window_boundary_at_a_compressor_call_is_compressor_mode():
+    window, stride = 6, 15
+    streaming, compressor = tiny_model(recent_window=window, compression_stride=stride), tiny_model()
+    text = ids(1, stride + window + 4)
+    with torch.no_grad():
+        streamed = streaming(text)
+        cache = streamed.past_key_values
+        nuggets = compressor.compress(text[:, :stride])
+        assert cache.num_nugget_slots == nuggets.mask.shape[1] == 3 and cache.compressed_tokens == stride
+        reference = compressor(text[:, stride:], nuggets=nuggets).logits
+        assert max_diff(streamed.logits[:, stride + window:], reference[:, window:]) < 1e-5
+        # greedy continuations equal while no second compression happens
+        ar_generated = streaming.generate(text, max_new_tokens=5, do_sample=False)
+        compressor_generated = compressor.generate(text[:, stride:], nuggets=nuggets, max_new_tokens=5, do_sample=False)
+    assert torch.equal(ar_generated[:, -5:], compressor_generated[:, -5:])
+
+
+def test_autoregressive_streaming_equals_one_call_and_threshold_modes():
+    streaming = tiny_model(recent_window=4, compression_stride=6)
+    text = ids(1, 27)
+    with torch.no_grad():
+        one_call = streaming(text)
+        cache, pieces = None, []
+        for start in range(0, 27, 5):  # uneven pieces crossing several compressions
+            end = min(start + 5, 27)
+            out = streaming(text[:, start:end], attention_mask=torch.ones(1, end), past_key_values=cache)
+            cache = out.past_key_values
+            pieces.append(out.logits)
+        assert max_diff(torch.cat(pieces, 1), one_call.logits) < 1e-5
+        assert cache.compressed_tokens == 18 and cache.pending_ids.shape[1] == 9  # three chunks of 6 compressed
+        assert cache.num_nugget_slots == 3 * 2  # int(6 * 0.2 + 0.99) = 2 per chunk
+        keep_all = tiny_model(recent_window=4, compression_stride=6, nugget_threshold=-1e9)(text).past_key_values
+        keep_none = tiny_model(recent_window=4, compression_stride=6, nugget_threshold=1e9)(text)
+        assert keep_all.num_nugget_slots == 18 and keep_none.past_key_values.num_nugget_slots == 0
+        assert keep_none.logits.shape == (1, 27, VOCAB)
+        beams = streaming.generate(text[:, :10].repeat(2, 1), max_new_tokens=14, num_beams=2, do_sample=False)
+    assert beams.shape == (2, 24)
+    threshold = tiny_model().estimate_nugget_threshold(ids(2, 40))
+    assert isinstance(threshold, float) and math.isfinite(threshold)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Training
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def test_scorer_learns_only_through_the_attention_logits():
+    """Eq. 17: ∂L/∂s_j equals the gradient of an additive bias on attention column j, summed over layers, heads and
+    queries. With straight-through scores the forward pass ignores s; the gradient is that bias gradient."""
+    model = tiny_model(score_in_forward=False)
+    context, tokens = ids(1, 20), ids(1, 6)
+    nuggets = model.compress(context)
+    bias = torch.zeros_like(nuggets.scores, requires_grad=True)
+    model.config.score_in_forward = True  # + bias (all zeros): the forward pass is unchanged
+    loss_bias = model(tokens, nuggets=DodoNuggets(**{**nuggets, "scores": bias}), labels=tokens).loss
+    (bias_grad,) = torch.autograd.grad(loss_bias, bias)
+    model.config.score_in_forward = False
+    scores = nuggets.scores.detach().requires_grad_(True)
+    loss = model(tokens, nuggets=DodoNuggets(**{**nuggets, "scores": scores}), labels=tokens).loss
+    assert abs(loss.item() - loss_bias.item()) < 1e-6
+    (score_grad,) = torch.autograd.grad(loss, scores, retain_graph=True)
+    assert bias_grad.abs().sum() > 0 and max_diff(score_grad, bias_grad) < 1e-7
+    # and the scorer's parameters get exactly the chain rule through those scores (nothing else reaches them)
+    model.zero_grad()
+    nuggets = model.compress(context)
+    model(tokens, nuggets=nuggets, labels=tokens).loss.backward()
+    features = model.compress(context, output_features=True).features.detach()
+    expected = torch.autograd.grad(
+        model.nugget_scorer(features).squeeze(-1).gather(1, nuggets.indices), model.nugget_scorer[0].weight,
+        grad_outputs=score_grad,
+    )[0]
+    assert max_diff(model.nugget_scorer[0].weight.grad, expected) < 1e-6
+
+
+def test_joint_compress_then_decode_step_trains_both_adapters_scorer_and_soft_prompt():
+    model = tiny_model().train()
+    batch = DodoDataCollator()([{"context_input_ids": ids(1, 20)[0].tolist(), "input_ids": ids(1, 8)[0].tolist()},
+                                {"context_input_ids": ids(1, 14)[0].tolist(), "input_ids": ids(1, 5)[0].tolist(),
+                                 "prompt_length": 2}])
+    loss = model(**batch).loss
+    loss.backward()
+    grads = {name: param.grad for name, param in model.named_parameters()}
+    for role in ("encoder", "decoder"):
+        assert sum(g.abs().sum() for n, g in grads.items() if f".lora_B.{role}." in n and g is not None) > 0
+    assert grads["nugget_scorer.0.weight"].abs().sum() > 0 and grads["soft_prompt.weight"].abs().sum() > 0
+    assert all(g is None for n, g in grads.items() if ".lora_" not in n and not n.startswith(("nugget_", "soft_")))
+
+
+def test_collator_builds_autoencoding_and_continuation_examples():
+    batch = DodoDataCollator(pad_token_id=0)([
+        {"context_input_ids": [1, 5, 6, 7]},                                    # autoencoding: target = context
+        {"context_input_ids": [1, 8], "input_ids": [9, 10, 11], "prompt_length": 1},  # continuation
+    ])
+    assert batch["input_ids"].tolist() == [[1, 5, 6, 7], [9, 10, 11, 0]]
+    assert batch["labels"].tolist() == [[1, 5, 6, 7], [-100, 10, 11, -100]]
+    assert batch["context_attention_mask"].tolist() == [[1, 1, 1, 1], [1, 1, 0, 0]]
+    with pytest.raises(ValueError, match="context_input_ids"):
+        DodoDataCollator()([{"input_ids": [1, 2]}])
+
+
+def test_trainer_updates_only_adapters_scorer_and_soft_prompt(tmp_path):
+    from datasets import Dataset
+
+    model = tiny_model().train()
+    before = {name: param.detach().clone() for name, param in model.named_parameters()}
+    rows = [{"context_input_ids": ids(1, 16 + i)[0].tolist(), "input_ids": ids(1, 6)[0].tolist(), "prompt_length": 2}
+            for i in range(4)]
+    rows += [{"context_input_ids": ids(1, 12)[0].tolist(), "input_ids": None, "prompt_length": 0} for _ in range(4)]
+    args = TrainingArguments(output_dir=str(tmp_path / "run"), per_device_train_batch_size=4, max_steps=2,
+                             learning_rate=1e-2, use_cpu=True, report_to="none", save_strategy="no", logging_steps=1,
+                             remove_unused_columns=False)
+    trainer = Trainer(model=model, args=args, train_dataset=Dataset.from_list(rows), data_collator=DodoDataCollator())
+    result = trainer.train()
+    assert math.isfinite(result.training_loss)
+    changed = {name for name, param in model.named_parameters() if not torch.equal(param.detach(), before[name])}
+    assert changed and all(".lora_" in n or n.startswith(("nugget_scorer.", "soft_prompt.")) for n in changed)
+    assert any(".lora_B.encoder." in n for n in changed) and any(".lora_B.decoder." in n for n in changed)
+    assert "nugget_scorer.0.weight" in changed and "soft_prompt.weight" in changed
+    trainer.save_model(str(tmp_path / "saved"))
+    reloaded = DodoLlamaForCausalLM.from_pretrained(tmp_path / "saved")
+    assert trainable_names(reloaded) == trainable_names(model)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Hub-ready saving
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def test_saved_folder_loads_without_longreach(tmp_path, model, isolated_hf_env):
+    folder = tmp_path / "dodo-tiny"
+    model.save_pretrained(folder)
+    config = (folder / "config.json").read_text()
+    assert '"AutoModelForCausalLM": "modeling_dodo.DodoLlamaForCausalLM"' in config and '"AutoModel"' in config
+    context, prompt = ids(1, 20), ids(1, 5)
+    with torch.no_grad():
+        logits = model(prompt, context_input_ids=context).logits
+        generated = model.generate(input_ids=prompt, context_input_ids=context, max_new_tokens=6, num_beams=2)
+    code = f"""
+        import json, torch
+        from transformers import AutoModelForCausalLM
+        model = AutoModelForCausalLM.from_pretrained({str(folder)!r}, trust_remote_code=True).eval()
+        context, prompt = torch.tensor({context.tolist()}), torch.tensor({prompt.tolist()})
+        with torch.no_grad():
+            nuggets = model.compress(context)
+            logits = model(prompt, nuggets=nuggets).logits
+            generated = model.generate(input_ids=prompt, context_input_ids=context, max_new_tokens=6, num_beams=2)
+        frozen = all(not p.requires_grad for n, p in model.named_parameters() if "base_layer" in n)
+        print(json.dumps({{"cls": type(model).__name__, "module": type(model).__module__, "logits": logits.tolist(),
+                          "generated": generated.tolist(), "frozen": frozen}}))
+    """
+    result = run_without_longreach(code, tmp_path)
+    assert result["cls"] == "DodoLlamaForCausalLM" and "longreach" not in result["module"]
+    assert torch.equal(torch.tensor(result["logits"]), logits)
+    assert result["generated"] == generated.tolist() and result["frozen"]
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Summarization inputs (pipeline protocol)
+# --------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def tokenizer():
+    words = ["[INST]", "[/INST]", "Please", "summarize", "the", "above", "document", "in", "one", "sentence."]
+    words += [f"w{i}" for i in range(VOCAB - 4 - len(words))]
+    vocab = {token: index for index, token in enumerate(["<pad>", "<s>", "</s>", "<unk>"] + words)}
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
+                                   unk_token="<unk>", clean_up_tokenization_spaces=False)
+
+
+def test_prepare_summarization_inputs_compresses_the_document_and_prompts_with_d3(model, tokenizer):
+    documents = [" ".join(f"w{i}" for i in range(30)), "w1 w2 w3 w4 w5 w6"]
+    inputs, dropped = model.prepare_summarization_inputs(tokenizer, documents, max_input_length=20)
+    assert dropped == [12, 0]  # BOS + [INST] + 18 document tokens fit
+    prompt = tokenizer.decode(inputs["input_ids"][0])
+    assert prompt == "Please summarize the above document in one sentence. [/INST]"
+    assert inputs["context_input_ids"][0, :2].tolist() == [tokenizer.bos_token_id, tokenizer.convert_tokens_to_ids("[INST]")]
+    assert inputs["context_attention_mask"].sum(1).tolist() == [20, 8]
+    with torch.no_grad():
+        generated = model.generate(**inputs, max_new_tokens=4, do_sample=False)
+    assert generated.shape == (2, inputs["input_ids"].shape[1] + 4)
+    _, none_dropped = model.prepare_summarization_inputs(tokenizer, documents)
+    assert none_dropped == [0, 0]
+    with pytest.raises(ValueError, match="max_input_length"):
+        model.prepare_summarization_inputs(tokenizer, documents, max_input_length=2)
+
+
+def test_summarization_pipeline_runs_dodo(model, tokenizer):
+    summarizer = pipeline("long-summarization", model=model, tokenizer=tokenizer, max_new_tokens=3, do_sample=False)
+    result = summarizer(["w1 w2 w3 w4 w5 w6 w7 w8 w9 w10"])
+    assert isinstance(result[0]["summary_text"], str)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Bad input
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def test_bad_input_raises_clear_value_errors(model):
+    context, tokens = ids(2, 12), ids(2, 4)
+    nuggets = model.compress(context)
+    empty_mask = torch.ones_like(context)
+    empty_mask[1] = 0
+    with pytest.raises(ValueError, match="Empty context"):
+        model.compress(context, empty_mask)
+    with pytest.raises(ValueError, match="input_ids"):
+        model.compress(context[:, :0])
+    with pytest.raises(ValueError, match="input_ids"):
+        model.compress(context.float())
+    with pytest.raises(ValueError, match="too short for any nugget"):
+        tiny_model(nugget_ratio=0.005).compress(ids(1, 1))
+    other = tiny_model(nugget_layer=1)
+    with pytest.raises(ValueError, match="another configuration"):
+        other(tokens, nuggets=nuggets)
+    with pytest.raises(ValueError, match="another configuration"):
+        other.generate(tokens, nuggets=nuggets, max_new_tokens=2)
+    with pytest.raises(ValueError, match="contexts but"):
+        model(tokens[:1], nuggets=nuggets)
+    with pytest.raises(ValueError, match="not both"):
+        model(tokens, nuggets=nuggets, context_input_ids=context)
+    with pytest.raises(ValueError, match="nuggets"):
+        model(tokens, nuggets={"mask": nuggets.mask})
+    with pytest.raises(ValueError, match="attention_mask"):
+        model(tokens, nuggets=nuggets, attention_mask=torch.ones(2, 9))
+    with pytest.raises(ValueError, match="labels"):
+        model(tokens, nuggets=nuggets, labels=tokens[:, :2])
+    with pytest.raises(ValueError, match="DodoCache"):
+        from transformers import DynamicCache
+
+        cache = DynamicCache()
+        cache.update(torch.zeros(2, 2, 3, 8), torch.zeros(2, 2, 3, 8), 0)
+        model(tokens, past_key_values=cache)
+    with pytest.raises(ValueError, match="exactly one"):
+        model(nuggets=nuggets)
+    with pytest.raises(ValueError, match="Flash Attention"):
+        DodoLlamaForCausalLM(tiny_config(_attn_implementation="flash_attention_2"))
