@@ -221,6 +221,20 @@ def test_bad_input_raises_value_error(change, message):
         model(input_ids, attention_mask=attention_mask, vip_mask=vip_mask, decoder_input_ids=torch.zeros(3, 1).long())
 
 
+def test_return_dict_false_gives_tuples():
+    model = tiny_model()
+    input_ids, attention_mask, vip_mask = batch()
+    labels = torch.randint(2, 200, (3, 4))
+    with torch.no_grad():
+        as_dict = model(input_ids, attention_mask=attention_mask, vip_mask=vip_mask, labels=labels)
+        as_tuple = model(input_ids, attention_mask=attention_mask, vip_mask=vip_mask, labels=labels, return_dict=False)
+        encoder_tuple = model.encoder(input_ids, attention_mask=attention_mask, vip_mask=vip_mask, return_dict=False)
+        from_tuple = model(attention_mask=attention_mask, encoder_outputs=encoder_tuple, labels=labels)
+    assert isinstance(as_tuple, tuple) and torch.equal(as_tuple[0], as_dict.loss) and torch.equal(as_tuple[1], as_dict.logits)
+    assert isinstance(encoder_tuple, tuple) and torch.equal(encoder_tuple[0], as_dict.encoder_last_hidden_state)
+    assert torch.equal(from_tuple.logits, as_dict.logits)
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # Generation
 # ---------------------------------------------------------------------------------------------------------------------

@@ -340,11 +340,12 @@ class VCCT5Encoder(nn.Module):
         hidden_states = hidden_states[:, :length] * attention_mask[..., None].to(hidden_states.dtype)
         if all_hidden is not None:
             all_hidden[-1] = hidden_states
-        return VCCT5EncoderOutput(
+        output = VCCT5EncoderOutput(
             last_hidden_state=hidden_states,
             hidden_states=tuple(all_hidden) if all_hidden is not None else None,
             compression_info=info,
         )
+        return output if return_dict is not False else output.to_tuple()
 
     def _vanilla_layers(self, hidden_states, mask, all_hidden, length) -> torch.Tensor:
         """Ordinary T5 layers on independent segments (spec §4.3). Positions are global, but the relative bias only
@@ -615,13 +616,16 @@ class VCCT5PreTrainedModel(HubReadyMixin, PreTrainedModel):
             init.normal_(module.weight, mean=0.0, std=self.config.initializer_factor)
 
 
+def _returns_dict(return_dict: bool | None, config: VCCT5Config) -> bool:
+    """transformers' convention: `return_dict=False` (argument, else config) returns a plain tuple."""
+    return return_dict if return_dict is not None else config.return_dict
+
+
 def _as_encoder_output(encoder_outputs) -> BaseModelOutput:
     if isinstance(encoder_outputs, BaseModelOutput):
         return encoder_outputs
-    return VCCT5EncoderOutput(
-        last_hidden_state=encoder_outputs[0],
-        hidden_states=encoder_outputs[1] if len(encoder_outputs) > 1 else None,
-    )
+    hidden_states = encoder_outputs[1] if len(encoder_outputs) > 1 and isinstance(encoder_outputs[1], tuple) else None
+    return VCCT5EncoderOutput(last_hidden_state=encoder_outputs[0], hidden_states=hidden_states)
 
 
 class _VCCT5Seq2Seq(T5Seq2SeqLMMixin, VCCT5PreTrainedModel):
@@ -651,6 +655,7 @@ class _VCCT5Seq2Seq(T5Seq2SeqLMMixin, VCCT5PreTrainedModel):
             inputs_embeds=inputs_embeds,
             output_hidden_states=output_hidden_states,
             output_compression_info=output_compression_info,
+            return_dict=True,
         )
 
     def prepare_summarization_inputs(
@@ -710,7 +715,7 @@ class VCCT5Model(_VCCT5Seq2Seq):
             output_attentions=bool(output_attentions),
             output_hidden_states=output_hidden_states,
         )
-        return VCCT5Seq2SeqModelOutput(
+        output = VCCT5Seq2SeqModelOutput(
             last_hidden_state=decoder_outputs.last_hidden_state,
             past_key_values=decoder_outputs.past_key_values,
             decoder_hidden_states=decoder_outputs.hidden_states,
@@ -720,6 +725,7 @@ class VCCT5Model(_VCCT5Seq2Seq):
             encoder_hidden_states=encoder_outputs.hidden_states,
             encoder_compression_info=getattr(encoder_outputs, "compression_info", None),
         )
+        return output if _returns_dict(return_dict, self.config) else output.to_tuple()
 
 
 class VCCT5ForConditionalGeneration(_VCCT5Seq2Seq, GenerationMixin):
@@ -797,6 +803,7 @@ class VCCT5ForConditionalGeneration(_VCCT5Seq2Seq, GenerationMixin):
             output_attentions=bool(output_attentions),
             output_hidden_states=output_hidden_states,
         )
-        return VCCT5Seq2SeqLMOutput(
+        output = VCCT5Seq2SeqLMOutput(
             **output, encoder_compression_info=getattr(encoder_outputs, "compression_info", None)
         )
+        return output if _returns_dict(return_dict, self.config) else output.to_tuple()
