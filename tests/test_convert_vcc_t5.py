@@ -175,6 +175,20 @@ def test_plain_t5_with_a_preset(tmp_path):
             config.num_vip_slots, config.num_layers) == (4, 512, 16, 90, 48, 6)
 
 
+def test_plain_t5_folder_loads_directly_as_vcc_initialisation(tmp_path):
+    """Parameter names are T5's: `from_pretrained` on a T5 folder gives every T5 weight unchanged (VCC options as
+    config kwargs), as the authors' continued pretraining from t5-base does."""
+    reference = _save_plain_t5(tmp_path / "t5", "relu", True, num_layers=5)
+    model, loading = VCCT5ForConditionalGeneration.from_pretrained(
+        tmp_path / "t5", output_loading_info=True, segment_length=64, block_size=4, num_vip_slots=8,
+        num_refined_blocks=2,
+    )
+    assert not loading["missing_keys"] and not loading["unexpected_keys"]
+    assert (model.config.model_type, model.config.num_vanilla_layers, model.config.segment_length) == ("vcc_t5", 4, 64)
+    expected = reference.state_dict()
+    assert all(torch.equal(value, expected[key]) for key, value in model.state_dict().items())
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # Safety rules
 # ---------------------------------------------------------------------------------------------------------------------

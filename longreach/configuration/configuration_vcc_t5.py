@@ -174,7 +174,7 @@ class VCCT5Config(PreTrainedConfig):
         scale = kwargs.pop("scale_decoder_outputs", None)
         if scale is not None:
             self.tie_word_embeddings = bool(scale)
-        for derived in ("dense_act_fn", "is_gated_act"):  # derived by T5Config, meaningless here
+        for derived in ("dense_act_fn", "is_gated_act", "model_type"):  # T5Config's derived fields; the class's type
             kwargs.pop(derived, None)
         if self.num_decoder_layers is None:
             self.num_decoder_layers = self.num_layers
