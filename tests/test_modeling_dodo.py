@@ -339,6 +339,23 @@ def test_eager_and_sdpa_agree(model, tmp_path):
         assert max_diff(eager(tokens, nuggets=a).logits, sdpa(tokens, nuggets=b).logits) < 1e-5
 
 
+def test_bfloat16_and_tied_embeddings(tmp_path):
+    model = tiny_model(tie_word_embeddings=True)
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    model.save_pretrained(tmp_path)
+    reloaded = DodoLlamaForCausalLM.from_pretrained(tmp_path).eval()
+    context, prompt = ids(2, 15), ids(2, 4)
+    with torch.no_grad():
+        reference = model(prompt, context_input_ids=context).logits
+        assert max_diff(reloaded(prompt, context_input_ids=context).logits, reference) == 0
+        half = reloaded.to(torch.bfloat16)
+        nuggets = half.compress(context)
+        assert nuggets.key_values[0][0].dtype == torch.bfloat16
+        logits = half(prompt, nuggets=nuggets).logits
+        assert torch.isfinite(logits).all() and max_diff(logits, reference) < 0.1 * reference.abs().max()
+        assert half.generate(prompt, nuggets=nuggets, max_new_tokens=3, num_beams=2).shape == (2, 7)
+
+
 # --------------------------------------------------------------------------------------------------------------------
 # Generation
 # --------------------------------------------------------------------------------------------------------------------

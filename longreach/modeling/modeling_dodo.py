@@ -811,7 +811,9 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
         labels (`torch.LongTensor` of shape `[batch, length]`): next-token targets aligned with `input_ids` (shifted
             inside), -100 where ignored.
 
-        Returns logits for `input_ids` only (the soft prompt positions are dropped).
+        Returns logits for `input_ids` only (the soft prompt positions are dropped; so are they from `hidden_states`).
+        In autoregressive mode the tokens are processed in blocks between compressions and no `hidden_states` or
+        `attentions` are returned.
         """
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Pass exactly one of `input_ids` and `inputs_embeds` (the decoder tokens).")
@@ -1065,7 +1067,8 @@ class DodoDataCollator:
     Each feature is a dict with ``context_input_ids`` (list of ids, BOS first as the authors do) and, for text
     continuation, ``input_ids`` (the target). Without ``input_ids`` the target is the context itself (autoencoding).
     An optional ``prompt_length`` (the authors' ``skip``) excludes the first target tokens from the loss. Both sides are
-    right-padded; ``labels`` are the targets with -100 at padding and prompt positions.
+    right-padded; ``labels`` are the targets with -100 at padding and prompt positions. With ``Trainer``, pass
+    ``TrainingArguments(remove_unused_columns=False)`` so that ``prompt_length`` reaches the collator.
     """
 
     def __init__(self, pad_token_id: int = 0, label_pad_token_id: int = -100):
