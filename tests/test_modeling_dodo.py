@@ -199,6 +199,10 @@ def test_from_base_model_loads_a_plain_llama(tmp_path):
     with torch.no_grad():  # gotcha 1: base_layer weights loaded; fresh θ is the identity, so plain decoding = the base
         assert max_diff(dodo(tokens).logits, llama(tokens).logits) < 1e-5
     assert trainable_names(dodo) and all(".lora_" in n or n.startswith(("nugget_", "soft_")) for n in trainable_names(dodo))
+    dodo.save_pretrained(tmp_path / "dodo")  # saved with our names (no reverse renaming), reloads as is
+    reloaded = DodoLlamaForCausalLM.from_pretrained(tmp_path / "dodo").eval()
+    with torch.no_grad():
+        assert max_diff(reloaded(tokens).logits, llama(tokens).logits) < 1e-5
     with pytest.raises(ValueError, match="from_base_model"):
         DodoLlamaForCausalLM.from_pretrained(tmp_path / "llama")
 

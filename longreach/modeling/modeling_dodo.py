@@ -394,6 +394,9 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
                 f"{pretrained_model_name_or_path} lacks the LoRA-wrapped base weights {missing_base[:4]}... It looks "
                 "like a plain Llama checkpoint: load it with DodoLlamaForCausalLM.from_base_model(path, **dodo_options)."
             )
+        # transformers would undo load-time renamings when saving (writing `q_proj.weight` again); a Dodo checkpoint is
+        # always written with the model's own names.
+        model._weight_conversions = []
         model.freeze_base_model()
         return (model, info) if want_info else model
 
