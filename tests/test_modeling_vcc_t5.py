@@ -134,10 +134,15 @@ def test_compression_off_equals_transformers_t5(feed_forward_proj, tie):
     input_ids, attention_mask, _ = batch(length=37, lengths=(37, 20, 5))
     decoder_input_ids = torch.randint(2, 200, (3, 6))
     with torch.no_grad():
-        expected = reference(input_ids, attention_mask=attention_mask, decoder_input_ids=decoder_input_ids)
-        got = model(input_ids, attention_mask=attention_mask, decoder_input_ids=decoder_input_ids)
+        expected = reference(input_ids, attention_mask=attention_mask, decoder_input_ids=decoder_input_ids,
+                             output_hidden_states=True)
+        got = model(input_ids, attention_mask=attention_mask, decoder_input_ids=decoder_input_ids,
+                    output_hidden_states=True)
         torch.testing.assert_close(got.logits, expected.logits, atol=1e-5, rtol=0)
         real = attention_mask[..., None].bool()
+        assert len(got.encoder_hidden_states) == len(expected.encoder_hidden_states) == 4
+        for ours, theirs in zip(got.encoder_hidden_states, expected.encoder_hidden_states):
+            torch.testing.assert_close(ours * real, theirs * real, atol=1e-5, rtol=0)
         torch.testing.assert_close(got.encoder_last_hidden_state * real, expected.encoder_last_hidden_state * real,
                                    atol=1e-5, rtol=0)
         assert torch.all(got.encoder_last_hidden_state[~real.expand_as(got.encoder_last_hidden_state)] == 0)
