@@ -317,3 +317,27 @@ def test_peft_route_needs_a_soft_prompt_or_an_explicit_zero(dodo_fixtures, tmp_p
     with pytest.raises(ConversionError, match="differ"):
         converter.convert_dodo_peft_folders(adapters / "encoder", tmp_path / "decoder16", dodo_fixtures / "scorer.pt",
                                             dodo_fixtures / "base", tmp_path / "o4", soft_prompt_length=0)
+
+
+def test_ind_scorer_false_and_freeze_decoder_checkpoints(dodo_fixtures, tmp_path):
+    """``ind_scorer=False`` puts LoRA on layers >= ι only; ``freeze_decoder=True`` has no decoder adapter (the decoder
+    then runs with the encoder adapter, spec §8.3)."""
+    def only_late_layers(state_dict):
+        return {k: v for k, v in state_dict.items() if not any(f"layers.{i}." in k for i in range(3))}
+
+    late = copy_checkpoint(dodo_fixtures, tmp_path / "late", state_dict=only_late_layers,
+                           hparams=lambda hp: {**hp, "ind_scorer": False})
+    model = DodoLlamaForCausalLM.from_pretrained(converter.convert_dodo_checkpoint(late, tmp_path / "o1"))
+    assert model.config.lora_layers == [3] and model.config.scorer_features == "encoder_hidden"
+    assert not any(".lora_" in name for name in model.state_dict() if "layers.0." in name)
+
+    def encoder_only(state_dict):
+        return {k: v for k, v in state_dict.items() if ".decoder.weight" not in k or "soft_emb" in k}
+
+    frozen = copy_checkpoint(dodo_fixtures, tmp_path / "frozen", state_dict=encoder_only,
+                             hparams=lambda hp: {**hp, "freeze_decoder": True})
+    model = DodoLlamaForCausalLM.from_pretrained(converter.convert_dodo_checkpoint(frozen, tmp_path / "o2"))
+    assert model.config.adapter_names == ["encoder"] and model.config.decoder_adapter_name == "encoder"
+    assert not any(".decoder." in name for name in model.state_dict() if ".lora_" in name)
+    with torch.no_grad():
+        assert model(torch.tensor([[1, 5, 7]]), context_input_ids=torch.tensor([[1, 9, 8, 7, 6]])).logits.shape == (1, 3, 128)

@@ -255,6 +255,17 @@ def test_selection_ties_prefer_earlier_tokens(model):
     assert nuggets.indices.tolist() == [[0, 1, 2, 19]]
 
 
+def test_encoder_hidden_features_are_the_phi_pass_after_iota_layers():
+    """``ind_scorer=False``: the scorer reads the raw residual stream after ι layers of the φ pass (no final norm)."""
+    model = tiny_model(scorer_features="encoder_hidden", lora_layers=[2])
+    context = ids(2, 13)
+    with torch.no_grad():
+        features = model.compress(context, output_features=True).features
+        model.set_active_adapter("encoder")
+        hidden = model.model(context, output_hidden_states=True).hidden_states[2]
+    assert max_diff(features, hidden) < 1e-6
+
+
 def test_token_positions_for_right_left_and_no_padding():
     mask = torch.tensor([[1, 1, 1, 0, 0], [0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
     assert token_positions(mask).tolist() == [[0, 1, 2, 3, 4], [0, 0, 0, 1, 2], [0, 1, 2, 3, 4]]
