@@ -6,6 +6,7 @@ on import.
 """
 
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForSeq2SeqLM
+from transformers.pipelines import PIPELINE_REGISTRY
 
 from .configuration.configuration_locost import LocostConfig
 from .configuration.configuration_vcc_t5 import VCCT5Config
@@ -18,6 +19,7 @@ from .modeling.modeling_vcc_t5 import (
     VCCT5Model,
     prepare_vip_inputs,
 )
+from .pipelines.pipeline_summarization import LongSummarizationPipeline
 
 __version__ = "0.1.0"
 
@@ -37,8 +39,14 @@ AutoModel.register(DodoLlamaConfig, DodoLlamaForCausalLM, exist_ok=True)
 AutoModelForCausalLM.register(DodoLlamaConfig, DodoLlamaForCausalLM, exist_ok=True)
 
 # -- pipelines --
+PIPELINE_REGISTRY.register_pipeline(
+    "long-summarization",
+    pipeline_class=LongSummarizationPipeline,
+    pt_model=(AutoModelForSeq2SeqLM, AutoModelForCausalLM),
+    type="text",
+)
 
 __all__ = ["LocostConfig", "LocostModel", "LocostForConditionalGeneration",
            "VCCT5Config", "VCCT5Model", "VCCT5ForConditionalGeneration", "VCCT5DataCollator", "prepare_vip_inputs",
            "DodoLlamaConfig", "DodoLlamaForCausalLM", "DodoNuggets", "DodoDataCollator",
-           "__version__"]
+           "LongSummarizationPipeline", "__version__"]

@@ -1,0 +1,231 @@
+"""Summarization pipeline for long-input models (LOCOST, VCC-T5, Dodo) and, as a fallback, any generative model.
+
+transformers v5 removed ``pipeline("summarization")``. This ``Pipeline`` brings it back for our checkpoints:
+
+* ``import longreach`` registers it under the task name ``"long-summarization"``;
+* every checkpoint saved by longreach lists it as ``config.custom_pipelines["summarization"]`` and carries a flat copy
+  of this file, so ``pipeline("summarization", model=path_or_repo, trust_remote_code=True)`` works where longreach is
+  not installed.
+
+This file is copied as-is into checkpoints: it imports only the standard library, torch and transformers.
+
+How a document becomes a summary:
+
+1. ``model.prepare_summarization_inputs(tokenizer, documents, max_input_length)`` (the model's own protocol) builds the
+   ``generate()`` keyword arguments: ``input_ids`` and ``attention_mask``, plus model-specific tensors (VCC-T5 marks
+   its task prefix as VIP tokens, Dodo wraps the document in the paper's prompt and compresses it into nuggets). It
+   also reports, per document, how many tokens it had to drop to respect ``max_input_length``. Models without that
+   method get plain tokenization (with ``config.prefix`` if set).
+2. ``model.generate(**inputs, **generate_kwargs)``; decoder-only models return the prompt too, which is stripped.
+3. The new tokens are decoded into ``{"summary_text": ...}``.
+
+Nothing is ever truncated silently: whenever tokens are dropped, a ``UserWarning`` says how many.
+"""
+
+from __future__ import annotations
+
+import inspect
+import warnings
+
+import torch
+from transformers import Pipeline
+
+#: Parameters consumed by the pipeline itself; everything else is passed to ``generate()``.
+_PIPELINE_PARAMETERS = ("max_input_length", "clean_up_tokenization_spaces", "return_text", "return_tensors")
+
+
+class LongSummarizationPipeline(Pipeline):
+    """Summarize (long) documents with ``generate()``.
+
+    Example:
+
+    ```python
+    >>> from transformers import pipeline
+    >>> summarizer = pipeline("summarization", model="path/or/repo", trust_remote_code=True)
+    >>> summarizer(long_document, max_new_tokens=128, num_beams=4)
+    [{'summary_text': '...'}]
+    ```
+
+    Call parameters (also accepted by the constructor, as defaults for every call):
+
+    * ``max_input_length`` (`int`, *optional*): the most document tokens the model may read. Longer documents lose
+      their end, with a warning giving the number of dropped tokens. By default the model decides (LOCOST reads
+      any length).
+    * ``clean_up_tokenization_spaces`` (`bool`, defaults to `False`), ``return_text`` (`bool`, defaults to `True`),
+      ``return_tensors`` (`bool`, defaults to `False`): the output holds ``summary_text`` and/or the token ids as
+      ``summary_token_ids``.
+    * ``generate_kwargs`` (`dict`) and any other keyword (``max_new_tokens``, ``num_beams``, ``do_sample``,
+      ``length_penalty``, ``no_repeat_ngram_size``, ``num_return_sequences``, ``streamer``, ...): passed to
+      ``model.generate``. The model's ``generation_config`` supplies everything not given.
+
+    A single document gives a list of ``num_return_sequences`` records (one by default); a list of documents gives one
+    record per document (a list of records per document when ``num_return_sequences > 1``).
+    """
+
+    _load_tokenizer = True
+    _load_processor = False
+    _load_image_processor = False
+    _load_feature_extractor = False
+    _load_video_processor = False
+
+    def _sanitize_parameters(
+        self,
+        max_input_length=None,
+        clean_up_tokenization_spaces=None,
+        return_text=None,
+        return_tensors=None,
+        generate_kwargs=None,
+        **more_generate_kwargs,
+    ):
+        preprocess_params = {}
+        if max_input_length is not None:
+            if not isinstance(max_input_length, int) or isinstance(max_input_length, bool) or max_input_length < 1:
+                raise ValueError(f"`max_input_length` must be a positive integer, got {max_input_length!r}.")
+            preprocess_params["max_input_length"] = max_input_length
+
+        forward_params = {}
+        if generate_kwargs is not None or more_generate_kwargs:
+            merged = dict(generate_kwargs or {})
+            overlap = set(merged) & set(more_generate_kwargs)
+            if overlap:
+                raise ValueError(
+                    f"{sorted(overlap)} given both as keyword arguments and inside `generate_kwargs`; give each once."
+                )
+            merged.update(more_generate_kwargs)
+            if "truncation" in merged:
+                raise ValueError(
+                    "This pipeline never truncates on its own: pass `max_input_length=N` to keep at most N document "
+                    f"tokens (a warning reports what is dropped); got `truncation={merged['truncation']!r}`."
+                )
+            forward_params = merged  # one key per option, so that call options update constructor defaults
+
+        postprocess_params = {}
+        if clean_up_tokenization_spaces is not None:
+            postprocess_params["clean_up_tokenization_spaces"] = clean_up_tokenization_spaces
+        if return_text is not None:
+            postprocess_params["return_text"] = return_text
+        if return_tensors is not None:
+            postprocess_params["return_tensors"] = return_tensors
+        return preprocess_params, forward_params, postprocess_params
+
+    def __call__(self, documents, *args, **kwargs):
+        """Summarize one document (`str`) or several (`list[str]`, with ``batch_size=N`` to batch them)."""
+        if isinstance(documents, str):
+            pass
+        elif isinstance(documents, (list, tuple)) and documents and all(isinstance(d, str) for d in documents):
+            documents = list(documents)
+        else:
+            raise ValueError(
+                "`documents` must be a string or a non-empty list of strings, got "
+                f"{type(documents).__name__}{'' if not isinstance(documents, (list, tuple)) else ' of ' + str(len(documents)) + ' items'}."
+            )
+        results = super().__call__(documents, *args, **kwargs)
+        if isinstance(documents, list) and all(len(records) == 1 for records in results):
+            return [records[0] for records in results]
+        return results
+
+    # Tokenization happens in `_forward`, on whole batches, because the model's own `prepare_summarization_inputs`
+    # decides how documents are laid out together (padding side, prompts, extra masks). `preprocess` only validates.
+    def preprocess(self, document, max_input_length=None):
+        if not document.strip():
+            raise ValueError("Cannot summarize an empty document (got only whitespace).")
+        return {"document": document, "max_input_length": max_input_length}
+
+    def _forward(self, model_inputs, **generate_kwargs):
+        documents = model_inputs["document"]
+        documents = [documents] if isinstance(documents, str) else list(documents)
+        max_input_length = model_inputs["max_input_length"]
+        if isinstance(max_input_length, list):
+            max_input_length = max_input_length[0]
+
+        inputs, dropped = self._prepare_inputs(documents, max_input_length)
+        for document, count in zip(documents, dropped):
+            if count > 0:
+                warnings.warn(
+                    f"The document ({len(document)} characters) is longer than the model may read: its last {count} "
+                    f"tokens were dropped (max_input_length={max_input_length if max_input_length is not None else 'the model limit'}).",
+                    UserWarning,
+                    stacklevel=2,
+                )
+
+        output_ids = self.model.generate(**inputs, **generate_kwargs)
+        if not self.model.config.is_encoder_decoder:
+            output_ids = output_ids[:, inputs["input_ids"].shape[1] :]  # decoder-only: drop the prompt
+        num_sequences = generate_kwargs.get("num_return_sequences") or getattr(
+            self.model.generation_config, "num_return_sequences", None
+        ) or 1
+        # [batch, num_return_sequences, length]: the base class splits the first dimension back into documents.
+        return {"output_ids": output_ids.reshape(len(documents), num_sequences, -1)}
+
+    def _prepare_inputs(self, documents: list[str], max_input_length: int | None):
+        prepare = getattr(self.model, "prepare_summarization_inputs", None)
+        if prepare is not None:
+            inputs, dropped = prepare(self.tokenizer, documents, max_input_length=max_input_length)
+        else:
+            inputs, dropped = self._plain_inputs(documents, max_input_length)
+        if len(dropped) != len(documents):
+            raise ValueError(
+                f"`prepare_summarization_inputs` reported dropped tokens for {len(dropped)} documents, expected "
+                f"{len(documents)}."
+            )
+        device = self.model.device
+        return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}, dropped
+
+    def _plain_inputs(self, documents: list[str], max_input_length: int | None):
+        """Fallback for models without ``prepare_summarization_inputs``: ``config.prefix`` + document, tokenized,
+        cut (from the end, keeping a final EOS) to ``max_input_length`` or the model's position limit, padded on the
+        right for encoder-decoders and on the left for decoder-only models."""
+        config = self.model.config
+        prefix = getattr(config, "prefix", None) or ""
+        if max_input_length is None:
+            for name in ("max_position_embeddings", "n_positions", "max_source_positions"):
+                limit = getattr(config, name, None)
+                if isinstance(limit, int) and limit > 0:
+                    max_input_length = limit
+                    break
+        encoded = self.tokenizer([prefix + document for document in documents])["input_ids"]
+        eos = self.tokenizer.eos_token_id
+        rows, dropped = [], []
+        for ids in encoded:
+            ids = list(ids)
+            if max_input_length is not None and len(ids) > max_input_length:
+                dropped.append(len(ids) - max_input_length)
+                ids = ids[: max_input_length - 1] + ids[-1:] if ids[-1] == eos else ids[:max_input_length]
+            else:
+                dropped.append(0)
+            rows.append(ids)
+        pad = self.tokenizer.pad_token_id
+        if pad is None:
+            pad = config.pad_token_id if getattr(config, "pad_token_id", None) is not None else 0
+        length = max(len(ids) for ids in rows)
+        input_ids = torch.full((len(rows), length), pad, dtype=torch.long)
+        attention_mask = torch.zeros((len(rows), length), dtype=torch.long)
+        pad_left = not config.is_encoder_decoder
+        for row, ids in enumerate(rows):
+            span = slice(length - len(ids), length) if pad_left else slice(0, len(ids))
+            input_ids[row, span] = torch.tensor(ids, dtype=torch.long)
+            attention_mask[row, span] = 1
+        return {"input_ids": input_ids, "attention_mask": attention_mask}, dropped
+
+    def postprocess(self, model_outputs, clean_up_tokenization_spaces=False, return_text=True, return_tensors=False):
+        records = []
+        for ids in model_outputs["output_ids"][0]:
+            record = {}
+            if return_tensors:
+                record["summary_token_ids"] = ids
+            if return_text:
+                record["summary_text"] = self.tokenizer.decode(
+                    ids, skip_special_tokens=True, clean_up_tokenization_spaces=clean_up_tokenization_spaces
+                )
+            records.append(record)
+        return records
+
+    def push_to_hub(self, repo_id: str, **kwargs):
+        """Upload the model, its code, the tokenizer and the model card in one commit.
+
+        longreach models (``save_pretrained`` writes their code; ``push_to_hub`` takes a ``tokenizer``) do it
+        themselves; other models go through transformers' generic ``Pipeline.push_to_hub``.
+        """
+        if "tokenizer" in inspect.signature(self.model.push_to_hub).parameters:
+            return self.model.push_to_hub(repo_id, tokenizer=self.tokenizer, **kwargs)
+        return super().push_to_hub(repo_id, **kwargs)
