@@ -1,0 +1,214 @@
+"""The summarization pipeline: registration, generation pass-through, no silent truncation, batching, fallbacks, and
+``pipeline("summarization", model=path, trust_remote_code=True)`` in a process where longreach cannot be imported.
+
+VCC-T5 and Dodo go through the same ``prepare_summarization_inputs`` protocol; their model-specific pipeline tests
+(VIP marking, the Dodo prompt and nuggets) are added with those models.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import warnings
+
+import pytest
+import torch
+from remote_code_helpers import run_without_longreach
+from transformers import LlamaConfig, LlamaForCausalLM, T5Config, T5ForConditionalGeneration, pipeline
+from transformers.pipelines import PIPELINE_REGISTRY
+from workflow_helpers import document, save_tiny_locost, tiny_locost, word_tokenizer
+
+import longreach
+from longreach import LongSummarizationPipeline
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_locost()
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return word_tokenizer()
+
+
+@pytest.fixture
+def summarizer(model, tokenizer):
+    return pipeline("long-summarization", model=model, tokenizer=tokenizer)
+
+
+def _generate_text(model, tokenizer, documents, **generate_kwargs):
+    inputs, _ = model.prepare_summarization_inputs(tokenizer, documents)
+    with torch.no_grad():
+        ids = model.generate(**inputs, **generate_kwargs)
+    return tokenizer.batch_decode(ids, skip_special_tokens=True)
+
+
+def test_import_registers_long_summarization(summarizer):
+    assert "long-summarization" in PIPELINE_REGISTRY.get_supported_tasks()
+    assert isinstance(summarizer, LongSummarizationPipeline)
+    assert longreach.LongSummarizationPipeline is LongSummarizationPipeline
+
+
+def test_summary_is_generate_output_and_options_pass_through(summarizer, model, tokenizer):
+    doc = document(300)
+    out = summarizer(doc, max_new_tokens=6, num_beams=3, length_penalty=0.5, return_tensors=True)
+    assert isinstance(out, list) and len(out) == 1 and set(out[0]) == {"summary_text", "summary_token_ids"}
+    assert out[0]["summary_text"] == _generate_text(model, tokenizer, [doc], max_new_tokens=6, num_beams=3,
+                                                    length_penalty=0.5)[0]
+    assert len(out[0]["summary_token_ids"]) <= 1 + 6  # decoder start + at most 6 new tokens
+    greedy = summarizer(doc, generate_kwargs={"max_new_tokens": 6})
+    assert greedy[0]["summary_text"] == _generate_text(model, tokenizer, [doc], max_new_tokens=6)[0]
+
+
+def test_constructor_options_are_defaults_that_calls_extend(model, tokenizer):
+    summarizer = pipeline("long-summarization", model=model, tokenizer=tokenizer, max_new_tokens=3)
+    doc = document(200, offset=3)
+    calls = []
+    original = model.generate
+
+    def spy(*args, **kwargs):
+        calls.append({k: v for k, v in kwargs.items() if k not in ("input_ids", "attention_mask")})
+        return original(*args, **kwargs)
+
+    model.generate = spy
+    try:
+        summarizer(doc)
+        summarizer(doc, num_beams=2)
+        summarizer(doc, max_new_tokens=5)
+    finally:
+        del model.generate
+    assert calls == [{"max_new_tokens": 3}, {"max_new_tokens": 3, "num_beams": 2}, {"max_new_tokens": 5}]
+
+
+def test_long_input_is_never_truncated_silently(summarizer, model, tokenizer):
+    doc = document(3000)
+    seen = []
+    original = model.generate
+    model.generate = lambda **kwargs: seen.append(kwargs["input_ids"].shape[1]) or original(**kwargs)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # no warning at all when nothing is dropped
+            summarizer(doc, max_new_tokens=2)
+        with pytest.warns(UserWarning, match=r"last 2951 tokens were dropped \(max_input_length=50\)"):
+            truncated = summarizer(doc, max_new_tokens=4, max_input_length=50)
+    finally:
+        del model.generate
+    assert seen == [3001, 50]  # all 3000 words + </s>; then 49 words + </s>
+    kept = " ".join(doc.split()[:49])
+    assert truncated[0]["summary_text"] == _generate_text(model, tokenizer, [kept], max_new_tokens=4)[0]
+
+
+def test_lists_batches_and_multiple_sequences(model, tokenizer):
+    summarizer = pipeline("long-summarization", model=model, tokenizer=tokenizer, max_new_tokens=5)
+    docs = [document(120, offset=1), document(40, offset=2), document(75, offset=3)]
+    one_by_one = summarizer(docs)
+    assert [r["summary_text"] for r in one_by_one] == [summarizer(d)[0]["summary_text"] for d in docs]
+    batched = summarizer(docs, batch_size=2)
+    expected = _generate_text(model, tokenizer, docs[:2], max_new_tokens=5) + _generate_text(
+        model, tokenizer, docs[2:], max_new_tokens=5)
+    assert [r["summary_text"] for r in batched] == expected
+    several = summarizer(docs[0], num_beams=3, num_return_sequences=2)
+    assert len(several) == 2 and all("summary_text" in r for r in several)
+    several_each = summarizer(docs[:2], num_beams=3, num_return_sequences=2)
+    assert [len(records) for records in several_each] == [2, 2]
+
+
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (lambda s: s("   "), "empty document"),
+        (lambda s: s(42), "must be a string or a non-empty list of strings"),
+        (lambda s: s([]), "must be a string or a non-empty list of strings"),
+        (lambda s: s("w1 w2", max_input_length=0), "`max_input_length` must be a positive integer"),
+        (lambda s: s("w1 w2", truncation=True), "never truncates on its own"),
+        (lambda s: s("w1 w2", max_new_tokens=2, generate_kwargs={"max_new_tokens": 3}), "give each once"),
+    ],
+)
+def test_bad_calls_raise_value_errors(summarizer, call, message):
+    with pytest.raises(ValueError, match=message):
+        call(summarizer)
+
+
+def test_models_without_the_protocol_get_plain_tokenization_and_prefix(tokenizer):
+    torch.manual_seed(0)
+    t5 = T5ForConditionalGeneration(T5Config(vocab_size=99, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
+                                             decoder_start_token_id=0)).eval()
+    t5.config.prefix = "w90 w91 "
+    assert not hasattr(t5, "prepare_summarization_inputs")
+    summarizer = LongSummarizationPipeline(model=t5, tokenizer=tokenizer, max_new_tokens=4)
+    doc = document(30)
+    expected_ids = tokenizer("w90 w91 " + doc, return_tensors="pt")
+    with torch.no_grad():
+        expected = tokenizer.decode(t5.generate(**expected_ids, max_new_tokens=4)[0], skip_special_tokens=True)
+    assert summarizer(doc)[0]["summary_text"] == expected
+    with pytest.warns(UserWarning, match="last 23 tokens were dropped"):
+        summarizer(doc, max_input_length=10)  # 2 + 30 words + </s> = 33 tokens
+
+
+def test_decoder_only_models_return_only_new_tokens(tokenizer):
+    torch.manual_seed(0)
+    llama = LlamaForCausalLM(LlamaConfig(vocab_size=99, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, pad_token_id=0, eos_token_id=1,
+                                         bos_token_id=1)).eval()
+    summarizer = LongSummarizationPipeline(model=llama, tokenizer=tokenizer, max_new_tokens=5)
+    docs = [document(20, offset=5), document(9, offset=6)]
+    records = summarizer(docs, batch_size=2, return_tensors=True)
+    # Left padding, and the prompt removed: the records hold exactly what generate() appended.
+    encoded = tokenizer(docs)["input_ids"]
+    input_ids = torch.zeros(2, 21, dtype=torch.long)
+    attention_mask = torch.zeros(2, 21, dtype=torch.long)
+    for row, ids in enumerate(encoded):
+        input_ids[row, 21 - len(ids):] = torch.tensor(ids)
+        attention_mask[row, 21 - len(ids):] = 1
+    with torch.no_grad():
+        full = llama.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=5)
+    for record, row in zip(records, full):
+        assert record["summary_token_ids"].tolist() == row[21:].tolist()
+        assert record["summary_text"] == tokenizer.decode(row[21:], skip_special_tokens=True)
+
+
+def test_saved_pipeline_carries_custom_pipeline(summarizer, tmp_path):
+    summarizer.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["custom_pipelines"] == {
+        "summarization": {"impl": "pipeline_summarization.LongSummarizationPipeline", "pt": ["AutoModelForSeq2SeqLM"],
+                          "type": "text"}
+    }
+    assert (tmp_path / "pipeline_summarization.py").is_file() and (tmp_path / "tokenizer.json").is_file()
+
+
+def test_pipeline_summarization_works_where_longreach_cannot_be_imported(tmp_path, isolated_hf_env):
+    folder = save_tiny_locost(tmp_path / "tiny-locost")
+    source = (folder / "pipeline_summarization.py").read_text()
+    assert re.search(r"^\s*(from|import)\s+(longreach|\.)", source, re.M) is None  # stdlib, torch, transformers only
+    doc = document(500, offset=4)
+    local = pipeline("summarization", model=str(folder), trust_remote_code=True)
+    expected = local(doc, max_new_tokens=6, num_beams=2)[0]["summary_text"]
+    result = run_without_longreach(
+        f"""
+        import json, warnings
+        from transformers import pipeline
+        summarizer = pipeline("summarization", model={str(folder)!r}, trust_remote_code=True)
+        inferred = pipeline(model={str(folder)!r}, trust_remote_code=True)
+        doc = {doc!r}
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            cut = summarizer(doc, max_new_tokens=3, max_input_length=100)
+        print(json.dumps({{
+            "summary": summarizer(doc, max_new_tokens=6, num_beams=2)[0]["summary_text"],
+            "inferred_task": inferred.task,
+            "pipeline_class": type(summarizer).__module__ + "." + type(summarizer).__name__,
+            "model_class": type(summarizer.model).__module__,
+            "warnings": [str(w.message) for w in caught if "dropped" in str(w.message)],
+        }}))
+        """,
+        tmp_path,
+    )
+    assert result["summary"] == expected and expected
+    assert result["inferred_task"] == "summarization"
+    assert result["pipeline_class"].startswith("transformers_modules.") and result["pipeline_class"].endswith(
+        "pipeline_summarization.LongSummarizationPipeline")
+    assert result["model_class"].startswith("transformers_modules.")
+    assert result["warnings"] == [f"The document ({len(doc)} characters) is longer than the model may read: its last "
+                                  "401 tokens were dropped (max_input_length=100)."]

@@ -1,0 +1,47 @@
+"""Tiny models, tokenizers and documents for the workflow tests (pipeline, Hub, CLI, demo, examples)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers, processors
+from transformers import PreTrainedTokenizerFast
+
+VOCAB_SIZE = 99
+WORDS = [f"w{i}" for i in range(VOCAB_SIZE - 3)]
+
+
+def word_tokenizer(vocab_size: int = VOCAB_SIZE) -> PreTrainedTokenizerFast:
+    """Whitespace word-level tokenizer ``<pad>`` 0, ``</s>`` 1 (appended to every sequence), ``<unk>`` 2, ``w0``..."""
+    vocab = {token: index for index, token in enumerate(["<pad>", "</s>", "<unk>"] + WORDS[: vocab_size - 3])}
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    backend.post_processor = processors.TemplateProcessing(
+        single="$A </s>", pair="$A </s> $B </s>", special_tokens=[("</s>", 1)]
+    )
+    return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="</s>", unk_token="<unk>",
+                                   clean_up_tokenization_spaces=False)
+
+
+def document(num_words: int, offset: int = 0) -> str:
+    """A deterministic "document" of ``num_words`` known words (one token each, plus ``</s>``)."""
+    return " ".join(WORDS[(offset + 7 * i) % len(WORDS)] for i in range(num_words))
+
+
+def tiny_locost(vocab_size: int = VOCAB_SIZE, seed: int = 0):
+    from longreach import LocostConfig, LocostForConditionalGeneration
+
+    torch.manual_seed(seed)
+    config = LocostConfig(vocab_size=vocab_size, d_model=32, d_state=8, d_kv=8, d_ff=64, num_layers=2, num_heads=4)
+    model = LocostForConditionalGeneration(config).eval()
+    model.generation_config.max_new_tokens = 8
+    return model
+
+
+def save_tiny_locost(folder: str | Path, seed: int = 0) -> Path:
+    """A Hub-ready tiny LOCOST folder with its tokenizer."""
+    folder = Path(folder)
+    tiny_locost(seed=seed).save_pretrained(folder)
+    word_tokenizer().save_pretrained(folder)
+    return folder
