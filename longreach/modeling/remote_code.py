@@ -159,3 +159,35 @@ class HubReadyMixin:
             repo_id = hub_kwargs.pop("repo_id", Path(save_directory).name)
             self.push_to_hub(repo_id, **hub_kwargs)
         return result
+
+    def push_to_hub(self, repo_id: str, *, tokenizer=None, **kwargs):
+        """Upload the model, its code files, ``tokenizer`` (optional) and *our* model card, in one commit.
+
+        transformers' ``push_to_hub`` would replace ``README.md`` with the remote card or a generic one; with longreach
+        installed this goes through ``longreach.hub.push_model_to_hub`` instead (same keyword arguments:
+        ``commit_message``, ``private``, ``token``, ``revision``, ``create_pr``, ``max_shard_size``, ``tags``). A flat
+        copy loaded as remote code, where longreach is not installed, falls back to transformers' upload (which keeps
+        the card already on the Hub) and pushes the tokenizer after it.
+        """
+        hub = _installed_hub_module()
+        if hub is not None:
+            return hub.push_model_to_hub(self, repo_id, tokenizer=tokenizer, **kwargs)
+        result = super().push_to_hub(repo_id, **kwargs)
+        if tokenizer is not None:
+            tokenizer.push_to_hub(repo_id, **{k: v for k, v in kwargs.items() if k in ("token", "revision", "create_pr")})
+        return result
+
+
+def _installed_hub_module():
+    """``longreach.hub`` when this module is the installed ``longreach.modeling.remote_code``, else ``None``.
+
+    Looked up by name at call time (not imported at the top), so that flat copies stay free of absolute imports of our
+    package and work where it is not installed.
+    """
+    suffix = ".modeling.remote_code"
+    if not __name__.endswith(suffix):
+        return None
+    try:
+        return importlib.import_module(__name__[: -len(suffix)] + ".hub")
+    except ImportError:
+        return None

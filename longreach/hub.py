@@ -1,0 +1,329 @@
+"""Model cards and Hub uploads for longreach checkpoints.
+
+Model cards are rendered with ``huggingface_hub``'s ``ModelCard`` / ``ModelCardData`` from the Jinja templates in
+``longreach/model_card_templates/`` (one per model family). The converters call :func:`write_model_card` on every
+folder they write; ``longreach model-cards`` regenerates the reference cards in ``model_cards/``.
+
+Uploads: transformers' ``push_to_hub`` replaces ``README.md`` with the remote card or a generic one, and pushes the
+tokenizer in a separate commit. :func:`push_model_to_hub` (which ``model.push_to_hub(repo_id, tokenizer=tok)`` calls
+for every longreach model) and :func:`push_folder_to_hub` instead upload, in one commit, exactly what a Hub user needs:
+
+* ``config.json`` with ``auto_map`` and ``custom_pipelines["summarization"]``, and ``generation_config.json``;
+* the flat code files the config points to (``modeling_*.py``, ``configuration_*.py``, their sibling imports and
+  ``pipeline_summarization.py``);
+* the weights as safetensors (pickled weights are refused);
+* the tokenizer files, if any;
+* our model card as ``README.md``.
+
+Everything else in a folder (``training_args.bin``, optimizer states, ``checkpoint-*`` folders, logs) stays local.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import logging
+import re
+import tempfile
+from dataclasses import dataclass
+from importlib import metadata, resources
+from pathlib import Path
+
+from huggingface_hub import CommitOperationAdd, HfApi, ModelCard, ModelCardData
+
+logger = logging.getLogger(__name__)
+
+#: Namespace of the reference cards in ``model_cards/`` (the repositories the converted checkpoints are published to).
+HUB_NAMESPACE = "longreach"
+
+#: Files a Hub user needs, besides the code files named by ``auto_map`` / ``custom_pipelines`` (and their imports).
+WEIGHT_PATTERNS = ("model.safetensors", "model-*-of-*.safetensors", "model.safetensors.index.json")
+CONFIG_FILES = ("config.json", "generation_config.json")
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "spiece.model",
+    "tokenizer.model", "sentencepiece.bpe.model", "vocab.json", "vocab.txt", "merges.txt", "chat_template.jinja",
+    "chat_template.json",
+)
+README = "README.md"
+
+_MARKER = re.compile(r"<!-- longreach-model-card (?P<json>\{.*?\}) -->")
+
+
+@dataclass(frozen=True)
+class ModelCardInfo:
+    """What a family's model card says about itself (the rest lives in its template)."""
+
+    template: str
+    model_type: str
+    license: str
+    pipeline_tag: str
+    tags: tuple[str, ...]
+    default_repo_name: str
+
+
+MODEL_CARDS: dict[str, ModelCardInfo] = {
+    "locost": ModelCardInfo(
+        template="locost.md",
+        model_type="locost",
+        # Neither the authors' repository nor their Hub release states a license (checked): "unknown", see the card.
+        license="unknown",
+        pipeline_tag="summarization",
+        tags=("summarization", "long-document", "state-space-model", "s4d", "t5", "locost", "longreach", "custom_code"),
+        default_repo_name="locost-gsg-pretrained",
+    ),
+    "vcc_t5": ModelCardInfo(
+        template="vcc_t5.md",
+        model_type="vcc_t5",
+        license="apache-2.0",  # the authors' code (awslabs/vip-token-centric-compression) is Apache-2.0
+        pipeline_tag="summarization",
+        tags=("summarization", "long-document", "t5", "token-compression", "vcc", "longreach", "custom_code"),
+        default_repo_name="vcc-t5-base",
+    ),
+    "dodo_llama": ModelCardInfo(
+        template="dodo_llama.md",
+        model_type="dodo_llama",
+        # The authors' Dodo code has no LICENSE file and no released weights; the base model's license applies too.
+        license="unknown",
+        pipeline_tag="text-generation",
+        tags=("text-generation", "llama", "context-compression", "lora", "peft", "dodo", "summarization", "longreach",
+              "custom_code"),
+        default_repo_name="dodo-llama",
+    ),
+}
+
+#: Other names accepted for a family (CLI sub-commands, converter names, model types).
+ALIASES = {"vcc": "vcc_t5", "vcc-t5": "vcc_t5", "dodo": "dodo_llama", "dodo-llama": "dodo_llama"}
+
+
+def card_key(model_name: str) -> str:
+    """``"locost"``, ``"vcc_t5"`` or ``"dodo_llama"`` for a family name, alias or ``config.model_type``."""
+    key = ALIASES.get(model_name, model_name)
+    if key not in MODEL_CARDS:
+        raise ValueError(
+            f"`model_name` must be one of {sorted(MODEL_CARDS)} (or {sorted(ALIASES)}), got {model_name!r}."
+        )
+    return key
+
+
+def _longreach_version() -> str:
+    try:
+        return metadata.version("longreach")
+    except metadata.PackageNotFoundError:  # running from a checkout that is not installed
+        return "unknown"
+
+
+def build_model_card(
+    model_name: str,
+    repo_id: str | None = None,
+    converted_from: str | None = None,
+    training_note: str | None = None,
+    tags: list[str] | None = None,
+) -> ModelCard:
+    """Render the model card of a family.
+
+    Args:
+        model_name: ``"locost"``, ``"vcc_t5"``/``"vcc"`` or ``"dodo_llama"``/``"dodo"``.
+        repo_id: the Hub repository the card is published with; its usage code loads from there. Default:
+            ``longreach/<default name>``.
+        converted_from: the original checkpoint the weights were converted from (written by the converters).
+        training_note: a paragraph on how these weights were trained (the demo and examples use it).
+        tags: extra Hub tags.
+    """
+    key = card_key(model_name)
+    info = MODEL_CARDS[key]
+    state = {"model": key, "repo_id": repo_id, "converted_from": converted_from, "training_note": training_note,
+             "tags": list(tags or [])}
+    card_data = ModelCardData(
+        license=info.license,
+        library_name="transformers",
+        pipeline_tag=info.pipeline_tag,
+        tags=list(dict.fromkeys([*info.tags, *(tags or [])])),
+        metrics=["rouge"] if info.pipeline_tag == "summarization" else None,
+        model_name=(repo_id or info.default_repo_name).split("/")[-1],
+    )
+    template = resources.files("longreach").joinpath("model_card_templates", info.template).read_text(encoding="utf-8")
+    return ModelCard.from_template(
+        card_data,
+        template_str=template,
+        repo_id=repo_id or f"{HUB_NAMESPACE}/{info.default_repo_name}",
+        converted_from=converted_from,
+        training_note=training_note,
+        longreach_version=_longreach_version(),
+        marker=f"<!-- longreach-model-card {json.dumps(state, sort_keys=True)} -->",
+    )
+
+
+def write_model_card(
+    output_folder: str | Path,
+    model_name: str,
+    converted_from: str | None = None,
+    repo_id: str | None = None,
+    training_note: str | None = None,
+    tags: list[str] | None = None,
+) -> Path:
+    """Write the family's model card as ``output_folder/README.md`` (converters call this). Returns its path."""
+    card = build_model_card(model_name, repo_id, converted_from, training_note, tags)
+    path = Path(output_folder) / README
+    card.save(path)
+    return path
+
+
+def write_reference_model_cards(output_dir: str | Path = "model_cards") -> list[Path]:
+    """(Re)generate ``model_cards/locost.md``, ``vcc_t5.md`` and ``dodo_llama.md`` from the templates."""
+    output_dir = Path(output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for key in MODEL_CARDS:
+        path = output_dir / f"{key}.md"
+        build_model_card(key).save(path)
+        paths.append(path)
+    return paths
+
+
+def read_card_state(readme: str | Path) -> dict | None:
+    """The parameters a longreach card was rendered with, or ``None`` if ``readme`` is not a longreach card."""
+    path = Path(readme)
+    if not path.is_file():
+        return None
+    match = _MARKER.search(path.read_text(encoding="utf-8"))
+    return json.loads(match.group("json")) if match else None
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Uploads
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def _code_files(folder: Path, config: dict) -> set[str]:
+    """The ``.py`` files the config points to, and (recursively) the sibling modules they import."""
+    entry_points = list((config.get("auto_map") or {}).values())
+    entry_points += [task["impl"] for task in (config.get("custom_pipelines") or {}).values() if "impl" in task]
+    pending = [reference.split("--")[-1].rsplit(".", 1)[0] + ".py" for reference in entry_points]
+    found = set()
+    while pending:
+        name = pending.pop()
+        if name in found:
+            continue
+        path = folder / name
+        if not path.is_file():
+            raise ValueError(f"{folder} lacks the code file {name!r} that config.json or another code file needs.")
+        found.add(name)
+        source = path.read_text(encoding="utf-8")
+        pending += [f"{module}.py" for module in re.findall(r"^\s*from\s+\.(\w+)\s+import\b", source, re.M)]
+    return found
+
+
+def hub_files(folder: str | Path) -> list[str]:
+    """Names of the files :func:`push_folder_to_hub` uploads from ``folder`` (``README.md`` excluded: it is
+    generated), after checking that the folder is a complete Hub-ready longreach checkpoint."""
+    folder = Path(folder)
+    config_path = folder / "config.json"
+    if not config_path.is_file():
+        raise ValueError(f"`folder` must hold a saved model (config.json); {folder} has none.")
+    config = json.loads(config_path.read_text(encoding="utf-8"))
+    auto_map = config.get("auto_map") or {}
+    if "AutoConfig" not in auto_map or "summarization" not in (config.get("custom_pipelines") or {}):
+        raise ValueError(
+            f"{config_path} has no `auto_map`/`custom_pipelines`: the folder was not written by a longreach model's "
+            "save_pretrained, so Hub users could not load it with trust_remote_code=True. Load and re-save it with "
+            "longreach first."
+        )
+    names = {path.name for path in folder.iterdir() if path.is_file()}
+    weights = {name for name in names if any(fnmatch.fnmatch(name, pattern) for pattern in WEIGHT_PATTERNS)}
+    if not any(name.endswith(".safetensors") for name in weights):
+        raise ValueError(
+            f"{folder} holds no safetensors weights (found: {sorted(names)}); only safetensors are uploaded."
+        )
+    selected = weights | (names & set(CONFIG_FILES)) | (names & set(TOKENIZER_FILES)) | _code_files(folder, config)
+    if not names & set(TOKENIZER_FILES):
+        logger.warning(
+            "%s has no tokenizer files: Hub users will need to bring their own tokenizer, and "
+            "pipeline('summarization', ...) will not work from this repository alone.", folder
+        )
+    left_out = sorted((names - selected) - {README})
+    if left_out:
+        logger.info("Not uploaded (not needed to use the model): %s", ", ".join(left_out))
+    return sorted(selected)
+
+
+def _card_for_upload(folder: Path, config: dict, repo_id: str, tags: list[str] | None) -> str:
+    """Our model card for ``repo_id``: the folder's longreach card re-rendered for the repository (unless it was
+    edited by hand, then it is kept as it is), or a new one for the model family."""
+    readme = folder / README
+    state = read_card_state(readme)
+    if state is not None:
+        unedited = build_model_card(
+            state["model"], state.get("repo_id"), state.get("converted_from"), state.get("training_note"),
+            state.get("tags"),
+        )
+        if readme.read_text(encoding="utf-8") != str(unedited):
+            logger.info("Keeping the hand-edited model card %s.", readme)
+            return readme.read_text(encoding="utf-8")
+        return str(build_model_card(
+            state["model"], repo_id, state.get("converted_from"), state.get("training_note"),
+            list(dict.fromkeys([*(state.get("tags") or []), *(tags or [])])),
+        ))
+    if readme.is_file():
+        logger.warning("Replacing %s, which is not a longreach model card, with the %s card.", readme,
+                       config.get("model_type"))
+    return str(build_model_card(config.get("model_type", ""), repo_id, tags=tags))
+
+
+def push_folder_to_hub(
+    folder: str | Path,
+    repo_id: str,
+    *,
+    commit_message: str | None = None,
+    commit_description: str | None = None,
+    private: bool | None = None,
+    token: bool | str | None = None,
+    revision: str | None = None,
+    create_pr: bool = False,
+    tags: list[str] | None = None,
+):
+    """Upload a saved longreach checkpoint (model + optional tokenizer) with our model card, in one commit.
+
+    Returns the ``CommitInfo`` of the commit. Raises ValueError if the folder is not Hub-ready (see
+    :func:`hub_files`).
+    """
+    folder = Path(folder)
+    names = hub_files(folder)
+    config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    card = _card_for_upload(folder, config, repo_id, tags)
+
+    api = HfApi(token=token, library_name="longreach", library_version=_longreach_version())
+    repo_id = api.create_repo(repo_id, private=private, exist_ok=True).repo_id
+    operations = [CommitOperationAdd(path_in_repo=name, path_or_fileobj=str(folder / name)) for name in names]
+    operations.append(CommitOperationAdd(path_in_repo=README, path_or_fileobj=card.encode("utf-8")))
+    return api.create_commit(
+        repo_id=repo_id,
+        operations=operations,
+        commit_message=commit_message or f"Upload {config.get('model_type', 'model')} with longreach",
+        commit_description=commit_description,
+        revision=revision,
+        create_pr=create_pr,
+    )
+
+
+def push_model_to_hub(
+    model,
+    repo_id: str,
+    *,
+    tokenizer=None,
+    max_shard_size: int | str | None = "50GB",
+    tags: list[str] | None = None,
+    **push_kwargs,
+):
+    """Save ``model`` (and ``tokenizer``) Hub-ready to a temporary folder and upload it with :func:`push_folder_to_hub`.
+
+    The model card is the one of the folder the model was loaded from, when that is a longreach card (so a converted
+    checkpoint keeps its provenance), else a new card for the model's family.
+    """
+    with tempfile.TemporaryDirectory() as tmp:
+        model.save_pretrained(tmp, max_shard_size=max_shard_size)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        source = Path(str(getattr(model, "name_or_path", "") or ""))
+        if source.is_dir() and read_card_state(source / README) is not None:
+            (Path(tmp) / README).write_text((source / README).read_text(encoding="utf-8"), encoding="utf-8")
+        return push_folder_to_hub(tmp, repo_id, tags=tags, **push_kwargs)

@@ -1,0 +1,262 @@
+"""Model cards and Hub uploads.
+
+The Hub client is replaced by a recorder (spec hf-integration §6): every upload is checked file by file, offline.
+The one real upload test runs only with HF_TOKEN and network access, and skips with that reason otherwise.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import uuid
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from huggingface_hub import ModelCard
+from remote_code_helpers import run_without_longreach
+from transformers import pipeline
+from workflow_helpers import document, save_tiny_locost, tiny_locost, word_tokenizer
+
+import longreach  # noqa: F401
+from longreach import hub
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+CODE_FILES = {"configuration_locost.py", "modeling_locost.py", "input_checks.py", "remote_code.py", "ssm.py",
+              "t5_blocks.py", "pipeline_summarization.py"}
+MODEL_FILES = {"config.json", "generation_config.json", "model.safetensors"} | CODE_FILES
+TOKENIZER_FILES = {"tokenizer.json", "tokenizer_config.json"}
+
+PAPERS = {
+    "locost": ("https://arxiv.org/abs/2401.17919", "https://github.com/flbbb/locost-summarization"),
+    "vcc_t5": ("https://arxiv.org/abs/2305.04241", "https://github.com/awslabs/vip-token-centric-compression"),
+    "dodo_llama": ("https://arxiv.org/abs/2310.02409", "https://github.com/jeongseokO/dodo_nugget"),
+}
+#: What each card must say about the originals' bugs and what longreach does instead.
+LIMITATIONS = {
+    "locost": ["use_fast_fft_conv", "power of two", "exact convolution", "ssm_authors_fft_size"],
+    "vcc_t5": ["without any VIP", "undefined", "pads internally to the smallest valid length"],
+    "dodo_llama": ["mask order", "legacy_decoder_mask_order", "Batched generation", "pad token"],
+}
+
+
+class RecordingHubApi:
+    """Stands in for ``huggingface_hub.HfApi``: records repositories and commits and keeps every uploaded file."""
+
+    instances: list["RecordingHubApi"] = []
+
+    def __init__(self, token=None, **kwargs):
+        self.token, self.repos, self.commits = token, [], []
+        RecordingHubApi.instances.append(self)
+
+    def create_repo(self, repo_id, private=None, exist_ok=False, **kwargs):
+        self.repos.append({"repo_id": repo_id, "private": private, "exist_ok": exist_ok})
+        return SimpleNamespace(repo_id=repo_id)
+
+    def create_commit(self, repo_id, operations, commit_message=None, **kwargs):
+        files = {}
+        for operation in operations:
+            source = operation.path_or_fileobj
+            files[operation.path_in_repo] = source if isinstance(source, bytes) else Path(source).read_bytes()
+        self.commits.append({"repo_id": repo_id, "files": files, "message": commit_message, **kwargs})
+        return SimpleNamespace(commit_url=f"https://huggingface.co/{repo_id}/commit/0", oid="0")
+
+
+@pytest.fixture
+def recorder(monkeypatch):
+    RecordingHubApi.instances = []
+    monkeypatch.setattr(hub, "HfApi", RecordingHubApi)
+    return RecordingHubApi
+
+
+def _single_commit(recorder) -> dict:
+    commits = [commit for api in recorder.instances for commit in api.commits]
+    assert len(commits) == 1, commits
+    return commits[0]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Model cards
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name, pipeline_tag", [("locost", "summarization"), ("vcc_t5", "summarization"),
+                                                ("dodo_llama", "text-generation")])
+def test_model_card_metadata_and_sections(name, pipeline_tag, tmp_path):
+    path = hub.write_model_card(tmp_path, name, converted_from="/data/original", repo_id="someone/model")
+    card = ModelCard.load(path)  # round trip through huggingface_hub (offline)
+    data = card.data.to_dict()
+    assert data["library_name"] == "transformers"
+    assert data["pipeline_tag"] == pipeline_tag
+    assert data["license"] == hub.MODEL_CARDS[name].license
+    assert "custom_code" in data["tags"] and "longreach" in data["tags"]
+    text = card.text
+    for url in PAPERS[name]:
+        assert url in text
+    for section in ("## Usage", "## Conversion", "## Parity with the authors' implementation", "## Limitations",
+                    "## Citation"):
+        assert section in text
+    assert f"longreach convert {name.split('_')[0]}" in text
+    assert '"someone/model"' in text and "`/data/original`" in text
+    flat = " ".join(text.split())
+    for phrase in LIMITATIONS[name]:
+        assert phrase in flat, phrase
+    assert hub.read_card_state(path) == {"model": name, "repo_id": "someone/model", "converted_from": "/data/original",
+                                         "training_note": None, "tags": []}
+
+
+def test_locost_card_reports_the_measured_parity():
+    text = hub.build_model_card("locost").text
+    for figure in ("2.1e-7", "3.3e-6", "4.6e-6", "1.2e-7", "identical"):
+        assert figure in text
+    assert "PLACEHOLDER" not in text
+
+
+def test_card_names_and_aliases():
+    assert hub.card_key("vcc") == "vcc_t5" and hub.card_key("dodo") == "dodo_llama"
+    assert hub.build_model_card("dodo").data.pipeline_tag == "text-generation"
+    with pytest.raises(ValueError, match="`model_name` must be one of"):
+        hub.build_model_card("bert")
+
+
+def test_reference_model_cards_are_generated_from_the_templates(tmp_path):
+    written = hub.write_reference_model_cards(tmp_path)
+    assert [p.name for p in written] == ["locost.md", "vcc_t5.md", "dodo_llama.md"]
+    for path in written:
+        committed = REPO_ROOT / "model_cards" / path.name
+        assert committed.read_text() == path.read_text(), (
+            f"{committed} is out of date: run `longreach model-cards` after editing the templates")
+
+
+def test_locost_card_usage_code_runs_where_longreach_cannot_be_imported(tmp_path):
+    folder = save_tiny_locost(tmp_path / "tiny-locost")
+    text = hub.build_model_card("locost", repo_id="someone/locost-tiny").text
+    blocks = re.findall(r"```python\n(.*?)```", text, re.S)
+    assert len(blocks) == 2
+    code = "\n".join(blocks).replace('"someone/locost-tiny"', repr(str(folder)))
+    code = code.replace("max_new_tokens=64", "max_new_tokens=4")  # a tiny random model: keep it short
+    code = code.replace("print(", "outputs.append(")
+    result = run_without_longreach("outputs = []\n" + code + "\nimport json\nprint(json.dumps(outputs))", tmp_path)
+    assert len(result) == 2 and all(isinstance(summary, str) for summary in result)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Uploads (recorder)
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def test_model_push_uploads_exactly_what_hub_users_need(recorder):
+    model, tokenizer = tiny_locost(), word_tokenizer()
+    model.push_to_hub("someone/locost-tiny", tokenizer=tokenizer, private=True, commit_message="first", tags=["demo"])
+    (api,) = recorder.instances
+    assert api.repos == [{"repo_id": "someone/locost-tiny", "private": True, "exist_ok": True}]
+    commit = _single_commit(recorder)
+    assert commit["message"] == "first"
+    assert set(commit["files"]) == MODEL_FILES | TOKENIZER_FILES | {"README.md"}
+    config = json.loads(commit["files"]["config.json"])
+    assert config["auto_map"] == {
+        "AutoConfig": "configuration_locost.LocostConfig", "AutoModel": "modeling_locost.LocostModel",
+        "AutoModelForSeq2SeqLM": "modeling_locost.LocostForConditionalGeneration"}
+    assert config["custom_pipelines"]["summarization"]["impl"] == "pipeline_summarization.LongSummarizationPipeline"
+    readme = commit["files"]["README.md"].decode()
+    assert "automatically generated" not in readme  # not transformers' generic card
+    assert "# LOCOST" in readme and 'model="someone/locost-tiny"' in readme
+    assert {"demo", "custom_code"} <= set(ModelCard(readme).data.tags)
+
+
+def test_pipeline_push_includes_the_tokenizer(recorder):
+    summarizer = pipeline("long-summarization", model=tiny_locost(), tokenizer=word_tokenizer())
+    summarizer.push_to_hub("someone/locost-pipeline")
+    assert set(_single_commit(recorder)["files"]) == MODEL_FILES | TOKENIZER_FILES | {"README.md"}
+
+
+def test_folder_push_leaves_training_leftovers_and_keeps_provenance(recorder, tmp_path):
+    folder = save_tiny_locost(tmp_path / "run")
+    hub.write_model_card(folder, "locost", converted_from="/data/locost-gsg")
+    for leftover in ("training_args.bin", "trainer_state.json", "optimizer.pt", "pytorch_model.bin"):
+        (folder / leftover).write_bytes(b"x")
+    (folder / "checkpoint-10").mkdir()
+    (folder / "checkpoint-10" / "model.safetensors").write_bytes(b"x")
+    hub.push_folder_to_hub(folder, "someone/locost-run")
+    commit = _single_commit(recorder)
+    assert set(commit["files"]) == MODEL_FILES | TOKENIZER_FILES | {"README.md"}
+    readme = commit["files"]["README.md"].decode()
+    assert "`/data/locost-gsg`" in readme and 'model="someone/locost-run"' in readme  # re-rendered for the repo
+    assert hub.read_card_state(folder / "README.md")["repo_id"] is None  # the local card is left as it was
+
+
+def test_hand_edited_card_is_uploaded_unchanged(recorder, tmp_path):
+    folder = save_tiny_locost(tmp_path / "edited")
+    card_path = hub.write_model_card(folder, "locost")
+    card_path.write_text(card_path.read_text() + "\nMy own evaluation notes.\n")
+    hub.push_folder_to_hub(folder, "someone/edited")
+    assert _single_commit(recorder)["files"]["README.md"].decode() == card_path.read_text()
+
+
+def test_model_loaded_from_a_converted_folder_pushes_its_card(recorder, tmp_path):
+    folder = save_tiny_locost(tmp_path / "converted")
+    hub.write_model_card(folder, "locost", converted_from="flbbb/locost-gsg-pretrained")
+    from longreach import LocostForConditionalGeneration
+
+    LocostForConditionalGeneration.from_pretrained(folder).push_to_hub("someone/converted")
+    readme = _single_commit(recorder)["files"]["README.md"].decode()
+    assert "`flbbb/locost-gsg-pretrained`" in readme and 'model="someone/converted"' in readme
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda f: (f / "model.safetensors").rename(f / "pytorch_model.bin"), "no safetensors weights"),
+    (lambda f: (f / "ssm.py").unlink(), "lacks the code file 'ssm.py'"),
+    (lambda f: (f / "config.json").write_text(json.dumps({
+        k: v for k, v in json.loads((f / "config.json").read_text()).items() if k != "auto_map"})), "no `auto_map`"),
+])
+def test_incomplete_folders_are_refused(recorder, tmp_path, damage, message):
+    folder = save_tiny_locost(tmp_path / "broken")
+    damage(folder)
+    with pytest.raises(ValueError, match=message):
+        hub.push_folder_to_hub(folder, "someone/broken")
+    assert not any(api.commits for api in recorder.instances)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Real Hub (opt-in)
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def _hub_reachable() -> bool:
+    try:
+        socket.create_connection(("huggingface.co", 443), timeout=3).close()
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.network
+def test_real_push_and_remote_load(tmp_path):
+    if not os.environ.get("HF_TOKEN"):
+        pytest.skip("needs HF_TOKEN (and network access) to push to the real Hub")
+    if not _hub_reachable():
+        pytest.skip("needs network access to huggingface.co (HF_TOKEN is set)")
+    from huggingface_hub import HfApi
+
+    api = HfApi()
+    repo_id = f"{api.whoami()['name']}/longreach-test-{uuid.uuid4().hex[:8]}"
+    folder = save_tiny_locost(tmp_path / "tiny")
+    doc = document(200)
+    expected = pipeline("summarization", model=str(folder), trust_remote_code=True)(doc)[0]["summary_text"]
+    try:
+        hub.push_folder_to_hub(folder, repo_id, private=True)
+        result = run_without_longreach(
+            f"""
+            import json, os
+            os.environ.pop("HF_HUB_OFFLINE", None)
+            from transformers import pipeline
+            summarizer = pipeline("summarization", model={repo_id!r}, trust_remote_code=True)
+            print(json.dumps({{"summary": summarizer({doc!r})[0]["summary_text"]}}))
+            """,
+            tmp_path,
+        )
+    finally:
+        api.delete_repo(repo_id)
+    assert result["summary"] == expected
