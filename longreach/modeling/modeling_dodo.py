@@ -392,7 +392,7 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
         if missing_base:
             raise ValueError(
                 f"{pretrained_model_name_or_path} lacks the LoRA-wrapped base weights {missing_base[:4]}... It looks "
-                "like a plain Llama checkpoint: load it with DodoLlamaForCausalLM.from_base_model(path, **dodo_options)."
+                "like a plain Llama checkpoint: load it with DodoLlamaForCausalLM.from_base_model(path, dodo_config={...})."
             )
         # transformers would undo load-time renamings when saving (writing `q_proj.weight` again); a Dodo checkpoint is
         # always written with the model's own names.
@@ -405,7 +405,7 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
         """``from_pretrained(key_mapping=...)`` that renames a plain Llama's wrapped projections to PEFT's ``base_layer``."""
         layers = r"\d+" if config.lora_layers is None else "|".join(str(layer) for layer in config.lora_layers)
         modules = "|".join(config.lora_target_modules)
-        return {rf"^(model\.layers\.(?:{layers})\.self_attn\.(?:{modules}))\.weight$": r"\1.base_layer.weight"}
+        return {rf"^(model\.layers\.(?:{layers})\.self_attn\.(?:{modules}))\.(weight|bias)$": r"\1.base_layer.\2"}
 
     @classmethod
     def from_base_model(cls, base_model_name_or_path, dodo_config: dict | None = None, **kwargs):
