@@ -64,7 +64,9 @@ class DodoLlamaConfig(LlamaConfig):
             τ of the autoregressive mode (paper §2.2, Eq. 9-10). `None` disables the mode: a forward pass or `generate()`
             without nuggets is then the plain Llama with θ. When set, a call without nuggets streams its tokens: the last
             τ..τ+stride tokens stay uncompressed and older tokens are compressed into nuggets in chunks of
-            `compression_stride` tokens (see [`DodoLlamaForCausalLM`]).
+            `compression_stride` tokens (see [`DodoLlamaForCausalLM`]). The window counts columns: in a left-padded
+            batch all rows are compressed at the same steps, so a padded row's chunks hold fewer real tokens than the
+            same row run alone.
         compression_stride (`int`, *optional*):
             Tokens compressed at once in autoregressive mode; the uncompressed window then oscillates between τ and
             τ + stride tokens. Defaults to τ.
