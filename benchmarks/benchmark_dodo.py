@@ -29,9 +29,20 @@ import time
 
 import torch
 
-SIZES = dict(vocab_size=1024, hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=8,
-             num_key_value_heads=4, max_position_embeddings=32768, nugget_layer=3, nugget_ratio=0.1, lora_r=8,
-             soft_prompt_length=1, lora_dropout=0.0)
+SIZES = dict(
+    vocab_size=1024,
+    hidden_size=256,
+    intermediate_size=688,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    max_position_embeddings=32768,
+    nugget_layer=3,
+    nugget_ratio=0.1,
+    lora_r=8,
+    soft_prompt_length=1,
+    lora_dropout=0.0,
+)
 PROMPT_LENGTH = 8
 
 
@@ -82,28 +93,31 @@ def run(lengths: list[int], steps: int, rounds: int, warmup: int, device: str) -
                         times[name].append(time.perf_counter() - start)
         full_context_bytes = cache_bytes(full, 0, length)
         nugget_bytes = cache_bytes(dodo, 0, k)
-        rows.append({
-            "context_tokens": length,
-            "nuggets": k,
-            "kv_bytes_full_context": full_context_bytes,
-            "kv_bytes_nuggets": nugget_bytes,
-            "nugget_score_bytes": nuggets.scores.nbytes,
-            "kv_bytes_full_cache": cache_bytes(full),
-            "kv_bytes_dodo_cache": cache_bytes(dodo),
-            "step_ms_full_median": 1e3 * statistics.median(times["full"]),
-            "step_ms_full_min": 1e3 * min(times["full"]),
-            "step_ms_dodo_median": 1e3 * statistics.median(times["dodo"]),
-            "step_ms_dodo_min": 1e3 * min(times["dodo"]),
-            "full_prefill_s": full_prefill,
-            "compress_s": compress_time,
-        })
+        rows.append(
+            {
+                "context_tokens": length,
+                "nuggets": k,
+                "kv_bytes_full_context": full_context_bytes,
+                "kv_bytes_nuggets": nugget_bytes,
+                "nugget_score_bytes": nuggets.scores.nbytes,
+                "kv_bytes_full_cache": cache_bytes(full),
+                "kv_bytes_dodo_cache": cache_bytes(dodo),
+                "step_ms_full_median": 1e3 * statistics.median(times["full"]),
+                "step_ms_full_min": 1e3 * min(times["full"]),
+                "step_ms_dodo_median": 1e3 * statistics.median(times["dodo"]),
+                "step_ms_dodo_min": 1e3 * min(times["dodo"]),
+                "full_prefill_s": full_prefill,
+                "compress_s": compress_time,
+            }
+        )
     return rows
 
 
 def markdown(rows: list[dict]) -> str:
     lines = [
-        "| context n | nuggets k | KV of context: full | KV of context: Dodo | bytes ratio | decode step full (median / min) "
-        "| decode step Dodo (median / min) | step ratio (median) | full prefill | Dodo compress |",
+        "| context n | nuggets k | KV of context: full | KV of context: Dodo | bytes ratio "
+        "| decode step full (median / min) | decode step Dodo (median / min) | step ratio (median) "
+        "| full prefill | Dodo compress |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:

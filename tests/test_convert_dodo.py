@@ -31,8 +31,15 @@ def convert(route: str, fixtures: Path, output: Path, **options) -> Path:
         return converter.convert_dodo_checkpoint(fixtures / "dodo_ckpt" / "weights.ckpt", output, **options)
     scorer = "scorer.pt" if route == "peft_plain_scorer" else "scorer_nugget_pkg.ckpt"
     return converter.convert_dodo_peft_folders(
-        fixtures / "adapters" / "encoder", fixtures / "adapters" / "decoder", fixtures / scorer, fixtures / "base",
-        output, soft_prompt_path=fixtures / "dodo_ckpt" / "weights.ckpt", nugget_layer=3, nugget_ratio=0.1, **options,
+        fixtures / "adapters" / "encoder",
+        fixtures / "adapters" / "decoder",
+        fixtures / scorer,
+        fixtures / "base",
+        output,
+        soft_prompt_path=fixtures / "dodo_ckpt" / "weights.ckpt",
+        nugget_layer=3,
+        nugget_ratio=0.1,
+        **options,
     )
 
 
@@ -84,9 +91,18 @@ def test_all_routes_give_the_same_checkpoint(converted, dodo_fixtures):
         other = load_file(str(converted[route] / "model.safetensors"))
         assert set(other) == set(reference) and all(torch.equal(other[k], reference[k]) for k in reference)
     config = json.loads((converted["lightning"] / "config.json").read_text())
-    assert config["model_type"] == "dodo_llama" and config["auto_map"]["AutoModelForCausalLM"].startswith("modeling_dodo.")
-    assert (config["nugget_layer"], config["nugget_ratio"], config["lora_r"], config["lora_alpha"]) == (3, 0.1, 32, 32.0)
-    assert config["soft_prompt_length"] == 1 and config["score_in_forward"] and config["nugget_count_rounding"] == "dodo"
+    assert config["model_type"] == "dodo_llama" and config["auto_map"]["AutoModelForCausalLM"].startswith(
+        "modeling_dodo."
+    )
+    assert (config["nugget_layer"], config["nugget_ratio"], config["lora_r"], config["lora_alpha"]) == (
+        3,
+        0.1,
+        32,
+        32.0,
+    )
+    assert (
+        config["soft_prompt_length"] == 1 and config["score_in_forward"] and config["nugget_count_rounding"] == "dodo"
+    )
     assert not config["legacy_decoder_mask_order"]
     generation = json.loads((converted["lightning"] / "generation_config.json").read_text())
     assert generation["max_new_tokens"] == 10 and generation["eos_token_id"] == 2  # new_tokens of the checkpoint
@@ -98,7 +114,9 @@ def test_all_routes_give_the_same_checkpoint(converted, dodo_fixtures):
     assert original[key].equal(reference["model.layers.2.self_attn.v_proj.lora_B.encoder.weight"])
     assert not any("soft_emb_tc" in name for name in reference)
     base = load_file(str(dodo_fixtures / "base" / "model.safetensors"))
-    assert base["model.layers.1.self_attn.q_proj.weight"].equal(reference["model.layers.1.self_attn.q_proj.base_layer.weight"])
+    assert base["model.layers.1.self_attn.q_proj.weight"].equal(
+        reference["model.layers.1.self_attn.q_proj.base_layer.weight"]
+    )
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -140,8 +158,9 @@ def test_batched_row0_parity_and_row1_fix(converted_model, refs):
         assert max_diff(nuggets.scores, refs["nugget_scores"]) <= 1e-5
         assert max_diff(stacked_kv(nuggets), refs["nugget_kv"]) <= 1e-5
         output = converted_model(refs["tgt_input_ids"], attention_mask=refs["tgt_attention_mask"], nuggets=nuggets)
-        generated = converted_model.generate(refs["tgt_input_ids"][:, :6], nuggets=nuggets, max_new_tokens=10,
-                                             do_sample=False)
+        generated = converted_model.generate(
+            refs["tgt_input_ids"][:, :6], nuggets=nuggets, max_new_tokens=10, do_sample=False
+        )
     assert max_diff(output.logits[0], refs["decoder_logits"][0]) <= 1e-4
     assert torch.equal(generated[0, 5:], refs["generated"][0])
     assert max_diff(output.logits[1, :10], refs["row1_decoder_logits"][0]) <= 1e-4
@@ -178,12 +197,19 @@ def test_sdpa_matches_the_references_too(converted, refs):
 
 def test_cli_with_legacy_flag_and_explicit_paths(dodo_fixtures, tmp_path, refs):
     output = tmp_path / "cli"
-    code = converter.main([
-        "--checkpoint_path", str(dodo_fixtures / "dodo_ckpt" / "weights.ckpt"),
-        "--hparams_path", str(dodo_fixtures / "dodo_ckpt" / "hparams.yaml"),
-        "--base_model_path", str(dodo_fixtures / "base"),
-        "--pytorch_dump_folder_path", str(output), "--legacy_decoder_mask_order",
-    ])
+    code = converter.main(
+        [
+            "--checkpoint_path",
+            str(dodo_fixtures / "dodo_ckpt" / "weights.ckpt"),
+            "--hparams_path",
+            str(dodo_fixtures / "dodo_ckpt" / "hparams.yaml"),
+            "--base_model_path",
+            str(dodo_fixtures / "base"),
+            "--pytorch_dump_folder_path",
+            str(output),
+            "--legacy_decoder_mask_order",
+        ]
+    )
     assert code == 0
     model = AutoModelForCausalLM.from_pretrained(output, attn_implementation="eager").eval()
     assert type(model) is DodoLlamaForCausalLM and model.config.legacy_decoder_mask_order
@@ -200,7 +226,10 @@ def test_cli_with_legacy_flag_and_explicit_paths(dodo_fixtures, tmp_path, refs):
 
 def test_export_to_peft_folders_loads_in_peft_with_matching_logits(converted, dodo_fixtures, tmp_path):
     exported = tmp_path / "peft"
-    assert converter.main(["--export_peft_from", str(converted["lightning"]), "--pytorch_dump_folder_path", str(exported)]) == 0
+    assert (
+        converter.main(["--export_peft_from", str(converted["lightning"]), "--pytorch_dump_folder_path", str(exported)])
+        == 0
+    )
     model = DodoLlamaForCausalLM.from_pretrained(converted["lightning"], attn_implementation="eager").eval()
     base = LlamaForCausalLM.from_pretrained(dodo_fixtures / "base", attn_implementation="eager")
     peft_model = PeftModel.from_pretrained(base, exported / "encoder", adapter_name="encoder")
@@ -240,10 +269,14 @@ def copy_checkpoint(dodo_fixtures: Path, folder: Path, state_dict=None, hparams=
 
 def test_missing_and_unexpected_keys_stop_the_conversion(dodo_fixtures, tmp_path):
     key = "nugget.lora_llama.base_model.model.model.layers.1.self_attn.o_proj.lora_A.decoder.weight"
-    missing = copy_checkpoint(dodo_fixtures, tmp_path / "missing", state_dict=lambda sd: {k: v for k, v in sd.items() if k != key})
+    missing = copy_checkpoint(
+        dodo_fixtures, tmp_path / "missing", state_dict=lambda sd: {k: v for k, v in sd.items() if k != key}
+    )
     with pytest.raises(ConversionError, match="Missing keys.*layers.1.self_attn.o_proj.lora_A.decoder"):
         converter.convert_dodo_checkpoint(missing, tmp_path / "out1")
-    extra = copy_checkpoint(dodo_fixtures, tmp_path / "extra", state_dict=lambda sd: {**sd, "nugget.mystery": torch.ones(1)})
+    extra = copy_checkpoint(
+        dodo_fixtures, tmp_path / "extra", state_dict=lambda sd: {**sd, "nugget.mystery": torch.ones(1)}
+    )
     with pytest.raises(ConversionError, match="Unexpected keys.*nugget.mystery"):
         converter.convert_dodo_checkpoint(extra, tmp_path / "out2")
     assert not (tmp_path / "out1" / "model.safetensors").exists()
@@ -255,14 +288,29 @@ def test_output_folder_rules(dodo_fixtures, tmp_path):
     (occupied / "keep.txt").write_text("mine")
     with pytest.raises(ConversionError, match="not empty"):
         converter.convert_dodo_checkpoint(dodo_fixtures / "dodo_ckpt" / "weights.ckpt", occupied)
-    assert converter.main(["--checkpoint_path", str(dodo_fixtures / "dodo_ckpt" / "weights.ckpt"),
-                           "--pytorch_dump_folder_path", str(occupied)]) == 1
+    assert (
+        converter.main(
+            [
+                "--checkpoint_path",
+                str(dodo_fixtures / "dodo_ckpt" / "weights.ckpt"),
+                "--pytorch_dump_folder_path",
+                str(occupied),
+            ]
+        )
+        == 1
+    )
     checkpoint = copy_checkpoint(dodo_fixtures, tmp_path / "copy")
     with pytest.raises(ConversionError, match="overlaps"):  # never inside an input folder (here the base model)
         converter.convert_dodo_checkpoint(checkpoint, tmp_path / "copy" / "base" / "inside")
     with pytest.raises(ConversionError, match="overlaps"):
-        converter.convert_dodo_peft_folders(dodo_fixtures / "adapters" / "encoder", None, dodo_fixtures / "scorer.pt",
-                                            dodo_fixtures / "base", dodo_fixtures / "adapters", soft_prompt_length=0)
+        converter.convert_dodo_peft_folders(
+            dodo_fixtures / "adapters" / "encoder",
+            None,
+            dodo_fixtures / "scorer.pt",
+            dodo_fixtures / "base",
+            dodo_fixtures / "adapters",
+            soft_prompt_length=0,
+        )
 
 
 def test_pickles_are_read_with_weights_only(dodo_fixtures, tmp_path):
@@ -281,13 +329,17 @@ def test_pickles_are_read_with_weights_only(dodo_fixtures, tmp_path):
 def test_hyper_parameters_and_base_model_resolution(dodo_fixtures, tmp_path):
     bad = copy_checkpoint(dodo_fixtures, tmp_path / "bad", hparams=lambda hp: {**hp, "encoder_type": "compress"})
     with pytest.raises(ConversionError, match="disagree"):  # hparams.yaml next to it? none here; the ckpt says compress
-        converter.convert_dodo_checkpoint(bad, tmp_path / "o1", hparams_path=dodo_fixtures / "dodo_ckpt" / "hparams.yaml")
+        converter.convert_dodo_checkpoint(
+            bad, tmp_path / "o1", hparams_path=dodo_fixtures / "dodo_ckpt" / "hparams.yaml"
+        )
     with pytest.raises(ConversionError, match="encoder_type"):
         converter.convert_dodo_checkpoint(bad, tmp_path / "o2")
     auto = copy_checkpoint(dodo_fixtures, tmp_path / "auto", hparams=lambda hp: {**hp, "auto": True})
     with pytest.raises(ConversionError, match="auto=True"):
         converter.convert_dodo_checkpoint(auto, tmp_path / "o3")
-    nowhere = copy_checkpoint(dodo_fixtures, tmp_path / "nowhere", hparams=lambda hp: {**hp, "pretrained": "meta-llama/Llama-2-7b-chat-hf"})
+    nowhere = copy_checkpoint(
+        dodo_fixtures, tmp_path / "nowhere", hparams=lambda hp: {**hp, "pretrained": "meta-llama/Llama-2-7b-chat-hf"}
+    )
     with pytest.raises(ConversionError, match="base_model_path"):
         converter.convert_dodo_checkpoint(nowhere, tmp_path / "o4")
     output = converter.convert_dodo_checkpoint(nowhere, tmp_path / "o5", base_model_path=dodo_fixtures / "base")
@@ -299,34 +351,59 @@ def test_hyper_parameters_and_base_model_resolution(dodo_fixtures, tmp_path):
 def test_peft_route_needs_a_soft_prompt_or_an_explicit_zero(dodo_fixtures, tmp_path):
     adapters = dodo_fixtures / "adapters"
     with pytest.raises(ConversionError, match="soft_prompt_path"):
-        converter.convert_dodo_peft_folders(adapters / "encoder", adapters / "decoder", dodo_fixtures / "scorer.pt",
-                                            dodo_fixtures / "base", tmp_path / "o1")
-    output = converter.convert_dodo_peft_folders(adapters / "encoder", adapters / "decoder", dodo_fixtures / "scorer.pt",
-                                                 dodo_fixtures / "base", tmp_path / "o2", soft_prompt_length=0)
+        converter.convert_dodo_peft_folders(
+            adapters / "encoder",
+            adapters / "decoder",
+            dodo_fixtures / "scorer.pt",
+            dodo_fixtures / "base",
+            tmp_path / "o1",
+        )
+    output = converter.convert_dodo_peft_folders(
+        adapters / "encoder",
+        adapters / "decoder",
+        dodo_fixtures / "scorer.pt",
+        dodo_fixtures / "base",
+        tmp_path / "o2",
+        soft_prompt_length=0,
+    )
     model = DodoLlamaForCausalLM.from_pretrained(output)
     assert model.soft_prompt is None and model.config.soft_prompt_length == 0
     # a scorer file with other keys is refused
     save_file({"weight": torch.zeros(1, 64)}, str(tmp_path / "scorer.safetensors"))
     with pytest.raises(ConversionError, match="scorer FFN keys"):
-        converter.convert_dodo_peft_folders(adapters / "encoder", adapters / "decoder", tmp_path / "scorer.safetensors",
-                                            dodo_fixtures / "base", tmp_path / "o3", soft_prompt_length=0)
+        converter.convert_dodo_peft_folders(
+            adapters / "encoder",
+            adapters / "decoder",
+            tmp_path / "scorer.safetensors",
+            dodo_fixtures / "base",
+            tmp_path / "o3",
+            soft_prompt_length=0,
+        )
     # adapters with different LoRA settings are refused
     shutil.copytree(adapters / "decoder", tmp_path / "decoder16")
     config_file = tmp_path / "decoder16" / "adapter_config.json"
     config_file.write_text(config_file.read_text().replace('"lora_alpha": 32', '"lora_alpha": 16'))
     with pytest.raises(ConversionError, match="differ"):
-        converter.convert_dodo_peft_folders(adapters / "encoder", tmp_path / "decoder16", dodo_fixtures / "scorer.pt",
-                                            dodo_fixtures / "base", tmp_path / "o4", soft_prompt_length=0)
+        converter.convert_dodo_peft_folders(
+            adapters / "encoder",
+            tmp_path / "decoder16",
+            dodo_fixtures / "scorer.pt",
+            dodo_fixtures / "base",
+            tmp_path / "o4",
+            soft_prompt_length=0,
+        )
 
 
 def test_ind_scorer_false_and_freeze_decoder_checkpoints(dodo_fixtures, tmp_path):
     """``ind_scorer=False`` puts LoRA on layers >= ι only; ``freeze_decoder=True`` has no decoder adapter (the decoder
     then runs with the encoder adapter, spec §8.3)."""
+
     def only_late_layers(state_dict):
         return {k: v for k, v in state_dict.items() if not any(f"layers.{i}." in k for i in range(3))}
 
-    late = copy_checkpoint(dodo_fixtures, tmp_path / "late", state_dict=only_late_layers,
-                           hparams=lambda hp: {**hp, "ind_scorer": False})
+    late = copy_checkpoint(
+        dodo_fixtures, tmp_path / "late", state_dict=only_late_layers, hparams=lambda hp: {**hp, "ind_scorer": False}
+    )
     model = DodoLlamaForCausalLM.from_pretrained(converter.convert_dodo_checkpoint(late, tmp_path / "o1"))
     assert model.config.lora_layers == [3] and model.config.scorer_features == "encoder_hidden"
     assert not any(".lora_" in name for name in model.state_dict() if "layers.0." in name)
@@ -334,10 +411,15 @@ def test_ind_scorer_false_and_freeze_decoder_checkpoints(dodo_fixtures, tmp_path
     def encoder_only(state_dict):
         return {k: v for k, v in state_dict.items() if ".decoder.weight" not in k or "soft_emb" in k}
 
-    frozen = copy_checkpoint(dodo_fixtures, tmp_path / "frozen", state_dict=encoder_only,
-                             hparams=lambda hp: {**hp, "freeze_decoder": True})
+    frozen = copy_checkpoint(
+        dodo_fixtures, tmp_path / "frozen", state_dict=encoder_only, hparams=lambda hp: {**hp, "freeze_decoder": True}
+    )
     model = DodoLlamaForCausalLM.from_pretrained(converter.convert_dodo_checkpoint(frozen, tmp_path / "o2"))
     assert model.config.adapter_names == ["encoder"] and model.config.decoder_adapter_name == "encoder"
     assert not any(".decoder." in name for name in model.state_dict() if ".lora_" in name)
     with torch.no_grad():
-        assert model(torch.tensor([[1, 5, 7]]), context_input_ids=torch.tensor([[1, 9, 8, 7, 6]])).logits.shape == (1, 3, 128)
+        assert model(torch.tensor([[1, 5, 7]]), context_input_ids=torch.tensor([[1, 9, 8, 7, 6]])).logits.shape == (
+            1,
+            3,
+            128,
+        )

@@ -9,7 +9,7 @@ import math
 
 import pytest
 import torch
-from peft import LoraConfig, PeftModel, inject_adapter_in_model
+from peft import LoraConfig, inject_adapter_in_model
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import (
     AutoConfig,
@@ -32,9 +32,23 @@ VOCAB = 100
 
 
 def tiny_config(**overrides) -> DodoLlamaConfig:
-    values = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
-                  num_key_value_heads=2, nugget_layer=2, nugget_ratio=0.2, lora_r=4, lora_alpha=8.0,
-                  lora_dropout=0.0, soft_prompt_length=2, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    values = dict(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        nugget_layer=2,
+        nugget_ratio=0.2,
+        lora_r=4,
+        lora_alpha=8.0,
+        lora_dropout=0.0,
+        soft_prompt_length=2,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
     values.update(overrides)
     return DodoLlamaConfig(**values)
 
@@ -64,14 +78,18 @@ def ids(batch: int, length: int, low: int = 3) -> torch.LongTensor:
 
 def left_pad(tokens: torch.LongTensor, width: int) -> tuple[torch.LongTensor, torch.LongTensor]:
     pad = width - tokens.shape[1]
-    return (torch.cat([tokens.new_zeros(1, pad), tokens], 1),
-            torch.cat([torch.zeros(1, pad, dtype=torch.long), torch.ones_like(tokens)], 1))
+    return (
+        torch.cat([tokens.new_zeros(1, pad), tokens], 1),
+        torch.cat([torch.zeros(1, pad, dtype=torch.long), torch.ones_like(tokens)], 1),
+    )
 
 
 def right_pad(tokens: torch.LongTensor, width: int) -> tuple[torch.LongTensor, torch.LongTensor]:
     pad = width - tokens.shape[1]
-    return (torch.cat([tokens, tokens.new_zeros(1, pad)], 1),
-            torch.cat([torch.ones_like(tokens), torch.zeros(1, pad, dtype=torch.long)], 1))
+    return (
+        torch.cat([tokens, tokens.new_zeros(1, pad)], 1),
+        torch.cat([torch.ones_like(tokens), torch.zeros(1, pad, dtype=torch.long)], 1),
+    )
 
 
 def max_diff(a, b) -> float:
@@ -86,8 +104,17 @@ def max_diff(a, b) -> float:
 def test_defaults_are_the_papers_and_registration():
     config = DodoLlamaConfig()
     assert isinstance(config, LlamaConfig) and config.model_type == "dodo_llama"
-    assert (config.nugget_layer, config.nugget_ratio, config.lora_r, config.lora_alpha, config.soft_prompt_length) == (3, 0.1, 32, 32.0, 1)
-    assert config.lora_target_modules == ["q_proj", "v_proj", "o_proj"] and config.adapter_names == ["encoder", "decoder"]
+    assert (config.nugget_layer, config.nugget_ratio, config.lora_r, config.lora_alpha, config.soft_prompt_length) == (
+        3,
+        0.1,
+        32,
+        32.0,
+        1,
+    )
+    assert config.lora_target_modules == ["q_proj", "v_proj", "o_proj"] and config.adapter_names == [
+        "encoder",
+        "decoder",
+    ]
     assert config.nugget_count_rounding == "dodo" and config.score_in_forward and config.force_last_nugget
     assert not config.legacy_decoder_mask_order and config.recent_window is None
     assert config.lora_target_regex == r".*layers\.(\d+)\.self_attn\.(q_proj|v_proj|o_proj)"  # the authors' own pattern
@@ -112,9 +139,18 @@ def test_config_round_trip_and_counts(tmp_path):
 
 @pytest.mark.parametrize(
     "field, value",
-    [("nugget_layer", 9), ("nugget_ratio", 0.0), ("nugget_count_rounding", "floor"), ("scorer_features", "x"),
-     ("soft_prompt_length", -1), ("lora_target_modules", ["gate_proj"]), ("lora_layers", [7]),
-     ("encoder_adapter_name", "a b"), ("recent_window", -2), ("compression_stride", 0)],
+    [
+        ("nugget_layer", 9),
+        ("nugget_ratio", 0.0),
+        ("nugget_count_rounding", "floor"),
+        ("scorer_features", "x"),
+        ("soft_prompt_length", -1),
+        ("lora_target_modules", ["gate_proj"]),
+        ("lora_layers", [7]),
+        ("encoder_adapter_name", "a b"),
+        ("recent_window", -2),
+        ("compression_stride", 0),
+    ],
 )
 def test_config_rejects_bad_values(field, value):
     with pytest.raises(ValueError, match=field):
@@ -138,16 +174,29 @@ def test_one_state_dict_holds_base_adapters_scorer_and_soft_prompt(tmp_path, mod
     from safetensors.torch import load_file
 
     keys = set(load_file(str(tmp_path / "model.safetensors")))
-    assert "model.layers.0.self_attn.q_proj.base_layer.weight" in keys and "model.layers.0.self_attn.k_proj.weight" in keys
+    assert (
+        "model.layers.0.self_attn.q_proj.base_layer.weight" in keys and "model.layers.0.self_attn.k_proj.weight" in keys
+    )
     for adapter in ("encoder", "decoder"):
         assert f"model.layers.2.self_attn.o_proj.lora_B.{adapter}.weight" in keys
-    assert {"nugget_scorer.0.weight", "nugget_scorer.0.bias", "nugget_scorer.2.weight", "nugget_scorer.2.bias",
-            "soft_prompt.weight", "lm_head.weight"} <= keys
+    assert {
+        "nugget_scorer.0.weight",
+        "nugget_scorer.0.bias",
+        "nugget_scorer.2.weight",
+        "nugget_scorer.2.bias",
+        "soft_prompt.weight",
+        "lm_head.weight",
+    } <= keys
     assert not any("k_proj.lora" in key or "mlp" in key and "lora" in key for key in keys)
     reloaded = DodoLlamaForCausalLM.from_pretrained(tmp_path).eval()
     context, prompt = ids(1, 12), ids(1, 4)
     with torch.no_grad():
-        assert max_diff(reloaded(prompt, context_input_ids=context).logits, model(prompt, context_input_ids=context).logits) == 0
+        assert (
+            max_diff(
+                reloaded(prompt, context_input_ids=context).logits, model(prompt, context_input_ids=context).logits
+            )
+            == 0
+        )
 
 
 def test_fresh_adapters_are_the_identity_and_switching_changes_outputs():
@@ -163,7 +212,9 @@ def test_fresh_adapters_are_the_identity_and_switching_changes_outputs():
         for name in ("encoder", "decoder", None):
             fresh.set_active_adapter(name)
             outputs[name] = fresh.lm_head(fresh.model(tokens).last_hidden_state)
-    assert max_diff(outputs["encoder"], outputs["decoder"]) > 1e-3 and max_diff(outputs[None], outputs["decoder"]) > 1e-3
+    assert (
+        max_diff(outputs["encoder"], outputs["decoder"]) > 1e-3 and max_diff(outputs[None], outputs["decoder"]) > 1e-3
+    )
     fresh.set_active_adapter(None)
     with torch.no_grad():  # disabling is reversible
         assert max_diff(fresh.lm_head(fresh.model(tokens).last_hidden_state), outputs[None]) == 0
@@ -176,8 +227,11 @@ def trainable_names(model) -> set[str]:
 
 
 def test_base_is_frozen_at_init_after_switching_and_after_from_pretrained(tmp_path, model):
-    expected = {name for name, _ in model.named_parameters()
-                if ".lora_" in name or name.startswith(("nugget_scorer.", "soft_prompt."))}
+    expected = {
+        name
+        for name, _ in model.named_parameters()
+        if ".lora_" in name or name.startswith(("nugget_scorer.", "soft_prompt."))
+    }
     assert trainable_names(model) == expected and len(expected) == 3 * 3 * 2 * 2 + 4 + 1
     for name in ("encoder", None, "decoder", "encoder"):  # gotcha 3: switching must not freeze the inactive adapter
         model.set_active_adapter(name)
@@ -189,16 +243,29 @@ def test_base_is_frozen_at_init_after_switching_and_after_from_pretrained(tmp_pa
 
 def test_from_base_model_loads_a_plain_llama(tmp_path):
     torch.manual_seed(0)
-    llama_config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
-                               num_attention_heads=4, num_key_value_heads=2)
+    llama_config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        attention_bias=True,  # the mapping must rename the wrapped projections' biases too
+    )
     llama = LlamaForCausalLM(llama_config).eval()
+    with torch.no_grad():
+        for name, param in llama.named_parameters():
+            if name.endswith("bias"):
+                param.normal_()
     llama.save_pretrained(tmp_path / "llama")
     dodo = DodoLlamaForCausalLM.from_base_model(tmp_path / "llama", {"nugget_layer": 2, "lora_r": 4}).eval()
     assert dodo.config.model_type == "dodo_llama" and dodo.config.lora_r == 4
     tokens = ids(2, 7)
     with torch.no_grad():  # gotcha 1: base_layer weights loaded; fresh θ is the identity, so plain decoding = the base
         assert max_diff(dodo(tokens).logits, llama(tokens).logits) < 1e-5
-    assert trainable_names(dodo) and all(".lora_" in n or n.startswith(("nugget_", "soft_")) for n in trainable_names(dodo))
+    assert trainable_names(dodo) and all(
+        ".lora_" in n or n.startswith(("nugget_", "soft_")) for n in trainable_names(dodo)
+    )
     dodo.save_pretrained(tmp_path / "dodo")  # saved with our names (no reverse renaming), reloads as is
     reloaded = DodoLlamaForCausalLM.from_pretrained(tmp_path / "dodo").eval()
     with torch.no_grad():
@@ -223,7 +290,9 @@ def test_compress_output_and_counts(model):
     assert nuggets.indices[0, -1] == 22 and nuggets.indices[1, 2] == 11  # the last real token is always a nugget
     assert (nuggets.indices[0].diff() > 0).all() and (nuggets.indices[1, :3].diff() > 0).all()
     assert len(nuggets.key_values) == 3 and nuggets.key_values[0][0].shape == (2, 2, 5, 8)
-    assert nuggets.scores.shape == (2, 5) and nuggets.all_scores.shape == (2, 23) and nuggets.features.shape == (2, 23, 32)
+    assert (
+        nuggets.scores.shape == (2, 5) and nuggets.all_scores.shape == (2, 23) and nuggets.features.shape == (2, 23, 32)
+    )
     assert torch.equal(nuggets.scores, nuggets.all_scores.gather(1, nuggets.indices))
     assert torch.equal(nuggets.positions, nuggets.indices)  # right padding: positions are the columns
     # the non-forced nuggets are the top scores of the real tokens
@@ -320,15 +389,16 @@ def test_padded_batches_equal_single_rows(model, side):
     with torch.no_grad():
         nuggets = model.compress(context_ids, context_mask)
         logits = model(prompt_ids, attention_mask=prompt_mask, nuggets=nuggets).logits
-        batch_generated = model.generate(prompt_ids, attention_mask=prompt_mask, nuggets=nuggets, max_new_tokens=5,
-                                         do_sample=False)
+        batch_generated = model.generate(
+            prompt_ids, attention_mask=prompt_mask, nuggets=nuggets, max_new_tokens=5, do_sample=False
+        )
         for row, (context, prompt) in enumerate(zip(contexts, prompts)):
             single = model.compress(context)
             row_logits = model(prompt, nuggets=single).logits[0]
             real = prompt_mask[row].bool()
             assert max_diff(logits[row][real], row_logits) < 1e-5
             generated = model.generate(prompt, nuggets=single, max_new_tokens=5, do_sample=False)
-            assert torch.equal(batch_generated[row, 6:], generated[0, prompt.shape[1]:])
+            assert torch.equal(batch_generated[row, 6:], generated[0, prompt.shape[1] :])
 
 
 def test_legacy_mask_order_only_changes_rows_with_padded_nugget_slots():
@@ -397,18 +467,37 @@ def test_beam_search_and_sampling(model):
         nuggets = model.compress(contexts)
         beams = model.generate(prompts, nuggets=nuggets, max_new_tokens=5, num_beams=3, do_sample=False)
         for row in range(2):  # beam search of a batch equals beam search of each row
-            single = model.generate(prompts[row:row + 1], nuggets=model.compress(contexts[row:row + 1]),
-                                    max_new_tokens=5, num_beams=3, do_sample=False)
+            single = model.generate(
+                prompts[row : row + 1],
+                nuggets=model.compress(contexts[row : row + 1]),
+                max_new_tokens=5,
+                num_beams=3,
+                do_sample=False,
+            )
             assert torch.equal(beams[row], single[0])
-        beam_out = model.generate(prompts, nuggets=nuggets, max_new_tokens=5, num_beams=3, num_return_sequences=2,
-                                  do_sample=False, output_scores=True, return_dict_in_generate=True)
+        beam_out = model.generate(
+            prompts,
+            nuggets=nuggets,
+            max_new_tokens=5,
+            num_beams=3,
+            num_return_sequences=2,
+            do_sample=False,
+            output_scores=True,
+            return_dict_in_generate=True,
+        )
         # the best beam's score is its log-probability per generated token, recomputed here with a plain forward pass
         best = model(beam_out.sequences[::2], nuggets=nuggets).logits
         log_probs = best[:, 3:-1].log_softmax(-1).gather(2, beam_out.sequences[::2, 4:, None]).sum((1, 2)) / 5
         assert max_diff(log_probs, beam_out.sequences_scores[::2]) < 1e-4
         torch.manual_seed(1)
-        sampled = model.generate(input_ids=prompts, context_input_ids=contexts, do_sample=True, top_k=10,
-                                 max_new_tokens=5, num_return_sequences=3)
+        sampled = model.generate(
+            input_ids=prompts,
+            context_input_ids=contexts,
+            do_sample=True,
+            top_k=10,
+            max_new_tokens=5,
+            num_return_sequences=3,
+        )
     assert sampled.shape == (6, 9) and torch.equal(sampled[::3, :4], prompts)
 
 
@@ -424,7 +513,9 @@ def peft_llama_with_theta(model: DodoLlamaForCausalLM) -> torch.nn.Module:
     lora = LoraConfig(r=config.lora_r, lora_alpha=config.lora_alpha, target_modules=config.lora_target_regex)
     inject_adapter_in_model(lora, llama.model, adapter_name="decoder")
     state = {k: v for k, v in model.state_dict().items() if ".lora_" not in k or ".decoder." in k}
-    missing, unexpected = llama.load_state_dict({k: v for k, v in state.items() if not k.startswith(("nugget_", "soft_"))})
+    missing, unexpected = llama.load_state_dict(
+        {k: v for k, v in state.items() if not k.startswith(("nugget_", "soft_"))}
+    )
     assert not missing and not unexpected
     return llama.eval()
 
@@ -451,7 +542,7 @@ def test_autoregressive_window_boundary_at_a_compressor_call_is_compressor_mode(
         nuggets = compressor.compress(text[:, :stride])
         assert cache.num_nugget_slots == nuggets.mask.shape[1] == 3 and cache.compressed_tokens == stride
         reference = compressor(text[:, stride:], nuggets=nuggets).logits
-        assert max_diff(streamed.logits[:, stride + window:], reference[:, window:]) < 1e-5
+        assert max_diff(streamed.logits[:, stride + window :], reference[:, window:]) < 1e-5
         # greedy continuations equal while no second compression happens
         ar_generated = streaming.generate(text, max_new_tokens=5, do_sample=False)
         compressor_generated = compressor.generate(text[:, stride:], nuggets=nuggets, max_new_tokens=5, do_sample=False)
@@ -509,7 +600,8 @@ def test_scorer_learns_only_through_the_attention_logits():
     model(tokens, nuggets=nuggets, labels=tokens).loss.backward()
     features = model.compress(context, output_features=True).features.detach()
     expected = torch.autograd.grad(
-        model.nugget_scorer(features).squeeze(-1).gather(1, nuggets.indices), model.nugget_scorer[0].weight,
+        model.nugget_scorer(features).squeeze(-1).gather(1, nuggets.indices),
+        model.nugget_scorer[0].weight,
         grad_outputs=score_grad,
     )[0]
     assert max_diff(model.nugget_scorer[0].weight.grad, expected) < 1e-6
@@ -517,9 +609,12 @@ def test_scorer_learns_only_through_the_attention_logits():
 
 def test_joint_compress_then_decode_step_trains_both_adapters_scorer_and_soft_prompt():
     model = tiny_model().train()
-    batch = DodoDataCollator()([{"context_input_ids": ids(1, 20)[0].tolist(), "input_ids": ids(1, 8)[0].tolist()},
-                                {"context_input_ids": ids(1, 14)[0].tolist(), "input_ids": ids(1, 5)[0].tolist(),
-                                 "prompt_length": 2}])
+    batch = DodoDataCollator()(
+        [
+            {"context_input_ids": ids(1, 20)[0].tolist(), "input_ids": ids(1, 8)[0].tolist()},
+            {"context_input_ids": ids(1, 14)[0].tolist(), "input_ids": ids(1, 5)[0].tolist(), "prompt_length": 2},
+        ]
+    )
     loss = model(**batch).loss
     loss.backward()
     grads = {name: param.grad for name, param in model.named_parameters()}
@@ -530,10 +625,12 @@ def test_joint_compress_then_decode_step_trains_both_adapters_scorer_and_soft_pr
 
 
 def test_collator_builds_autoencoding_and_continuation_examples():
-    batch = DodoDataCollator(pad_token_id=0)([
-        {"context_input_ids": [1, 5, 6, 7]},                                    # autoencoding: target = context
-        {"context_input_ids": [1, 8], "input_ids": [9, 10, 11], "prompt_length": 1},  # continuation
-    ])
+    batch = DodoDataCollator(pad_token_id=0)(
+        [
+            {"context_input_ids": [1, 5, 6, 7]},  # autoencoding: target = context
+            {"context_input_ids": [1, 8], "input_ids": [9, 10, 11], "prompt_length": 1},  # continuation
+        ]
+    )
     assert batch["input_ids"].tolist() == [[1, 5, 6, 7], [9, 10, 11, 0]]
     assert batch["labels"].tolist() == [[1, 5, 6, 7], [-100, 10, 11, -100]]
     assert batch["context_attention_mask"].tolist() == [[1, 1, 1, 1], [1, 1, 0, 0]]
@@ -546,12 +643,22 @@ def test_trainer_updates_only_adapters_scorer_and_soft_prompt(tmp_path):
 
     model = tiny_model().train()
     before = {name: param.detach().clone() for name, param in model.named_parameters()}
-    rows = [{"context_input_ids": ids(1, 16 + i)[0].tolist(), "input_ids": ids(1, 6)[0].tolist(), "prompt_length": 2}
-            for i in range(4)]
+    rows = [
+        {"context_input_ids": ids(1, 16 + i)[0].tolist(), "input_ids": ids(1, 6)[0].tolist(), "prompt_length": 2}
+        for i in range(4)
+    ]
     rows += [{"context_input_ids": ids(1, 12)[0].tolist(), "input_ids": None, "prompt_length": 0} for _ in range(4)]
-    args = TrainingArguments(output_dir=str(tmp_path / "run"), per_device_train_batch_size=4, max_steps=2,
-                             learning_rate=1e-2, use_cpu=True, report_to="none", save_strategy="no", logging_steps=1,
-                             remove_unused_columns=False)
+    args = TrainingArguments(
+        output_dir=str(tmp_path / "run"),
+        per_device_train_batch_size=4,
+        max_steps=2,
+        learning_rate=1e-2,
+        use_cpu=True,
+        report_to="none",
+        save_strategy="no",
+        logging_steps=1,
+        remove_unused_columns=False,
+    )
     trainer = Trainer(model=model, args=args, train_dataset=Dataset.from_list(rows), data_collator=DodoDataCollator())
     result = trainer.train()
     assert math.isfinite(result.training_loss)
@@ -609,8 +716,14 @@ def tokenizer():
     vocab = {token: index for index, token in enumerate(["<pad>", "<s>", "</s>", "<unk>"] + words)}
     backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
-                                   unk_token="<unk>", clean_up_tokenization_spaces=False)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        pad_token="<pad>",
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        clean_up_tokenization_spaces=False,
+    )
 
 
 def test_prepare_summarization_inputs_compresses_the_document_and_prompts_with_d3(model, tokenizer):
@@ -619,7 +732,10 @@ def test_prepare_summarization_inputs_compresses_the_document_and_prompts_with_d
     assert dropped == [12, 0]  # BOS + [INST] + 18 document tokens fit
     prompt = tokenizer.decode(inputs["input_ids"][0])
     assert prompt == "Please summarize the above document in one sentence. [/INST]"
-    assert inputs["context_input_ids"][0, :2].tolist() == [tokenizer.bos_token_id, tokenizer.convert_tokens_to_ids("[INST]")]
+    assert inputs["context_input_ids"][0, :2].tolist() == [
+        tokenizer.bos_token_id,
+        tokenizer.convert_tokens_to_ids("[INST]"),
+    ]
     assert inputs["context_attention_mask"].sum(1).tolist() == [20, 8]
     with torch.no_grad():
         generated = model.generate(**inputs, max_new_tokens=4, do_sample=False)

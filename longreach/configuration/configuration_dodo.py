@@ -41,7 +41,7 @@ class DodoLlamaConfig(LlamaConfig):
         scorer_features (`str`, defaults to `"base_final_norm"`) [`ind_scorer`]:
             Input of the scorer. `"base_final_norm"` (``ind_scorer=True``, the paper): the final RMSNorm applied to the
             output of the first ι layers run *with the adapters disabled*. `"encoder_hidden"` (``ind_scorer=False``):
-            the raw residual stream after ι layers of the φ pass (LoRA then only sits on layers >= ι, see `lora_layers`).
+            the raw residual stream after ι layers of the φ pass (LoRA then sits on layers >= ι only: `lora_layers`).
         score_in_forward (`bool`, defaults to `True`):
             How the nugget scores s enter the decoder's attention logits (every layer and head, nugget columns only).
             `True`: ``+ s`` in the forward pass, what the authors' code computes and what converted checkpoints need.
@@ -51,7 +51,7 @@ class DodoLlamaConfig(LlamaConfig):
             Number of trainable vectors inserted between the nuggets and the decoder's tokens. 0 disables them.
         lora_r (`int`, defaults to 32) [`lora`], lora_alpha (`float`, defaults to 32), lora_dropout (`float`, defaults
         to 0.1):
-            LoRA rank, scale numerator (scale = alpha / r; the authors hard-code alpha = 32) and dropout of both adapters.
+            LoRA rank, scale numerator (scale = alpha / r; the authors hard-code 32) and dropout of both adapters.
         lora_target_modules (`list[str]`, defaults to `["q_proj", "v_proj", "o_proj"]`):
             Attention projections (names inside ``self_attn``) that get LoRA. The authors use q, v and o.
         lora_layers (`list[int]`, *optional*):
@@ -61,12 +61,12 @@ class DodoLlamaConfig(LlamaConfig):
             name gives a model with one adapter used for both roles (what the authors' ``freeze_decoder=True`` computes,
             spec §8.3).
         recent_window (`int`, *optional*):
-            τ of the autoregressive mode (paper §2.2, Eq. 9-10). `None` disables the mode: a forward pass or `generate()`
-            without nuggets is then the plain Llama with θ. When set, a call without nuggets streams its tokens: the last
-            τ..τ+stride tokens stay uncompressed and older tokens are compressed into nuggets in chunks of
-            `compression_stride` tokens (see [`DodoLlamaForCausalLM`]). The window counts columns: in a left-padded
-            batch all rows are compressed at the same steps, so a padded row's chunks hold fewer real tokens than the
-            same row run alone.
+            τ of the autoregressive mode (paper §2.2, Eq. 9-10). `None` disables the mode: a forward pass or
+            `generate()` without nuggets is then the plain Llama with θ. When set, a call without nuggets streams its
+            tokens: the last τ..τ+stride tokens stay uncompressed and older tokens are compressed into nuggets in
+            chunks of `compression_stride` tokens (see [`DodoLlamaForCausalLM`]). The window counts columns: in a
+            left-padded batch all rows are compressed at the same steps, so a padded row's chunks hold fewer real
+            tokens than the same row run alone.
         compression_stride (`int`, *optional*):
             Tokens compressed at once in autoregressive mode; the uncompressed window then oscillates between τ and
             τ + stride tokens. Defaults to τ.
@@ -140,7 +140,7 @@ class DodoLlamaConfig(LlamaConfig):
 
     @property
     def lora_target_regex(self) -> str:
-        """``re.fullmatch`` pattern of the LoRA-wrapped modules, relative to the Llama backbone (``layers.3.self_attn.q_proj``).
+        """``re.fullmatch`` pattern of the LoRA-wrapped modules, backbone-relative (``layers.3.self_attn.v_proj``).
 
         With all layers it is the authors' own pattern (``.*layers\\.(\\d+)\\.self_attn\\.(q_proj|v_proj|o_proj)``)."""
         modules = "|".join(self.lora_target_modules)
@@ -189,14 +189,17 @@ class DodoLlamaConfig(LlamaConfig):
         allowed = {"q_proj", "k_proj", "v_proj", "o_proj"}
         if not self.lora_target_modules or not set(self.lora_target_modules) <= allowed:
             raise ValueError(
-                f"`lora_target_modules` must be a non-empty subset of {sorted(allowed)}, got {self.lora_target_modules!r}."
+                f"`lora_target_modules` must be a non-empty subset of {sorted(allowed)}, "
+                f"got {self.lora_target_modules!r}."
             )
         bad_layers = [layer for layer in self.lora_layer_indices if not 0 <= layer < self.num_hidden_layers]
         if bad_layers:
             raise ValueError(
                 f"`lora_layers` must index decoder layers 0..{self.num_hidden_layers - 1}, got {self.lora_layers!r}."
             )
-        if self.scorer_features == "encoder_hidden" and any(layer < self.nugget_layer for layer in self.lora_layer_indices):
+        if self.scorer_features == "encoder_hidden" and any(
+            layer < self.nugget_layer for layer in self.lora_layer_indices
+        ):
             raise ValueError(
                 "`scorer_features='encoder_hidden'` reads the φ pass after ι layers, which must be adapter-free: "
                 f"`lora_layers` must all be >= nugget_layer={self.nugget_layer}, got {self.lora_layers!r}."
@@ -210,4 +213,6 @@ class DodoLlamaConfig(LlamaConfig):
         if self.compression_stride is not None and (
             not isinstance(self.compression_stride, int) or self.compression_stride < 1
         ):
-            raise ValueError(f"`compression_stride` must be None or a positive integer, got {self.compression_stride!r}.")
+            raise ValueError(
+                f"`compression_stride` must be None or a positive integer, got {self.compression_stride!r}."
+            )

@@ -6,15 +6,16 @@ Three modes:
 1. The authors' PyTorch-Lightning checkpoint (trainable tensors only) plus the base Llama folder::
 
        python -m longreach.conversion.convert_dodo_original_checkpoint --checkpoint_path ckpt/weights.ckpt \
-           [--hparams_path ckpt/hparams.yaml] [--base_model_path BASE] --pytorch_dump_folder_path OUT [--push_to_hub REPO]
+           [--hparams_path ckpt/hparams.yaml] [--base_model_path BASE] --pytorch_dump_folder_path OUT \
+           [--push_to_hub REPO]
 
    The hyper-parameters come from ``--hparams_path``, else the checkpoint's ``hyper_parameters``, else ``hparams.yaml``
    next to it. Their ``pretrained`` entry (the base model) is resolved relative to the checkpoint folder's parent (and
-   then the checkpoint folder) unless ``--base_model_path`` is given. A DeepSpeed ZeRO folder must first be turned into a
-   single file with Lightning's ``convert_zero_checkpoint_to_fp32_state_dict``.
+   then the checkpoint folder) unless ``--base_model_path`` is given. A DeepSpeed ZeRO folder must first be turned into
+   a single file with Lightning's ``convert_zero_checkpoint_to_fp32_state_dict``.
 
-2. PEFT adapter folders (``adapter_config.json`` + ``adapter_model.bin``/``.safetensors``) plus a scorer file, either the
-   plain state dict of the scorer FFN (the authors' ``load_scorer`` format) or the generic Nugget package's
+2. PEFT adapter folders (``adapter_config.json`` + ``adapter_model.bin``/``.safetensors``) plus a scorer file, either
+   the plain state dict of the scorer FFN (the authors' ``load_scorer`` format) or the generic Nugget package's
    ``{"scorer_states": {"non_linear": ...}, "kwargs": ...}``; the options the folders do not record are explicit::
 
        python -m longreach.conversion.convert_dodo_original_checkpoint --encoder_adapter_path A/encoder \
@@ -72,7 +73,9 @@ LIGHTNING_RULES = [
     (r"nugget\.decoder\.soft_emb\.weight", r"soft_prompt.weight"),
 ]
 #: Tensors the original saves but never uses; dropped on purpose (and logged).
-DROPPED_LIGHTNING_KEYS = {"nugget.decoder.soft_emb_tc.weight": "created and saved by the original, never used (spec §8.2)"}
+DROPPED_LIGHTNING_KEYS = {
+    "nugget.decoder.soft_emb_tc.weight": "created and saved by the original, never used (spec §8.2)"
+}
 
 #: A PEFT adapter folder's keys (peft 0.4.0 and current) -> longreach names; ``{adapter}`` is filled in.
 PEFT_RULE = (
@@ -84,7 +87,17 @@ PEFT_RULE = (
 SCORER_KEYS = ("0.weight", "0.bias", "2.weight", "2.bias")
 
 #: Hyper-parameters that define the model (compared between the checkpoint and hparams.yaml).
-MODEL_HPARAMS = ("pretrained", "encoder_type", "nugget_layer", "ratio", "lora", "soft", "ind_scorer", "freeze_decoder", "auto")
+MODEL_HPARAMS = (
+    "pretrained",
+    "encoder_type",
+    "nugget_layer",
+    "ratio",
+    "lora",
+    "soft",
+    "ind_scorer",
+    "freeze_decoder",
+    "auto",
+)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -93,7 +106,7 @@ MODEL_HPARAMS = ("pretrained", "encoder_type", "nugget_layer", "ratio", "lora", 
 
 
 def load_pickle(path: Path, allow_code_execution: bool = False) -> object:
-    """``torch.load(weights_only=True)``; with ``allow_code_execution`` a trusted file may fall back to full unpickling."""
+    """``torch.load(weights_only=True)``; with ``allow_code_execution`` a trusted file may fall back to unpickling."""
     try:
         return safe_torch_load(path)
     except ConversionError:
@@ -101,7 +114,8 @@ def load_pickle(path: Path, allow_code_execution: bool = False) -> object:
             raise
         logger.warning(
             "Loading %s with torch.load(weights_only=False) because --unsafe_allow_pickle_code_execution was given: "
-            "unpickling can execute arbitrary code; only do this for files you trust.", path,
+            "unpickling can execute arbitrary code; only do this for files you trust.",
+            path,
         )
         return torch.load(path, map_location="cpu", weights_only=False)
 
@@ -180,7 +194,8 @@ def read_base_config(base_path: Path) -> dict:
     if rope.get("rope_theta", 10000.0) != 10000.0:
         logger.warning(
             "The base model uses rope_theta=%s. The authors' code ran on transformers 4.32, which ignores rope_theta "
-            "(always 10000, spec §8.9); the converted model uses the base model's value.", rope.get("rope_theta"),
+            "(always 10000, spec §8.9); the converted model uses the base model's value.",
+            rope.get("rope_theta"),
         )
     return fields
 
@@ -236,7 +251,10 @@ def base_key_map(config: DodoLlamaConfig) -> KeyMap:
     layers = r"\d+" if config.lora_layers is None else "|".join(str(layer) for layer in config.lora_layers)
     modules = "|".join(config.lora_target_modules)
     rules = [
-        (rf"model\.layers\.({layers})\.self_attn\.({modules})\.(weight|bias)", r"model.layers.\1.self_attn.\2.base_layer.\3"),
+        (
+            rf"model\.layers\.({layers})\.self_attn\.({modules})\.(weight|bias)",
+            r"model.layers.\1.self_attn.\2.base_layer.\3",
+        ),
         (
             r"(model\.layers\.\d+\.(?:self_attn\.(?:q|k|v|o)_proj|mlp\.(?:gate|up|down)_proj)\.(?:weight|bias))",
             r"\1",
@@ -292,7 +310,9 @@ def read_peft_adapter(folder: Path, allow_code_execution: bool = False) -> tuple
     raise ConversionError(f"No adapter_model.safetensors or adapter_model.bin in {folder}.")
 
 
-def lora_targets_from_adapter_config(adapter_config: dict, num_hidden_layers: int) -> tuple[list[str], list[int] | None]:
+def lora_targets_from_adapter_config(
+    adapter_config: dict, num_hidden_layers: int
+) -> tuple[list[str], list[int] | None]:
     """``(target modules, layers or None for all)`` of a LoRA config, found by matching its ``target_modules`` (regex
     string or list) against the Llama module names as PEFT does."""
     targets = adapter_config.get("target_modules")
@@ -341,7 +361,9 @@ def read_scorer(path: Path, allow_code_execution: bool = False) -> dict[str, tor
         kwargs = payload.get("kwargs") or {}
         logger.info(
             "%s is a Nugget-package scorer file (kwargs %s). Its recorded scorer_layer/value_ffn are not trusted (the "
-            "package always writes 3/True, spec §8.10); value_ffn is unused for Llama and dropped.", path, kwargs,
+            "package always writes 3/True, spec §8.10); value_ffn is unused for Llama and dropped.",
+            path,
+            kwargs,
         )
         payload = states.get("non_linear") if isinstance(states, dict) else None
         if payload is None:
@@ -358,8 +380,8 @@ def read_scorer(path: Path, allow_code_execution: bool = False) -> dict[str, tor
 
 
 def read_soft_prompt(path: Path, allow_code_execution: bool = False) -> torch.Tensor:
-    """A ``[soft, hidden]`` tensor from a safetensors/pt file (a tensor, or a dict with exactly one 2-D tensor or with the
-    Lightning key ``nugget.decoder.soft_emb.weight``), or from the authors' Lightning checkpoint."""
+    """A ``[soft, hidden]`` tensor from a safetensors/pt file (a tensor, or a dict with exactly one 2-D tensor or with
+    the Lightning key ``nugget.decoder.soft_emb.weight``), or from the authors' Lightning checkpoint."""
     if path.suffix == ".safetensors":
         from safetensors.torch import load_file
 
@@ -416,15 +438,22 @@ def _build_and_save(
     unexpected = sorted(set(converted) - expected)
     if missing or unexpected:
         raise ConversionError(
-            f"{source}: the checkpoint does not match the model.\nMissing keys: {missing}\nUnexpected keys: {unexpected}"
+            f"{source}: the checkpoint does not match the model.\nMissing keys: {missing}\n"
+            f"Unexpected keys: {unexpected}"
         )
     shapes = {key: tuple(tensor.shape) for key, tensor in model.state_dict().items()}
-    wrong = {key: (tuple(tensor.shape), shapes[key]) for key, tensor in converted.items() if tuple(tensor.shape) != shapes[key]}
+    wrong = {
+        key: (tuple(tensor.shape), shapes[key])
+        for key, tensor in converted.items()
+        if tuple(tensor.shape) != shapes[key]
+    }
     if wrong:
         raise ConversionError(f"{source}: tensor shapes differ from the model's (checkpoint, model): {wrong}")
     # One dtype for the whole model: by default the widest of the sources (lossless: the authors keep float32 adapters)
     target_dtype = getattr(torch, dtype) if dtype else _widest_dtype(converted.values())
-    converted = {key: tensor.to(target_dtype) if tensor.is_floating_point() else tensor for key, tensor in converted.items()}
+    converted = {
+        key: tensor.to(target_dtype) if tensor.is_floating_point() else tensor for key, tensor in converted.items()
+    }
     model.to(target_dtype)
     model.load_state_dict(converted, strict=not config.tie_word_embeddings)
 
@@ -454,7 +483,9 @@ def _build_and_save(
     verify_tensors(reloaded, converted, source=str(output))
     trainable = {name for name, param in reloaded.named_parameters() if param.requires_grad}
     if any(".lora_" not in name and not name.startswith(("nugget_scorer.", "soft_prompt.")) for name in trainable):
-        raise ConversionError("Verification failed: base weights of the reloaded model are trainable (should be frozen).")
+        raise ConversionError(
+            "Verification failed: base weights of the reloaded model are trainable (should be frozen)."
+        )
     logger.info("Converted %s -> %s: %d tensors verified (dtype %s).", source, output, len(converted), target_dtype)
     if push_to_hub:
         reloaded.push_to_hub(push_to_hub, tokenizer=tokenizer)
@@ -476,7 +507,9 @@ def convert_dodo_checkpoint(
     checkpoint_path = Path(checkpoint_path)
     hparams_path = Path(hparams_path) if hparams_path is not None else None
     state_dict, hparams = read_lightning_checkpoint(checkpoint_path, hparams_path, allow_pickle_code_execution)
-    base_path = resolve_base_model(hparams.get("pretrained"), checkpoint_path, str(base_model_path) if base_model_path else None)
+    base_path = resolve_base_model(
+        hparams.get("pretrained"), checkpoint_path, str(base_model_path) if base_model_path else None
+    )
     output = prepare_output_folder(pytorch_dump_folder_path, [checkpoint_path, hparams_path, base_path])
     base_fields = read_base_config(base_path)
     dodo_fields = dodo_fields_from_hparams(hparams, base_fields["num_hidden_layers"])
@@ -490,8 +523,15 @@ def convert_dodo_checkpoint(
     expected_trainable = {key for key in _expected_keys(model) if _is_dodo_key(key)}
     tensors = KeyMap(LIGHTNING_RULES).apply(kept, expected_trainable, source=str(checkpoint_path))
     return _build_and_save(
-        model, tensors, base_path, output, str(checkpoint_path), hparams.get("new_tokens"), tokenizer_name_or_path,
-        push_to_hub, dtype,
+        model,
+        tensors,
+        base_path,
+        output,
+        str(checkpoint_path),
+        hparams.get("new_tokens"),
+        tokenizer_name_or_path,
+        push_to_hub,
+        dtype,
     )
 
 
@@ -515,8 +555,8 @@ def convert_dodo_peft_folders(
     allow_pickle_code_execution: bool = False,
     dtype: str | None = None,
 ) -> Path:
-    """Mode 2: PEFT adapter folders (φ and θ; θ may be omitted: then the decoder uses φ, as ``freeze_decoder=True``) plus
-    a scorer file, a soft prompt file (or ``soft_prompt_length=0``) and the base Llama folder."""
+    """Mode 2: PEFT adapter folders (φ and θ; θ may be omitted: the decoder then uses φ, as ``freeze_decoder=True``)
+    plus a scorer file, a soft prompt file (or ``soft_prompt_length=0``) and the base Llama folder."""
     encoder_adapter_path, scorer_path, base_path = Path(encoder_adapter_path), Path(scorer_path), Path(base_model_path)
     decoder_adapter_path = Path(decoder_adapter_path) if decoder_adapter_path is not None else None
     soft_prompt_path = Path(soft_prompt_path) if soft_prompt_path is not None else None
@@ -534,11 +574,15 @@ def convert_dodo_peft_folders(
     for name, (adapter_config, _) in adapters.items():
         modules, lora_layers = lora_targets_from_adapter_config(adapter_config, layers)
         settings[name] = (
-            adapter_config.get("r"), float(adapter_config.get("lora_alpha", 8)), tuple(modules),
+            adapter_config.get("r"),
+            float(adapter_config.get("lora_alpha", 8)),
+            tuple(modules),
             None if lora_layers is None else tuple(lora_layers),
         )
     if len(set(settings.values())) != 1:
-        raise ConversionError(f"The adapters differ in (r, lora_alpha, target modules, layers): {settings}; Dodo needs one LoRA setting.")
+        raise ConversionError(
+            f"The adapters differ in (r, lora_alpha, target modules, layers): {settings}; Dodo needs one LoRA setting."
+        )
     r, alpha, modules, lora_layers = settings["encoder"]
     modules, lora_layers = list(modules), (None if lora_layers is None else list(lora_layers))
     dropout = float(adapters["encoder"][0].get("lora_dropout", 0.0))
@@ -557,7 +601,9 @@ def convert_dodo_peft_folders(
     if soft_prompt_path is not None:
         soft = read_soft_prompt(soft_prompt_path, allow_pickle_code_execution)
         if soft_prompt_length is not None and soft_prompt_length != soft.shape[0]:
-            raise ConversionError(f"--soft_prompt_length {soft_prompt_length} but {soft_prompt_path} holds {soft.shape[0]} rows.")
+            raise ConversionError(
+                f"--soft_prompt_length {soft_prompt_length} but {soft_prompt_path} holds {soft.shape[0]} rows."
+            )
         tensors["soft_prompt.weight"] = soft
         soft_prompt_length = soft.shape[0]
     elif soft_prompt_length is None or soft_prompt_length > 0:
@@ -625,7 +671,9 @@ def _write_model_card(output: Path, model_name: str, source: str) -> None:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     modes = parser.add_argument_group("input (one mode)")
     modes.add_argument("--checkpoint_path", help="Mode 1: the authors' Lightning weights.ckpt.")
     modes.add_argument("--encoder_adapter_path", help="Mode 2: PEFT folder of the encoder (φ) adapter.")
@@ -639,21 +687,39 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--soft_prompt_length", type=int, help="Mode 2: 0 for a model without a soft prompt.")
     parser.add_argument("--nugget_layer", type=int, default=3, help="Mode 2: ι (default 3).")
     parser.add_argument("--nugget_ratio", type=float, default=0.1, help="Mode 2: nuggets per token (default 0.1).")
-    parser.add_argument("--nugget_count_rounding", choices=("dodo", "ceil"), default="dodo", help="Mode 2 (default dodo).")
-    parser.add_argument("--scorer_features", choices=("base_final_norm", "encoder_hidden"), default="base_final_norm",
-                        help="Mode 2: base_final_norm (ind_scorer=True, default) or encoder_hidden.")
-    parser.add_argument("--straight_through_scores", action="store_true",
-                        help="Mode 2: use s - stopgrad(s) instead of the original's + s (only for models trained so).")
+    parser.add_argument(
+        "--nugget_count_rounding", choices=("dodo", "ceil"), default="dodo", help="Mode 2 (default dodo)."
+    )
+    parser.add_argument(
+        "--scorer_features",
+        choices=("base_final_norm", "encoder_hidden"),
+        default="base_final_norm",
+        help="Mode 2: base_final_norm (ind_scorer=True, default) or encoder_hidden.",
+    )
+    parser.add_argument(
+        "--straight_through_scores",
+        action="store_true",
+        help="Mode 2: use s - stopgrad(s) instead of the original's + s (only for models trained so).",
+    )
     parser.add_argument("--max_new_tokens", type=int, help="Mode 2: generation_config.max_new_tokens.")
-    parser.add_argument("--legacy_decoder_mask_order", action="store_true",
-                        help="Reproduce the original's decoder mask-order bug (spec §8.1) for bug-for-bug parity.")
-    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
-                        help="dtype of the converted model (default: the widest dtype among the sources, lossless).")
+    parser.add_argument(
+        "--legacy_decoder_mask_order",
+        action="store_true",
+        help="Reproduce the original's decoder mask-order bug (spec §8.1) for bug-for-bug parity.",
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16", "float16"),
+        help="dtype of the converted model (default: the widest dtype among the sources, lossless).",
+    )
     parser.add_argument("--tokenizer_name_or_path", help="Tokenizer to save (default: the base folder's, if any).")
     parser.add_argument("--push_to_hub", metavar="REPO_ID", help="Also upload the result to this Hub repo.")
-    parser.add_argument("--unsafe_allow_pickle_code_execution", action="store_true",
-                        help="Allow torch.load(weights_only=False) for trusted pickles that hold other objects: this can "
-                             "execute arbitrary code.")
+    parser.add_argument(
+        "--unsafe_allow_pickle_code_execution",
+        action="store_true",
+        help="Allow torch.load(weights_only=False) for trusted pickles that hold other objects: this can "
+        "execute arbitrary code.",
+    )
     args = parser.parse_args(argv)
     chosen = [name for name in ("checkpoint_path", "encoder_adapter_path", "export_peft_from") if getattr(args, name)]
     if len(chosen) != 1:
@@ -670,16 +736,36 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.checkpoint_path:
             output = convert_dodo_checkpoint(
-                args.checkpoint_path, args.pytorch_dump_folder_path, args.hparams_path, args.base_model_path,
-                args.tokenizer_name_or_path, args.legacy_decoder_mask_order, args.push_to_hub, unsafe, args.dtype,
+                args.checkpoint_path,
+                args.pytorch_dump_folder_path,
+                args.hparams_path,
+                args.base_model_path,
+                args.tokenizer_name_or_path,
+                args.legacy_decoder_mask_order,
+                args.push_to_hub,
+                unsafe,
+                args.dtype,
             )
         elif args.encoder_adapter_path:
             output = convert_dodo_peft_folders(
-                args.encoder_adapter_path, args.decoder_adapter_path, args.scorer_path, args.base_model_path,
-                args.pytorch_dump_folder_path, args.soft_prompt_path, args.soft_prompt_length, args.nugget_layer,
-                args.nugget_ratio, args.nugget_count_rounding, args.scorer_features, not args.straight_through_scores,
-                args.legacy_decoder_mask_order, args.tokenizer_name_or_path, args.max_new_tokens, args.push_to_hub,
-                unsafe, args.dtype,
+                args.encoder_adapter_path,
+                args.decoder_adapter_path,
+                args.scorer_path,
+                args.base_model_path,
+                args.pytorch_dump_folder_path,
+                args.soft_prompt_path,
+                args.soft_prompt_length,
+                args.nugget_layer,
+                args.nugget_ratio,
+                args.nugget_count_rounding,
+                args.scorer_features,
+                not args.straight_through_scores,
+                args.legacy_decoder_mask_order,
+                args.tokenizer_name_or_path,
+                args.max_new_tokens,
+                args.push_to_hub,
+                unsafe,
+                args.dtype,
             )
         else:
             output = export_peft_adapters(args.export_peft_from, args.pytorch_dump_folder_path)

@@ -9,7 +9,7 @@ Compressor mode (paper §2.3; spec §3). For a context ``w_1..n`` and a decoder 
     idx       = TopK(s, k),  k = rounding(n · ratio), the last real token always kept                    # Eq. 14, §3.5
     z_l       = (K_l[idx], V_l[idx])                nuggets: the φ cache entries of the selected tokens   # Eq. 5, §3.6
     logits    = Llama_θ([z ; soft prompt ; y])      positions k + 0, 1, ...; every attention logit towards
-                                                    nugget j gets + s_j (or s_j - stopgrad(s_j))           # Eq. 13, 17, 18
+                                                    nugget j gets + s_j (or s_j - stopgrad(s_j))         # Eq. 13, 17-18
 
 The score term is folded into the additive 4-D attention mask handed to transformers' ``LlamaModel`` (eager and sdpa
 both honour float masks), and the nuggets enter as the first ``K`` entries of the decoder's KV cache (a
@@ -18,8 +18,8 @@ base weights, φ, θ, the scorer and the soft prompt.
 
 Autoregressive mode (paper §2.2, Eq. 8-10; no released code): with ``config.recent_window = τ``, a call without nuggets
 streams its tokens. The last τ..τ+stride tokens stay uncompressed (θ keys/values); whenever τ + stride tokens are
-pending, the oldest ``stride`` are compressed into new nuggets (φ pass over ``[previous nuggets ; chunk]``, scorer on the
-chunk, top-k by ratio or threshold Λ) and the θ states of the remaining τ tokens are recomputed over
+pending, the oldest ``stride`` are compressed into new nuggets (φ pass over ``[previous nuggets ; chunk]``, scorer on
+the chunk, top-k by ratio or threshold Λ) and the θ states of the remaining τ tokens are recomputed over
 ``[all nuggets ; soft prompt ; recent tokens]``. Feeding a text in one call or token by token gives the same logits.
 """
 
@@ -69,8 +69,8 @@ class DodoNuggets(ModelOutput):
         mask (`torch.BoolTensor` of shape `[batch, K]`):
             Which slots hold a nugget. Rows with fewer nuggets than the batch maximum end with padding slots.
         scores (`torch.FloatTensor` of shape `[batch, K]`):
-            Raw scorer logits of the selected tokens (differentiable; padding slots too). They are added to the decoder's
-            attention logits towards each nugget.
+            Raw scorer logits of the selected tokens (differentiable; padding slots too). They are added to the
+            decoder's attention logits towards each nugget.
         indices (`torch.LongTensor` of shape `[batch, K]`):
             Column of each nugget in the context `input_ids`, ascending among the real slots.
         positions (`torch.LongTensor` of shape `[batch, K]`):
@@ -122,15 +122,22 @@ class DodoNuggets(ModelOutput):
 
 
 class DodoCache(DynamicCache):
-    """The decoder's KV cache: per layer ``[K nugget slots ; soft prompt ; tokens]``, plus what ``generate()`` cannot know.
+    """The decoder's KV cache: per layer ``[K nugget slots ; soft prompt ; tokens]``, plus what generate() cannot know.
 
-    Its length is not the number of tokens seen (hf-integration §1.4): ``seen_tokens`` counts the token columns the model
-    has processed, ``nugget_mask``/``nugget_scores`` describe the first K slots, ``decoder_mask`` the columns after them.
-    In autoregressive mode it also keeps the ids of the uncompressed tokens, which the next compression needs. Every
-    per-row tensor follows beam reordering.
+    Its length is not the number of tokens seen (hf-integration §1.4): ``seen_tokens`` counts the token columns the
+    model has processed, ``nugget_mask``/``nugget_scores`` describe the first K slots, ``decoder_mask`` the columns
+    after them. In autoregressive mode it also keeps the ids of the uncompressed tokens, which the next compression
+    needs. Every per-row tensor follows beam reordering.
     """
 
-    _row_tensors = ("nugget_mask", "nugget_scores", "decoder_mask", "pending_ids", "pending_mask", "compressed_real_tokens")
+    _row_tensors = (
+        "nugget_mask",
+        "nugget_scores",
+        "decoder_mask",
+        "pending_ids",
+        "pending_mask",
+        "compressed_real_tokens",
+    )
 
     def __init__(self, config: DodoLlamaConfig):
         super().__init__(config=config)
@@ -192,7 +199,9 @@ class DodoCache(DynamicCache):
 
     def crop(self, tokens_to_remove: int) -> None:
         if tokens_to_remove > 0 or self.autoregressive:
-            raise ValueError("A DodoCache can only drop its last tokens (negative count), and not in autoregressive mode.")
+            raise ValueError(
+                "A DodoCache can only drop its last tokens (negative count), and not in autoregressive mode."
+            )
         super().crop(tokens_to_remove)
         if tokens_to_remove:
             self.decoder_mask = self.decoder_mask[:, :tokens_to_remove]
@@ -211,7 +220,9 @@ def token_positions(mask: torch.Tensor, offset: torch.Tensor | int = 0) -> torch
     mask = mask.bool()
     length = mask.shape[1]
     columns = torch.arange(length, device=mask.device)
-    leading = torch.where(mask.any(dim=1), mask.int().argmax(dim=1), torch.full_like(mask[:, 0], length, dtype=torch.long))
+    leading = torch.where(
+        mask.any(dim=1), mask.int().argmax(dim=1), torch.full_like(mask[:, 0], length, dtype=torch.long)
+    )
     positions = torch.where(mask, mask.long().cumsum(dim=1) - 1, (columns[None, :] - leading[:, None]).clamp(min=0))
     offset = offset[:, None] if isinstance(offset, torch.Tensor) else offset
     return positions + offset
@@ -224,9 +235,21 @@ def last_real_column(mask: torch.Tensor) -> torch.LongTensor:
 
 def _config_fingerprint(config: DodoLlamaConfig) -> str:
     fields = (
-        "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size",
-        "nugget_layer", "scorer_features", "lora_r", "lora_target_modules", "lora_layers", "encoder_adapter_name",
-        "decoder_adapter_name", "soft_prompt_length", "rope_parameters",
+        "hidden_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "vocab_size",
+        "nugget_layer",
+        "scorer_features",
+        "lora_r",
+        "lora_target_modules",
+        "lora_layers",
+        "encoder_adapter_name",
+        "decoder_adapter_name",
+        "soft_prompt_length",
+        "rope_parameters",
     )
     payload = json.dumps({name: getattr(config, name, None) for name in fields}, sort_keys=True, default=str)
     return hashlib.sha1(payload.encode("utf-8")).hexdigest()[:16]
@@ -256,10 +279,10 @@ class DodoLlamaPreTrainedModel(HubReadyMixin, LlamaPreTrainedModel):
 class DodoLlamaModel(LlamaModel):
     """transformers' ``LlamaModel`` whose weight initialisation knows the LoRA layers injected into it.
 
-    transformers initialises the modules of a nested ``PreTrainedModel`` with that model's own ``_init_weights``, and its
-    generic ``nn.Linear`` rule would make ``lora_B`` non-zero (hf-integration §5, gotcha 2). LoRA linears are tagged at
-    injection; here ``lora_B`` is zeroed and ``lora_A`` gets PEFT's Kaiming-uniform initialisation, so a fresh adapter
-    starts as the identity change (also for LoRA keys missing from a checkpoint).
+    transformers initialises the modules of a nested ``PreTrainedModel`` with that model's own ``_init_weights``, and
+    its generic ``nn.Linear`` rule would make ``lora_B`` non-zero (hf-integration §5, gotcha 2). LoRA linears are tagged
+    at injection; here ``lora_B`` is zeroed and ``lora_A`` gets PEFT's Kaiming-uniform initialisation, so a fresh
+    adapter starts as the identity change (also for LoRA keys missing from a checkpoint).
     """
 
     config_class = DodoLlamaConfig
@@ -292,9 +315,9 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
     >>> out = model.generate(input_ids=prompt, context_input_ids=context, max_new_tokens=8, num_beams=2)
     ```
 
-    Model state: the base Llama (frozen), LoRA φ (``config.encoder_adapter_name``) and θ (``config.decoder_adapter_name``)
-    on ``config.lora_target_modules``, the scorer ``nugget_scorer`` (``Linear(d, d) -> ReLU -> Linear(d, 1)``) and
-    ``soft_prompt`` (``[soft_prompt_length, d]``).
+    Model state: the base Llama (frozen), LoRA φ (``config.encoder_adapter_name``) and θ
+    (``config.decoder_adapter_name``) on ``config.lora_target_modules``, the scorer ``nugget_scorer``
+    (``Linear(d, d) -> ReLU -> Linear(d, 1)``) and ``soft_prompt`` (``[soft_prompt_length, d]``).
     """
 
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
@@ -319,7 +342,9 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
         )
         for name in config.adapter_names:
             inject_adapter_in_model(lora_config, self.model, adapter_name=name)
-            if hasattr(self.model, "peft_config"):  # the LoRA settings live in our config; no PEFT-integration side paths
+            if hasattr(
+                self.model, "peft_config"
+            ):  # the LoRA settings live in our config; no PEFT-integration side paths
                 del self.model.peft_config
         for layer in self._lora_layers():
             for name in layer.lora_A:
@@ -348,7 +373,9 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
         restored afterwards, so switching never changes what is trained.
         """
         if adapter_name is not None and adapter_name not in self.config.adapter_names:
-            raise ValueError(f"`adapter_name` must be one of {self.config.adapter_names} or None, got {adapter_name!r}.")
+            raise ValueError(
+                f"`adapter_name` must be one of {self.config.adapter_names} or None, got {adapter_name!r}."
+            )
         if self._dodo_active_adapter == adapter_name:
             return
         layers = self._lora_layers()
@@ -380,19 +407,22 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
 
         A plain Llama checkpoint has ``q_proj.weight`` where the LoRA-wrapped model has ``q_proj.base_layer.weight``
         (gotcha 1); loading it without a key mapping would leave random attention weights. Use
-        [`~DodoLlamaForCausalLM.from_base_model`] for Llama checkpoints; passing a `DodoLlamaConfig` as `config=` adds the
-        mapping automatically, and anything else that leaves a ``base_layer`` weight missing raises.
+        [`~DodoLlamaForCausalLM.from_base_model`] for Llama checkpoints; passing a `DodoLlamaConfig` as `config=` adds
+        the mapping automatically, and anything else that leaves a ``base_layer`` weight missing raises.
         """
         config = kwargs.get("config")
         if kwargs.get("key_mapping") is None and isinstance(config, DodoLlamaConfig):
             kwargs["key_mapping"] = cls.base_llama_key_mapping(config)
         want_info = kwargs.pop("output_loading_info", False)
-        model, info = super().from_pretrained(pretrained_model_name_or_path, *model_args, output_loading_info=True, **kwargs)
+        model, info = super().from_pretrained(
+            pretrained_model_name_or_path, *model_args, output_loading_info=True, **kwargs
+        )
         missing_base = sorted(key for key in info.get("missing_keys", []) if "base_layer" in key)
         if missing_base:
             raise ValueError(
                 f"{pretrained_model_name_or_path} lacks the LoRA-wrapped base weights {missing_base[:4]}... It looks "
-                "like a plain Llama checkpoint: load it with DodoLlamaForCausalLM.from_base_model(path, dodo_config={...})."
+                "like a plain Llama checkpoint: load it with "
+                "DodoLlamaForCausalLM.from_base_model(path, dodo_config={...})."
             )
         # transformers would undo load-time renamings when saving (writing `q_proj.weight` again); a Dodo checkpoint is
         # always written with the model's own names.
@@ -402,21 +432,27 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
 
     @staticmethod
     def base_llama_key_mapping(config: DodoLlamaConfig) -> dict[str, str]:
-        """``from_pretrained(key_mapping=...)`` that renames a plain Llama's wrapped projections to PEFT's ``base_layer``."""
+        """``from_pretrained(key_mapping=...)``: a plain Llama's wrapped projections -> PEFT's ``base_layer`` names."""
         layers = r"\d+" if config.lora_layers is None else "|".join(str(layer) for layer in config.lora_layers)
         modules = "|".join(config.lora_target_modules)
-        return {rf"^(model\.layers\.(?:{layers})\.self_attn\.(?:{modules}))\.(weight|bias)$": r"\1.base_layer.\2"}
+        wrapped = rf"^(model\.layers\.(?:{layers})\.self_attn\.(?:{modules}))"
+        # one rule per tensor name: transformers' renaming only substitutes the first group
+        return {wrapped + r"\.weight$": r"\1.base_layer.weight", wrapped + r"\.bias$": r"\1.base_layer.bias"}
 
     @classmethod
     def from_base_model(cls, base_model_name_or_path, dodo_config: dict | None = None, **kwargs):
-        """A Dodo model around a Llama checkpoint: base weights loaded, adapters as fresh (identity) LoRA, new scorer and
-        soft prompt. ``dodo_config`` holds `DodoLlamaConfig` fields (e.g. ``{"nugget_ratio": 0.05, "lora_r": 16}``);
+        """A Dodo model around a Llama checkpoint: base weights loaded, adapters as fresh (identity) LoRA, new scorer
+        and soft prompt. ``dodo_config`` holds `DodoLlamaConfig` fields (e.g. ``{"nugget_ratio": 0.05, "lora_r": 16}``);
         other keyword arguments go to ``from_pretrained`` (``dtype``, ``attn_implementation``, ...)."""
         from transformers import AutoConfig
 
         hub_keys = ("cache_dir", "force_download", "local_files_only", "token", "revision", "subfolder")
-        base_config = AutoConfig.from_pretrained(base_model_name_or_path, **{k: kwargs[k] for k in hub_keys if k in kwargs})
-        fields = {key: value for key, value in base_config.to_dict().items() if key not in ("model_type", "architectures")}
+        base_config = AutoConfig.from_pretrained(
+            base_model_name_or_path, **{k: kwargs[k] for k in hub_keys if k in kwargs}
+        )
+        fields = {
+            key: value for key, value in base_config.to_dict().items() if key not in ("model_type", "architectures")
+        }
         fields.update(dodo_config or {})
         config = DodoLlamaConfig(**fields)
         return cls.from_pretrained(base_model_name_or_path, config=config, **kwargs)
@@ -446,7 +482,8 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
             tuple(k.shape[1:2]) + tuple(k.shape[3:]) != expected for k, _ in nuggets.key_values
         ):
             raise ValueError(
-                f"`nuggets.key_values` must hold {layers} layers of [batch, {expected[0]}, K, {expected[1]}] tensors, got "
+                f"`nuggets.key_values` must hold {layers} layers of [batch, {expected[0]}, K, {expected[1]}] tensors, "
+                "got "
                 f"{len(nuggets.key_values)} layers of {tuple(nuggets.key_values[0][0].shape)}."
             )
         if batch_size is not None and nuggets.batch_size != batch_size:
@@ -464,7 +501,9 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
             return torch.ones(batch_size, length, dtype=torch.bool, device=device)
         if not isinstance(mask, torch.Tensor) or tuple(mask.shape) != (batch_size, length):
             got = describe(mask) if isinstance(mask, torch.Tensor) else type(mask).__name__
-            raise ValueError(f"`{name}` must have shape [batch, past + new tokens] = {(batch_size, length)}, got {got}.")
+            raise ValueError(
+                f"`{name}` must have shape [batch, past + new tokens] = {(batch_size, length)}, got {got}."
+            )
         return mask.bool()
 
     # -----------------------------------------------------------------------------------------------------------------
@@ -481,9 +520,9 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
         soft_prompt_length: int = 0,
         legacy_order: bool = False,
     ) -> torch.Tensor:
-        """Additive 4-D mask ``[B, 1, q, K + D]`` over keys ``[K nugget slots ; D decoder columns]``; the queries are the
-        last ``q`` decoder columns. Nugget column j holds the score term (``+ s_j``, or ``s_j - stopgrad(s_j)``) where it
-        is visible and the dtype minimum where not; decoder columns are causal + padding (0 or minimum)."""
+        """Additive 4-D mask ``[B, 1, q, K + D]`` over keys ``[K nugget slots ; D decoder columns]``; the queries are
+        the last ``q`` decoder columns. Nugget column j holds the score term (``+ s_j``, or ``s_j - stopgrad(s_j)``)
+        where it is visible and the dtype minimum where not; decoder columns are causal + padding (0 or minimum)."""
         batch, length = decoder_mask.shape
         minimum = torch.finfo(dtype).min
         device = decoder_mask.device
@@ -493,13 +532,16 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
         slots = 0 if nugget_mask is None else nugget_mask.shape[1]
         nugget_visible, decoder_visible = nugget_mask, decoder_mask
         if legacy_order and slots:
-            # spec §8.1: the authors build the key padding mask as [soft ; nuggets ; tokens] for keys [nuggets ; soft ; tokens]
+            # spec §8.1: the authors' key padding mask is ordered [soft ; nuggets ; tokens], the keys [nuggets ; soft ;
+            # tokens]
             shifted = torch.cat(
                 [decoder_mask[:, :soft_prompt_length], nugget_mask, decoder_mask[:, soft_prompt_length:]], dim=1
             )
             nugget_visible, decoder_visible = shifted[:, :slots], shifted[:, slots:]
         allowed = decoder_visible[:, None, :] & causal[None]
-        decoder_part = torch.zeros(batch, query_length, length, dtype=dtype, device=device).masked_fill(~allowed, minimum)
+        decoder_part = torch.zeros(batch, query_length, length, dtype=dtype, device=device).masked_fill(
+            ~allowed, minimum
+        )
         if not slots:
             return decoder_part[:, None]
         bias = nugget_scores if self.config.score_in_forward else nugget_scores - nugget_scores.detach()
@@ -523,16 +565,14 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
         """Compress contexts into nuggets (top-k by ``config.nugget_ratio``, last real token forced).
 
         Args:
-            input_ids (`torch.LongTensor` of shape `[batch, n]`): contexts, right- or left-padded (start them with BOS as
-                the authors do).
+            input_ids (`torch.LongTensor` of shape `[batch, n]`): contexts, right- or left-padded (start them with BOS
+                as the authors do).
             attention_mask (`torch.Tensor` of shape `[batch, n]`, *optional*): 1 for real tokens.
             output_features (`bool`): also return the scorer input features.
         """
         check_token_ids("input_ids", input_ids)
         check_mask("attention_mask", attention_mask, "input_ids", input_ids)
-        mask = (
-            torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
-        )
+        mask = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
         if (mask.sum(dim=1) == 0).any():
             empty = (mask.sum(dim=1) == 0).nonzero().flatten().tolist()
             raise ValueError(f"Empty context: rows {empty} of `attention_mask` have no real token to compress.")
@@ -557,12 +597,16 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
         if previous is not None and previous.num_nugget_slots:
             for layer_idx, (key, value) in enumerate(previous.nugget_key_values()):
                 cache.update(key, value, layer_idx)
-            attention = self._attention_bias(
-                previous.nugget_mask, previous.nugget_scores, mask, length, embeds.dtype
-            )
+            attention = self._attention_bias(previous.nugget_mask, previous.nugget_scores, mask, length, embeds.dtype)
         else:
             attention = None if mask.all() else mask.long()
-        self.model(inputs_embeds=embeds, attention_mask=attention, position_ids=positions, past_key_values=cache, use_cache=True)
+        self.model(
+            inputs_embeds=embeds,
+            attention_mask=attention,
+            position_ids=positions,
+            past_key_values=cache,
+            use_cache=True,
+        )
         token_key_values = [(layer.keys[:, :, -length:], layer.values[:, :, -length:]) for layer in cache.layers]
 
         # scorer ϕ on adapter-free features (§3.3-3.4)
@@ -596,7 +640,9 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
         attention = self._causal_bias(mask, embeds.dtype)
         position_embeddings = self.model.rotary_emb(hidden, position_ids=positions)
         for layer in self.model.layers[: self.config.nugget_layer]:
-            hidden = layer(hidden, attention_mask=attention, position_ids=positions, position_embeddings=position_embeddings)
+            hidden = layer(
+                hidden, attention_mask=attention, position_ids=positions, position_embeddings=position_embeddings
+            )
         if self.config.scorer_features == "base_final_norm":
             hidden = self.model.norm(hidden)
         return hidden
@@ -630,7 +676,9 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
                 )
             selection = scores.detach().float().masked_fill(~mask, torch.finfo(torch.float32).min)
             if self.config.force_last_nugget:
-                selection[torch.arange(batch, device=scores.device), last_real_column(mask)] = torch.finfo(torch.float32).max
+                selection[torch.arange(batch, device=scores.device), last_real_column(mask)] = torch.finfo(
+                    torch.float32
+                ).max
             # stable: ties go to the earlier token (the authors' unstable sort resolves them arbitrarily)
             order = selection.argsort(dim=1, descending=True, stable=True)
         slots = int(counts.max().item()) if batch else 0
@@ -668,7 +716,7 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
         nuggets_per_row = cache.nuggets_per_row(batch, token_embeds.device)
         # decoder positions continue right after the number of nuggets: k_b + 0, 1, ... (spec §3.7)
         if position_ids is None:
-            positions = token_positions(decoder_mask, nuggets_per_row)[:, -(length + soft):]
+            positions = token_positions(decoder_mask, nuggets_per_row)[:, -(length + soft) :]
         else:
             positions = position_ids
             if soft:
@@ -802,11 +850,11 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
         **kwargs,
     ) -> CausalLMOutputWithPast:
         r"""
-        input_ids (`torch.LongTensor` of shape `[batch, length]`): decoder tokens (prompt / target), right or left padded.
-            With a cache, only the new tokens.
-        attention_mask (`torch.Tensor` of shape `[batch, past + length]`): 1 for real tokens, covering the tokens already
-            in `past_key_values` and the new ones (transformers' convention). Nugget and soft-prompt columns are added
-            inside.
+        input_ids (`torch.LongTensor` of shape `[batch, length]`): decoder tokens (prompt / target), right or left
+            padded. With a cache, only the new tokens.
+        attention_mask (`torch.Tensor` of shape `[batch, past + length]`): 1 for real tokens, covering the tokens
+            already in `past_key_values` and the new ones (transformers' convention). Nugget and soft-prompt columns are
+            added inside.
         nuggets (`DodoNuggets`): output of `compress()`; the decoder attends to them. Without nuggets (and without
             `config.recent_window`) the model is the plain Llama with θ and no soft prompt.
         context_input_ids / context_attention_mask: a context to compress first (one graph: a joint training step).
@@ -822,7 +870,9 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
             raise ValueError("Pass exactly one of `input_ids` and `inputs_embeds` (the decoder tokens).")
         check_token_ids("input_ids", input_ids)
         if inputs_embeds is not None and (inputs_embeds.dim() != 3 or inputs_embeds.shape[1] == 0):
-            raise ValueError(f"`inputs_embeds` must have shape [batch, length > 0, hidden_size], got {describe(inputs_embeds)}.")
+            raise ValueError(
+                f"`inputs_embeds` must have shape [batch, length > 0, hidden_size], got {describe(inputs_embeds)}."
+            )
         reference = input_ids if input_ids is not None else inputs_embeds
         batch, length = reference.shape[:2]
         if context_input_ids is not None:
@@ -838,7 +888,9 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
                 f"{type(past_key_values).__name__} holding {past_key_values.get_seq_length()} positions."
             )
         past_tokens = 0 if cache is None else cache.seen_tokens
-        token_mask = self._full_attention_mask("attention_mask", attention_mask, batch, past_tokens + length, reference.device)
+        token_mask = self._full_attention_mask(
+            "attention_mask", attention_mask, batch, past_tokens + length, reference.device
+        )
         check_rows_not_empty("attention_mask", token_mask)
         new_token_mask = token_mask[:, past_tokens:]
 
@@ -862,7 +914,9 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
             extra["output_hidden_states"] = True
         if cache.autoregressive or (cache.num_nugget_slots == 0 and self.config.recent_window is not None):
             if input_ids is None:
-                raise ValueError("The autoregressive mode (config.recent_window) needs `input_ids`, not `inputs_embeds`.")
+                raise ValueError(
+                    "The autoregressive mode (config.recent_window) needs `input_ids`, not `inputs_embeds`."
+                )
             hidden = self._autoregressive_forward(cache, input_ids, new_token_mask)
             outputs = None
         else:
@@ -878,7 +932,9 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
         loss = None
         if labels is not None:
             if tuple(labels.shape) != (batch, length):
-                raise ValueError(f"`labels` must have the shape of `input_ids` {(batch, length)}, got {describe(labels)}.")
+                raise ValueError(
+                    f"`labels` must have the shape of `input_ids` {(batch, length)}, got {describe(labels)}."
+                )
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
 
         def strip(states):
@@ -951,11 +1007,14 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
             if cache is not None:
                 nuggets_per_row, soft = cache.nuggets_per_row(batch, input_ids.device), cache.soft_prompt_length
             elif nuggets is not None:
-                nuggets_per_row, soft = nuggets.num_nuggets, (self.soft_prompt.weight.shape[0] if self.soft_prompt is not None else 0)
+                nuggets_per_row, soft = (
+                    nuggets.num_nuggets,
+                    (self.soft_prompt.weight.shape[0] if self.soft_prompt is not None else 0),
+                )
             else:
                 nuggets_per_row, soft = torch.zeros(batch, dtype=torch.long, device=input_ids.device), 0
             decoder_mask = torch.cat([attention_mask.new_ones(batch, soft), attention_mask], dim=1)
-            position_ids = token_positions(decoder_mask, nuggets_per_row)[:, -new_ids.shape[1]:]
+            position_ids = token_positions(decoder_mask, nuggets_per_row)[:, -new_ids.shape[1] :]
 
         model_inputs = {
             "input_ids": new_ids,
@@ -965,7 +1024,14 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
             "nuggets": nuggets,
             "use_cache": use_cache,
         }
-        dropped = {"position_ids", "next_sequence_length", "is_first_iteration", "labels", "inputs_embeds", "cache_position"}
+        dropped = {
+            "position_ids",
+            "next_sequence_length",
+            "is_first_iteration",
+            "labels",
+            "inputs_embeds",
+            "cache_position",
+        }
         for key, value in kwargs.items():
             if key not in model_inputs and key not in dropped:
                 model_inputs[key] = value
@@ -981,8 +1047,8 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
         """``generate()`` keyword arguments for the paper's summarization prompt (Appendix D.3).
 
         Each context is ``BOS + "[INST]\\n" + document`` (compressed into nuggets); the decoder prompt
-        ``"\\nPlease summarize the above document in one sentence.\\n[/INST]"`` is `input_ids`, so `generate` returns the
-        prompt followed by the summary. ``max_input_length`` caps the context tokens; the number of document tokens
+        ``"\\nPlease summarize the above document in one sentence.\\n[/INST]"`` is `input_ids`, so `generate` returns
+        the prompt followed by the summary. ``max_input_length`` caps the context tokens; the number of document tokens
         dropped per document is returned (never truncated silently).
         """
         if isinstance(documents, str):
@@ -1021,7 +1087,9 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
         }
         return inputs, dropped
 
-    def export_peft_adapters(self, save_directory: str | os.PathLike, base_model_name_or_path: str | None = None) -> list[Path]:
+    def export_peft_adapters(
+        self, save_directory: str | os.PathLike, base_model_name_or_path: str | None = None
+    ) -> list[Path]:
         """Write each adapter as a standard PEFT folder (``save_directory/<adapter name>/adapter_config.json`` +
         ``adapter_model.safetensors``) that ``PeftModel.from_pretrained(llama, folder, adapter_name=...)`` loads, plus
         ``scorer.pt`` (the authors' ``load_scorer`` format: a plain state dict) and ``soft_prompt.safetensors``."""
@@ -1037,7 +1105,9 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
                 for part in ("lora_A", "lora_B"):
                     marker = f".{part}.{name}.weight"
                     if key.endswith(marker):
-                        tensors["base_model.model." + key[: -len(marker)] + f".{part}.weight"] = tensor.detach().cpu().contiguous()
+                        tensors["base_model.model." + key[: -len(marker)] + f".{part}.weight"] = (
+                            tensor.detach().cpu().contiguous()
+                        )
             folder = save_directory / name
             LoraConfig(
                 r=self.config.lora_r,
@@ -1054,7 +1124,10 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
         torch.save(scorer, save_directory / "scorer.pt")
         written.append(save_directory / "scorer.pt")
         if self.soft_prompt is not None:
-            save_file({"soft_prompt.weight": self.soft_prompt.weight.detach().cpu().contiguous()}, str(save_directory / "soft_prompt.safetensors"))
+            save_file(
+                {"soft_prompt.weight": self.soft_prompt.weight.detach().cpu().contiguous()},
+                str(save_directory / "soft_prompt.safetensors"),
+            )
             written.append(save_directory / "soft_prompt.safetensors")
         return written
 
@@ -1113,4 +1186,11 @@ class DodoDataCollator:
         }
 
 
-__all__ = ["DodoCache", "DodoDataCollator", "DodoLlamaForCausalLM", "DodoLlamaModel", "DodoNuggets", "DodoLlamaPreTrainedModel"]
+__all__ = [
+    "DodoCache",
+    "DodoDataCollator",
+    "DodoLlamaForCausalLM",
+    "DodoLlamaModel",
+    "DodoNuggets",
+    "DodoLlamaPreTrainedModel",
+]
