@@ -43,7 +43,7 @@ from transformers.utils import ModelOutput, logging
 from ..configuration.configuration_vcc_t5 import VCCT5Config
 from .input_checks import check_mask, check_token_ids, describe
 from .remote_code import HubReadyMixin
-from .t5_blocks import T5Block, T5DecoderStack, T5LayerNorm, T5Seq2SeqLMMixin, init_t5_module
+from .t5_blocks import T5Block, T5DecoderStack, T5LayerNorm, T5Seq2SeqLMMixin, init_t5_module, relative_position_bucket
 
 logger = logging.get_logger(__name__)
 
@@ -234,9 +234,26 @@ class VCCT5Encoder(nn.Module):
         self.final_layer_norm = T5LayerNorm(config.d_model, eps=config.layer_norm_epsilon)
         self.dropout = nn.Dropout(config.dropout_rate)
 
-    def relative_bias(self, query_positions: torch.Tensor, key_positions: torch.Tensor) -> torch.Tensor:
-        """T5's bidirectional relative position bias from the shared table, `[B or 1, heads, Lq, Lk]`."""
-        return self.block[0].layer[0].SelfAttention.compute_bias(query_positions, key_positions)
+    def relative_bias(self, query_positions: torch.Tensor, key_positions: torch.Tensor, max_position: int) -> torch.Tensor:
+        """T5's bidirectional relative position bias from the shared table, `[B or 1, heads, Lq, Lk]`, for positions
+        `[B, L]` (per row, as after the VIP reordering) or `[L]`, all in `[0, max_position)`.
+
+        Same values as `T5Attention.compute_bias`, computed through a per-distance table (the bias of every distance in
+        `(-max_position, max_position)`, 2·max_position entries) and one gather, instead of bucketing all Lq·Lk
+        distances: the VCC layers need a new `[B, heads, r, r]` bias in every layer.
+        """
+        attention = self.block[0].layer[0].SelfAttention
+        distances = torch.arange(-max_position, max_position + 1, device=key_positions.device)
+        buckets = relative_position_bucket(distances, bidirectional=True, num_buckets=attention.relative_attention_num_buckets,
+                                           max_distance=attention.relative_attention_max_distance)
+        per_distance = attention.relative_attention_bias(buckets).t()  # [heads, 2 * max_position + 1]
+        index = (key_positions.unsqueeze(-2) - query_positions.unsqueeze(-1)).add_(max_position)  # [B or -, Lq, Lk]
+        index = index if index.dim() == 3 else index.unsqueeze(0)
+        batch, query_length, key_length = index.shape
+        heads = per_distance.shape[0]
+        flat_index = index.reshape(batch, 1, query_length * key_length).expand(batch, heads, -1)
+        bias = per_distance.unsqueeze(0).expand(batch, -1, -1).gather(2, flat_index)  # contiguous, heads first
+        return bias.view(batch, heads, query_length, key_length)
 
     # -----------------------------------------------------------------------------------------------------------------
     # Inputs
@@ -356,7 +373,7 @@ class VCCT5Encoder(nn.Module):
         segments = hidden_states.reshape(-1, segment, hidden)
         segment_mask = mask.reshape(-1, segment)
         positions = torch.arange(segment, device=hidden_states.device)
-        position_bias = self.relative_bias(positions, positions)
+        position_bias = self.relative_bias(positions, positions, segment)
         chunk = max(1, VANILLA_TOKENS_PER_CHUNK // segment)
         outputs = []  # per chunk: the output of every vanilla layer
         for start in range(0, segments.shape[0], chunk):
@@ -372,7 +389,8 @@ class VCCT5Encoder(nn.Module):
             all_hidden.extend(states[:, :length] for states in per_layer)
         return per_layer[-1]
 
-    def _block_scores(self, block, important, important_positions, important_vip, means, mean_positions, mean_mask):
+    def _block_scores(self, block, important, important_positions, important_vip, means, mean_positions, mean_mask,
+                      max_position):
         """Selection scores of VCC layer `block` (spec §4.5b): the layer's own ln0, q, k and the shared relative bias
         with the VIP slots as queries and the block means as keys, no scale correction; softmax over blocks, mean over
         heads, VIP-masked mean over the slots (divides by the slot count), `log(· + 1e-5)`. All in float32."""
@@ -380,7 +398,7 @@ class VCCT5Encoder(nn.Module):
         attention = attention_layer.SelfAttention
         queries = _split_heads(attention.q(attention_layer.layer_norm(important)), attention.n_heads).float()
         keys = _split_heads(attention.k(attention_layer.layer_norm(means)), attention.n_heads).float()
-        bias = self.relative_bias(important_positions, mean_positions).float() + (
+        bias = self.relative_bias(important_positions, mean_positions, max_position).float() + (
             MASK_VALUE * (1.0 - mean_mask[:, None, None, :])
         )
         probabilities = torch.softmax(torch.matmul(queries, keys.transpose(-1, -2)) + bias, dim=-1)
@@ -429,7 +447,7 @@ class VCCT5Encoder(nn.Module):
         for block in self.block[config.num_vanilla_layers:]:
             # (b) Which blocks to refine, from this layer's attention of the VIP slots to the block means.
             scores = self._block_scores(block, important, important_positions, important_vip, means, mean_positions,
-                                        mean_mask)
+                                        mean_mask, padded_length)
             ranking, explored = self._rank_blocks(scores)
             refined, coarse = ranking[:, :num_refined], ranking[:, num_refined:]
             # (c) State scores: 1 in value, gradient of the selection probabilities (straight-through).
@@ -455,7 +473,7 @@ class VCCT5Encoder(nn.Module):
             key_bias = MASK_VALUE * (1.0 - key_mask) + torch.log(state_scores + 1e-4)
             if log_duplicates is not None:
                 key_bias = key_bias + log_duplicates
-            attention_bias = self.relative_bias(positions, positions) + key_bias[:, None, None, :]
+            attention_bias = self.relative_bias(positions, positions, padded_length).add_(key_bias[:, None, None, :])
             compressed = block(compressed, attention_bias, state_scores)
             # (f) + write back (spec §4.5a): refined blocks get new means and deltas, the others new means only.
             new_refined = compressed[:, : num_refined * k].reshape(batch, num_refined, k, hidden)

@@ -1,0 +1,161 @@
+"""Encoder time and peak memory of VCC-T5 in the paper's base setting beside transformers' T5 with the same weights.
+
+VCC: 4 vanilla layers on 512-token segments + 8 VCC layers, blocks of 16, 90 refined blocks per layer, 48 VIP slots
+(the paper's QA setting; VIPs = the first 5 tokens). Both encoders have 12 layers of a small T5 (d_model 64, 4 heads
+of 16, d_ff 128, relu) and the *same* random weights (the T5 encoder's state dict is loaded into the VCC encoder;
+parameter names are identical). Each (model, length) cell runs in a fresh subprocess so that its peak RSS
+(``ru_maxrss``, whole process, including ~250 MiB of Python + torch) is its own. Batch 1, float32, ``torch.no_grad()``,
+eval, the default attention implementation (sdpa) unless ``--attn eager``; time = median of ``--repeats`` forwards
+after one warm-up (T5 at >= 16K tokens: a single forward, no warm-up, because one forward takes minutes).
+
+Usage::
+
+    python benchmarks/benchmark_vcc_t5.py                               # VCC at 8K/16K/64K, T5 at 8K/16K
+    python benchmarks/benchmark_vcc_t5.py --vcc_lengths 8192 --t5_lengths 8192 --threads 2 --json out.json
+
+Prints a Markdown table with the VCC/T5 ratios. Not a test: timings depend on the machine and its load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+
+SIZES = dict(vocab_size=32128, d_model=64, d_kv=16, d_ff=128, num_layers=12, num_heads=4, feed_forward_proj="relu",
+             dropout_rate=0.0)
+VCC = dict(num_vanilla_layers=4, segment_length=512, block_size=16, num_refined_blocks=90, num_vip_slots=48)
+NUM_VIP = 5
+
+
+def run_cell(model: str, length: int, threads: int, repeats: int, attention: str) -> dict:
+    import resource
+
+    import torch
+    from transformers import T5Config, T5EncoderModel
+
+    torch.set_num_threads(threads)
+    torch.manual_seed(0)
+    t5_config = T5Config(**SIZES)
+    t5_config._attn_implementation = attention
+    t5 = T5EncoderModel(t5_config).eval()
+    inputs = {"input_ids": torch.randint(3, SIZES["vocab_size"], (1, length))}
+    extra = {}
+    if model == "vcc":
+        from longreach import VCCT5Config
+        from longreach.modeling.modeling_vcc_t5 import VCCT5Encoder
+
+        config = VCCT5Config(**SIZES, **VCC)
+        config._attn_implementation = attention
+        encoder = VCCT5Encoder(config, torch.nn.Embedding(config.vocab_size, config.d_model)).eval()
+        state_dict = {key.removeprefix("encoder."): value for key, value in t5.state_dict().items()
+                      if key.startswith("encoder.")}
+        missing, unexpected = encoder.load_state_dict(state_dict, strict=False)
+        assert not missing and not unexpected, (missing, unexpected)  # embed_tokens too: the same weights
+        vip_mask = torch.zeros_like(inputs["input_ids"])
+        vip_mask[:, :NUM_VIP] = 1
+        inputs["vip_mask"] = vip_mask
+        sizes = config.compression_sizes(config.padded_length(length))
+        extra = {"padded_length": config.padded_length(length), "compressed_length": sizes["compressed_length"]}
+        del t5
+    elif model == "t5":
+        encoder = t5
+    else:
+        raise ValueError(f"unknown model {model!r}")
+
+    rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    warmup = 0 if (model == "t5" and length >= 16384) else 1
+    if warmup == 0:
+        repeats = 1
+    times = []
+    with torch.no_grad():
+        for index in range(warmup + repeats):
+            start = time.perf_counter()
+            output = encoder(**inputs).last_hidden_state
+            if index >= warmup:
+                times.append(time.perf_counter() - start)
+    assert output.shape == (1, length, SIZES["d_model"]) and torch.isfinite(output).all()
+    return {
+        "model": model, "length": length, "attention": attention, "threads": threads,
+        "seconds_median": statistics.median(times), "seconds_min": min(times), "runs": len(times),
+        "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "rss_before_mib": rss_before,
+        **extra,
+    }
+
+
+def run_in_subprocess(model: str, length: int, args) -> dict:
+    command = [sys.executable, __file__, "--cell", model, str(length), "--threads", str(args.threads),
+               "--repeats", str(args.repeats), "--attn", args.attn]
+    started = time.perf_counter()
+    try:
+        result = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout)
+    except subprocess.TimeoutExpired:
+        return {"model": model, "length": length, "error": f"timeout after {args.timeout} s"}
+    if result.returncode != 0:
+        tail = (result.stderr or result.stdout).strip().splitlines()[-1:] or ["killed (out of memory?)"]
+        return {"model": model, "length": length, "error": f"exit {result.returncode}: {tail[0]}"}
+    cell = json.loads(result.stdout.strip().splitlines()[-1])
+    cell["wall_seconds"] = time.perf_counter() - started
+    return cell
+
+
+def table(cells: list[dict]) -> str:
+    by_key = {(cell["model"], cell["length"]): cell for cell in cells}
+    lines = [
+        "| tokens | VCC time (s) | VCC peak RSS (MiB) | VCC r | T5 time (s) | T5 peak RSS (MiB) | T5 / VCC time | T5 / VCC memory |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for length in sorted({cell["length"] for cell in cells}):
+        vcc, t5 = by_key.get(("vcc", length)), by_key.get(("t5", length))
+
+        def fmt(cell, key, digits=2):
+            if cell is None:
+                return "-"
+            if "error" in cell:
+                return cell["error"]
+            return f"{cell[key]:.{digits}f}"
+
+        ratio_time = ratio_memory = "-"
+        if vcc and t5 and "error" not in vcc and "error" not in t5:
+            ratio_time = f"{t5['seconds_median'] / vcc['seconds_median']:.1f}x"
+            ratio_memory = f"{t5['peak_rss_mib'] / vcc['peak_rss_mib']:.1f}x"
+        lines.append(
+            f"| {length} | {fmt(vcc, 'seconds_median')} | {fmt(vcc, 'peak_rss_mib', 0)} | "
+            f"{vcc.get('compressed_length', '-') if vcc else '-'} | {fmt(t5, 'seconds_median')} | "
+            f"{fmt(t5, 'peak_rss_mib', 0)} | {ratio_time} | {ratio_memory} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--vcc_lengths", type=int, nargs="*", default=[8192, 16384, 65536])
+    parser.add_argument("--t5_lengths", type=int, nargs="*", default=[8192, 16384])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--attn", choices=["sdpa", "eager"], default="sdpa")
+    parser.add_argument("--timeout", type=int, default=1800, help="Seconds per cell.")
+    parser.add_argument("--json", default=None, help="Also write the cells to this file.")
+    parser.add_argument("--cell", nargs=2, metavar=("MODEL", "LENGTH"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.cell:
+        print(json.dumps(run_cell(args.cell[0], int(args.cell[1]), args.threads, args.repeats, args.attn)))
+        return
+    cells = []
+    for model, lengths in (("vcc", args.vcc_lengths), ("t5", args.t5_lengths)):
+        for length in lengths:
+            cell = run_in_subprocess(model, length, args)
+            print(json.dumps(cell), flush=True)
+            cells.append(cell)
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump(cells, handle, indent=2)
+    print()
+    print(table(cells))
+
+
+if __name__ == "__main__":
+    main()
