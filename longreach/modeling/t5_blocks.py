@@ -75,6 +75,8 @@ class T5DenseActDense(nn.Module):
         super().__init__()
         self.wi = nn.Linear(config.d_model, config.d_ff, bias=False)
         self.wo = nn.Linear(config.d_ff, config.d_model, bias=False)
+        _set_t5_init_std(self.wi, config.d_model**-0.5)
+        _set_t5_init_std(self.wo, config.d_ff**-0.5)
         self.dropout = nn.Dropout(config.dropout_rate)
         self.act = ACT2FN[activation]
 
@@ -91,6 +93,9 @@ class T5DenseGatedActDense(nn.Module):
         self.wi_0 = nn.Linear(config.d_model, config.d_ff, bias=False)
         self.wi_1 = nn.Linear(config.d_model, config.d_ff, bias=False)
         self.wo = nn.Linear(config.d_ff, config.d_model, bias=False)
+        _set_t5_init_std(self.wi_0, config.d_model**-0.5)
+        _set_t5_init_std(self.wi_1, config.d_model**-0.5)
+        _set_t5_init_std(self.wo, config.d_ff**-0.5)
         self.dropout = nn.Dropout(config.dropout_rate)
         self.act = ACT2FN[activation]
 
@@ -194,8 +199,13 @@ class T5Attention(nn.Module):
         self.k = nn.Linear(config.d_model, self.inner_dim, bias=False)
         self.v = nn.Linear(config.d_model, self.inner_dim, bias=False)
         self.o = nn.Linear(self.inner_dim, config.d_model, bias=False)
+        _set_t5_init_std(self.q, (config.d_model * self.key_value_proj_dim) ** -0.5)
+        for projection in (self.k, self.v):
+            _set_t5_init_std(projection, config.d_model**-0.5)
+        _set_t5_init_std(self.o, self.inner_dim**-0.5)
         if has_relative_attention_bias:
             self.relative_attention_bias = nn.Embedding(self.relative_attention_num_buckets, self.n_heads)
+            _set_t5_init_std(self.relative_attention_bias, config.d_model**-0.5)
 
     def compute_bias(self, query_positions: torch.Tensor, key_positions: torch.Tensor) -> torch.Tensor:
         """Relative position bias ``[batch or 1, heads, Lq, Lk]`` for integer positions ``[..., Lq]``, ``[..., Lk]``.
@@ -510,13 +520,24 @@ class T5DecoderStack(nn.Module):
 # ---------------------------------------------------------------------------------------------------------------------
 
 
+def _set_t5_init_std(module: nn.Module, std: float) -> None:
+    """Record T5's initialisation std (before ``initializer_factor``) on a Linear/Embedding of these blocks.
+
+    transformers v5 calls ``_init_weights`` only on modules that own parameters directly (the Linear layers, not the
+    ``T5Attention`` / feed-forward modules around them), so each layer carries its own std.
+    """
+    module._t5_init_std = std
+
+
 def init_t5_module(module: nn.Module, config, init) -> bool:
     """T5's (Mesh-TensorFlow) initialisation for the modules of this file. Returns True if ``module`` was handled.
 
     ``init`` is ``transformers.initialization`` (its functions skip tensors already loaded from a checkpoint).
     """
     factor = config.initializer_factor
-    if isinstance(module, T5LayerNorm):
+    if getattr(module, "_t5_init_std", None) is not None:  # q, k, v, o, wi*, wo, relative_attention_bias
+        init.normal_(module.weight, mean=0.0, std=factor * module._t5_init_std)
+    elif isinstance(module, T5LayerNorm):
         init.constant_(module.weight, factor)
     elif isinstance(module, T5DenseActDense):
         init.normal_(module.wi.weight, mean=0.0, std=factor * config.d_model**-0.5)
