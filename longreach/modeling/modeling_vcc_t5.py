@@ -417,6 +417,9 @@ class VCCT5Encoder(nn.Module):
         return ranking, explored
 
     def _vcc_layers(self, hidden_states, mask, vip, all_hidden, length, output_compression_info):
+        """Compress (spec §4.4), run every VCC layer on its compressed sequence and write back (§4.5), decompress to
+        the full length in input order (§4.6). The tree T(C) is kept as block `means` [B, n_b, d] and `deltas`
+        [B, n_b, k, d] (token = mean - delta); the `num_vip_slots` important tokens are kept apart, uncompressed."""
         config = self.config
         batch, padded_length, hidden = hidden_states.shape
         slots, k, num_refined = config.num_vip_slots, config.block_size, config.num_refined_blocks
