@@ -1,0 +1,318 @@
+#!/usr/bin/env python
+"""Fine-tune LOCOST or VCC-T5 for (long-document) summarization with ``Seq2SeqTrainer``.
+
+Data comes from local JSON / JSON-lines files or a Hub dataset; ROUGE-1/2/Lsum are computed with ``rouge_score``
+(``evaluate.load("rouge")`` would need the Hub) on summaries generated during evaluation. The result is saved
+Hub-ready (weights, code files, ``auto_map``, ``custom_pipelines``, tokenizer, model card) and loads with
+``pipeline("summarization", model=OUTPUT_DIR, trust_remote_code=True)``.
+
+Examples::
+
+    # a converted LOCOST checkpoint on local files (one JSON object per line: {"document": ..., "summary": ...})
+    python examples/finetune_summarization.py --model_name_or_path locost-hf \
+        --train_file train.jsonl --validation_file val.jsonl --output_dir locost-finetuned \
+        --max_source_length 4096 --max_target_length 512 --learning_rate 5e-4 --lr_scheduler_type constant \
+        --per_device_train_batch_size 4 --gradient_accumulation_steps 32 --num_train_epochs 60 --bf16
+
+    # a Hub dataset, with its own column names
+    python examples/finetune_summarization.py --model_name_or_path locost-hf --dataset_name ccdv/arxiv-summarization \
+        --text_column article --summary_column abstract --output_dir locost-arxiv
+
+    # VCC-T5 (the VIP mask is built by the model's prepare_summarization_inputs, exactly as at inference)
+    python examples/finetune_summarization.py --model_name_or_path vcc-t5-hf --train_file train.jsonl ...
+
+    # the CI smoke test: a tiny LOCOST and a tiny dataset built on the fly, a few steps, offline
+    python examples/finetune_summarization.py --smoke --output_dir /tmp/smoke
+
+Every ``Seq2SeqTrainingArguments`` option is accepted (``--eval_strategy steps --eval_steps 500``,
+``--generation_num_beams 4``, ``--activation_checkpointing``...). Without ``--do_train`` / ``--do_eval`` the script
+trains if there is training data and evaluates if there is validation data. Evaluation always generates
+(``predict_with_generate``).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import longreach  # noqa: F401  (registers LOCOST / VCC-T5 with the Auto classes)
+from longreach.hub import write_model_card
+from transformers import (
+    AutoConfig,
+    AutoModelForSeq2SeqLM,
+    AutoTokenizer,
+    DataCollatorForSeq2Seq,
+    HfArgumentParser,
+    Seq2SeqTrainer,
+    Seq2SeqTrainingArguments,
+    set_seed,
+)
+
+MODEL_TYPES = ("locost", "vcc_t5")
+
+
+@dataclass
+class ModelArguments:
+    model_name_or_path: str | None = field(
+        default=None, metadata={"help": "A longreach checkpoint (folder or Hub id) of a LOCOST or VCC-T5 model."}
+    )
+    model_type: str | None = field(
+        default=None, metadata={"help": f"Train from scratch instead: one of {MODEL_TYPES} (needs --tokenizer_name)."}
+    )
+    config_overrides: str | None = field(
+        default=None, metadata={"help": 'JSON object of config fields for --model_type, e.g. \'{"d_model": 256}\'.'}
+    )
+    tokenizer_name: str | None = field(default=None, metadata={"help": "Tokenizer (default: the model's)."})
+
+
+@dataclass
+class DataArguments:
+    dataset_name: str | None = field(default=None, metadata={"help": "Hub dataset name."})
+    dataset_config_name: str | None = field(default=None, metadata={"help": "Hub dataset configuration."})
+    train_file: str | None = field(default=None, metadata={"help": "JSON or JSON-lines training file."})
+    validation_file: str | None = field(default=None, metadata={"help": "JSON or JSON-lines validation file."})
+    text_column: str = field(default="document", metadata={"help": "Column with the documents."})
+    summary_column: str = field(default="summary", metadata={"help": "Column with the reference summaries."})
+    max_source_length: int = field(default=4096, metadata={"help": "Document tokens kept for training."})
+    max_target_length: int = field(default=512, metadata={"help": "Summary tokens kept (training and generation)."})
+    max_train_samples: int | None = field(default=None, metadata={"help": "Use only the first N training examples."})
+    max_eval_samples: int | None = field(default=None, metadata={"help": "Use only the first N validation examples."})
+    smoke: bool = field(default=False, metadata={"help": "Tiny offline end-to-end run (what CI runs)."})
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Features and batches
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def encode_documents(model, tokenizer, documents: list[str], max_source_length: int) -> tuple[dict, int]:
+    """Token features of ``documents``, as the model wants them at inference (``prepare_summarization_inputs``: for
+    VCC-T5 the task prefix and its VIP mask), one unpadded list per document and per feature; and how many documents
+    were cut to ``max_source_length``."""
+    prepare = getattr(model, "prepare_summarization_inputs", None)
+    if prepare is None:
+        encoded = tokenizer(documents, truncation=True, max_length=max_source_length)
+        full = tokenizer(documents)["input_ids"]
+        return dict(encoded), sum(len(ids) > max_source_length for ids in full)
+    inputs, dropped = prepare(tokenizer, documents, max_input_length=max_source_length)
+    keep = inputs["attention_mask"].bool().cpu()
+    features = {
+        name: [row[mask].tolist() for row, mask in zip(tensor.cpu(), keep)]
+        for name, tensor in inputs.items()
+        if tensor.shape == keep.shape  # per-token features (input_ids, attention_mask, VIP mask, ...)
+    }
+    return features, sum(count > 0 for count in dropped)
+
+
+@dataclass
+class SummarizationCollator:
+    """``DataCollatorForSeq2Seq`` plus padding of the model's extra per-token features (such as a VIP mask)."""
+
+    seq2seq: DataCollatorForSeq2Seq
+
+    def __call__(self, features: list[dict]) -> dict:
+        tokenizer = self.seq2seq.tokenizer
+        length = max(len(f["input_ids"]) for f in features)
+        extra = [k for k in features[0] if k not in ("input_ids", "attention_mask", "labels", "token_type_ids")
+                 and isinstance(features[0][k], list) and len(features[0][k]) == len(features[0]["input_ids"])]
+        if extra:
+            features = [dict(f) for f in features]
+            for f in features:
+                for key in extra:
+                    padding = [0] * (length - len(f[key]))
+                    f[key] = padding + f[key] if tokenizer.padding_side == "left" else f[key] + padding
+        return self.seq2seq(features)
+
+
+def _sentences(text: str) -> str:
+    # rouge_score's Lsum convention: one sentence per line (regex splitter; NLTK's punkt would need a download).
+    return "\n".join(s for s in re.split(r"(?<=[.!?])\s+", text.strip()) if s)
+
+
+def build_compute_metrics(tokenizer):
+    import numpy as np
+    from rouge_score import rouge_scorer
+
+    scorer = rouge_scorer.RougeScorer(["rouge1", "rouge2", "rougeLsum"], use_stemmer=True)
+
+    def compute_metrics(eval_prediction) -> dict[str, float]:
+        predictions, labels = eval_prediction.predictions, eval_prediction.label_ids
+        predictions = np.where(predictions >= 0, predictions, tokenizer.pad_token_id)
+        labels = np.where(labels >= 0, labels, tokenizer.pad_token_id)
+        summaries = tokenizer.batch_decode(predictions, skip_special_tokens=True)
+        references = tokenizer.batch_decode(labels, skip_special_tokens=True)
+        totals = {"rouge1": 0.0, "rouge2": 0.0, "rougeLsum": 0.0}
+        for summary, reference in zip(summaries, references):
+            scores = scorer.score(_sentences(reference), _sentences(summary))
+            for key in totals:
+                totals[key] += scores[key].fmeasure
+        metrics = {key: round(100 * value / len(summaries), 4) for key, value in totals.items()}
+        metrics["gen_len"] = float(np.mean([np.count_nonzero(row != tokenizer.pad_token_id) for row in predictions]))
+        return metrics
+
+    return compute_metrics
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Main
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def load_model_and_tokenizer(model_args: ModelArguments):
+    if model_args.model_name_or_path is not None:
+        tokenizer = AutoTokenizer.from_pretrained(model_args.tokenizer_name or model_args.model_name_or_path)
+        model = AutoModelForSeq2SeqLM.from_pretrained(model_args.model_name_or_path, trust_remote_code=True)
+        return model, tokenizer
+    if model_args.model_type not in MODEL_TYPES or model_args.tokenizer_name is None:
+        raise ValueError(
+            "Pass --model_name_or_path, or --model_type (one of "
+            f"{MODEL_TYPES}) with --tokenizer_name to train from scratch; got model_type={model_args.model_type!r}, "
+            f"tokenizer_name={model_args.tokenizer_name!r}."
+        )
+    tokenizer = AutoTokenizer.from_pretrained(model_args.tokenizer_name)
+    overrides = json.loads(model_args.config_overrides or "{}")
+    config = AutoConfig.for_model(
+        model_args.model_type, vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id, decoder_start_token_id=tokenizer.pad_token_id, **overrides,
+    )
+    return AutoModelForSeq2SeqLM.from_config(config), tokenizer
+
+
+def load_raw_datasets(data_args: DataArguments):
+    from datasets import load_dataset
+
+    if data_args.dataset_name is not None:
+        return load_dataset(data_args.dataset_name, data_args.dataset_config_name)
+    files = {split: path for split, path in (("train", data_args.train_file), ("validation", data_args.validation_file))
+             if path is not None}
+    if not files:
+        raise ValueError("Pass --dataset_name, or --train_file and/or --validation_file (JSON or JSON lines).")
+    return load_dataset("json", data_files=files)
+
+
+def run(model_args: ModelArguments, data_args: DataArguments, training_args: Seq2SeqTrainingArguments) -> dict:
+    set_seed(training_args.seed)
+    training_args.predict_with_generate = True
+    if training_args.generation_max_length is None:
+        training_args.generation_max_length = data_args.max_target_length
+    model, tokenizer = load_model_and_tokenizer(model_args)
+    raw = load_raw_datasets(data_args)
+    if not (training_args.do_train or training_args.do_eval):  # neither asked for: do what the data allows
+        training_args.do_train, training_args.do_eval = "train" in raw, "validation" in raw
+
+    def features(split: str, limit: int | None):
+        if split not in raw:
+            return None
+        dataset = raw[split]
+        for column in (data_args.text_column, data_args.summary_column):
+            if column not in dataset.column_names:
+                raise ValueError(f"The {split} data has no column {column!r} (columns: {dataset.column_names}); "
+                                 "set --text_column / --summary_column.")
+        if limit is not None:
+            dataset = dataset.select(range(min(limit, len(dataset))))
+        cut = [0]
+
+        def preprocess(batch):
+            encoded, num_cut = encode_documents(model, tokenizer, batch[data_args.text_column],
+                                                data_args.max_source_length)
+            cut[0] += num_cut
+            encoded["labels"] = tokenizer(text_target=batch[data_args.summary_column], truncation=True,
+                                          max_length=data_args.max_target_length)["input_ids"]
+            return encoded
+
+        # `new_fingerprint` spares datasets from hashing the model captured by `preprocess`.
+        mapped = dataset.map(preprocess, batched=True, batch_size=64, remove_columns=dataset.column_names,
+                             load_from_cache_file=False, new_fingerprint=f"{split}-{data_args.max_source_length}")
+        if cut[0]:
+            print(f"{cut[0]} of {len(dataset)} {split} documents are longer than --max_source_length="
+                  f"{data_args.max_source_length} tokens and were cut to it.", file=sys.stderr)
+        return mapped
+
+    train_dataset = features("train", data_args.max_train_samples) if training_args.do_train else None
+    eval_dataset = features("validation", data_args.max_eval_samples) if training_args.do_eval else None
+    collator = SummarizationCollator(DataCollatorForSeq2Seq(tokenizer, model=model, label_pad_token_id=-100))
+    trainer = Seq2SeqTrainer(
+        model=model, args=training_args, train_dataset=train_dataset, eval_dataset=eval_dataset,
+        processing_class=tokenizer, data_collator=collator, compute_metrics=build_compute_metrics(tokenizer),
+    )
+    metrics = {}
+    if training_args.do_train:
+        result = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+        metrics.update(result.metrics)
+        trainer.save_model()  # Hub-ready: weights, code files, auto_map, custom_pipelines, tokenizer
+        write_model_card(
+            training_args.output_dir, model.config.model_type,
+            training_note=f"Fine-tuned with `examples/finetune_summarization.py` on "
+            f"{data_args.dataset_name or data_args.train_file} ({len(train_dataset)} documents).",
+        )
+    if training_args.do_eval and eval_dataset is not None:
+        metrics.update(trainer.evaluate(max_new_tokens=data_args.max_target_length))
+    trainer.log_metrics("all", metrics)
+    return metrics
+
+
+def smoke_arguments(output_dir: str) -> list[str]:
+    """A tiny LOCOST checkpoint and JSON-lines dataset in a temporary folder, and the arguments that train it."""
+    import torch
+
+    from longreach import LocostConfig, LocostForConditionalGeneration
+    from longreach.demo import train_tokenizer
+
+    workdir = Path(tempfile.mkdtemp(prefix="finetune-smoke-"))
+    topics = ["state space models", "token compression", "context nuggets", "relative position buckets"]
+    rows = []
+    for index in range(24):
+        topic = topics[index % len(topics)]
+        document = " ".join(
+            f"Paragraph {p} explains how {topic} keep long inputs affordable, with example {index} and detail {p * index}."
+            for p in range(12 + index % 5)
+        )
+        rows.append({"document": document, "summary": f"How {topic} keep long inputs affordable."})
+    for name, part in (("train.jsonl", rows[:20]), ("validation.jsonl", rows[20:])):
+        (workdir / name).write_text("\n".join(json.dumps(r) for r in part) + "\n", encoding="utf-8")
+    tokenizer = train_tokenizer([r["document"] + " " + r["summary"] for r in rows], vocab_size=300)
+    torch.manual_seed(0)
+    model = LocostForConditionalGeneration(LocostConfig(
+        vocab_size=len(tokenizer), d_model=32, d_state=8, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
+        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, decoder_start_token_id=0,
+    ))
+    model.save_pretrained(workdir / "tiny-locost")
+    tokenizer.save_pretrained(workdir / "tiny-locost")
+    return [
+        "--model_name_or_path", str(workdir / "tiny-locost"), "--train_file", str(workdir / "train.jsonl"),
+        "--validation_file", str(workdir / "validation.jsonl"), "--output_dir", output_dir, "--do_train", "--do_eval",
+        "--max_steps", "4", "--per_device_train_batch_size", "4", "--per_device_eval_batch_size", "4",
+        "--learning_rate", "1e-3", "--max_source_length", "256", "--max_target_length", "12",
+        "--logging_steps", "2", "--save_strategy", "no", "--report_to", "none", "--use_cpu",
+        "--dataloader_num_workers", "0", "--seed", "0",
+    ]
+
+
+def main(argv: list[str] | None = None) -> dict:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--smoke" in argv:
+        output_dir = argv[argv.index("--output_dir") + 1] if "--output_dir" in argv else tempfile.mkdtemp()
+        argv = smoke_arguments(output_dir) + [a for i, a in enumerate(argv) if a != "--output_dir"
+                                              and (i == 0 or argv[i - 1] != "--output_dir")]
+    parser = HfArgumentParser((ModelArguments, DataArguments, Seq2SeqTrainingArguments))
+    model_args, data_args, training_args = parser.parse_args_into_dataclasses(args=argv)
+    metrics = run(model_args, data_args, training_args)
+    if training_args.do_train:
+        from transformers import pipeline
+
+        summarizer = pipeline("summarization", model=training_args.output_dir, trust_remote_code=True)
+        raw = load_raw_datasets(data_args)
+        split = next(name for name in ("validation", "test", "train") if name in raw)
+        document = raw[split][0][data_args.text_column]
+        print(f"summary of the first {split} document:",
+              summarizer(document, max_new_tokens=data_args.max_target_length)[0]["summary_text"])
+    print(json.dumps({key: value for key, value in metrics.items() if isinstance(value, (int, float))}))
+    return metrics
+
+
+if __name__ == "__main__":
+    main()

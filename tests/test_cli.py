@@ -1,0 +1,121 @@
+"""The ``longreach`` command: convert (the converters' own options), summarize (progress on stderr), push, model-cards.
+
+`longreach demo` is covered by test_demo.py.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import shutil
+import subprocess
+import sys
+
+import pytest
+from huggingface_hub import ModelCard
+from transformers import pipeline
+from workflow_helpers import document, save_tiny_locost, word_tokenizer
+
+from longreach import hub
+from longreach.cli import CONVERTERS, main
+
+
+@pytest.fixture(scope="module")
+def converted_locost(tmp_path_factory, fixtures_dir):
+    """The LOCOST fixture checkpoint converted with `longreach convert locost`, with a local tokenizer."""
+    root = tmp_path_factory.mktemp("cli")
+    word_tokenizer(vocab_size=128).save_pretrained(root / "tokenizer")
+    code = main(["convert", "locost", "--checkpoint_path", str(fixtures_dir / "locost" / "hf_checkpoint"),
+                 "--pytorch_dump_folder_path", str(root / "locost-hf"), "--tokenizer_name_or_path",
+                 str(root / "tokenizer")])
+    assert code == 0
+    return root / "locost-hf"
+
+
+def test_convert_locost_writes_a_hub_ready_folder_with_its_card(converted_locost, fixtures_dir):
+    assert hub.hub_files(converted_locost)  # complete: code files, auto_map, custom_pipelines, safetensors
+    assert {"tokenizer.json", "model.safetensors", "pipeline_summarization.py"} <= set(hub.hub_files(converted_locost))
+    card = ModelCard.load(converted_locost / "README.md")
+    assert card.data.pipeline_tag == "summarization" and "custom_code" in card.data.tags
+    assert hub.read_card_state(converted_locost / "README.md")["converted_from"] == str(
+        fixtures_dir / "locost" / "hf_checkpoint")
+
+
+def test_convert_passes_options_through(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["convert", "locost", "--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: longreach convert locost") and "--pytorch_dump_folder_path" in out
+    assert main(["convert", "locost", "--checkpoint_path", str(tmp_path / "missing"), "--pytorch_dump_folder_path",
+                 str(tmp_path / "out")]) == 1  # the converter's own error handling and exit code
+    assert "does not exist" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["vcc", "dodo"])
+def test_convert_imports_other_converters_only_when_asked(name, capsys):
+    available = importlib.util.find_spec(CONVERTERS[name]) is not None
+    if available:
+        with pytest.raises(SystemExit) as exit_info:
+            main(["convert", name, "--help"])
+        assert exit_info.value.code == 0
+        assert capsys.readouterr().out.startswith(f"usage: longreach convert {name}")
+    else:
+        assert main(["convert", name, "--help"]) == 1
+        assert "is not part of this longreach installation" in capsys.readouterr().err
+
+
+def test_convert_rejects_unknown_converters(capsys):
+    assert main(["convert", "bart"]) == 2
+    assert "unknown converter 'bart'" in capsys.readouterr().err
+
+
+def test_summarize_console_script(converted_locost, tmp_path):
+    doc = document(3000)  # a long file, read whole
+    (tmp_path / "doc.txt").write_text(doc)
+    script = shutil.which("longreach") or pytest.fail("the `longreach` console script is not installed")
+    result = subprocess.run([script, "summarize", "--model", str(converted_locost), str(tmp_path / "doc.txt"),
+                             "--max_new_tokens", "5", "--num_beams", "2"], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    expected = pipeline("summarization", model=str(converted_locost), trust_remote_code=True)(
+        doc, max_new_tokens=5, num_beams=2)[0]["summary_text"]
+    assert result.stdout == expected + "\n"
+    assert "3001 tokens" in result.stderr and "generating:" in result.stderr and "done in" in result.stderr
+
+
+def test_summarize_stdin_output_file_and_dropped_tokens(converted_locost, tmp_path, monkeypatch, capsys):
+    doc = document(400)
+    monkeypatch.setattr(sys, "stdin", type("Stdin", (), {"read": staticmethod(lambda: doc)})())
+    code = main(["summarize", "--model", str(converted_locost), "-", "--max_new_tokens", "3",
+                 "--max_input_length", "100", "--output", str(tmp_path / "summary.txt")])
+    assert code == 0
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert "its last 301 tokens were dropped (max_input_length=100)" in captured.err
+    with pytest.warns(UserWarning, match="its last 301 tokens were dropped"):
+        expected = pipeline("summarization", model=str(converted_locost), trust_remote_code=True)(
+            doc, max_new_tokens=3, max_input_length=100)[0]["summary_text"]
+    assert (tmp_path / "summary.txt").read_text().strip() == expected
+
+
+def test_summarize_reports_unreadable_input(converted_locost, tmp_path, capsys):
+    assert main(["summarize", "--model", str(converted_locost), str(tmp_path / "absent.txt")]) == 1
+    assert "cannot read" in capsys.readouterr().err
+    (tmp_path / "empty.txt").write_text("  \n")
+    assert main(["summarize", "--model", str(converted_locost), str(tmp_path / "empty.txt")]) == 1
+    assert "holds no text" in capsys.readouterr().err
+
+
+def test_push_command_uploads_through_our_client(tmp_path, monkeypatch, capsys):
+    uploads = []
+    monkeypatch.setattr(hub, "push_folder_to_hub", lambda folder, repo_id, **kw: uploads.append(
+        (str(folder), repo_id, kw)) or type("Commit", (), {"commit_url": "https://hub/commit"})())
+    folder = save_tiny_locost(tmp_path / "tiny")
+    assert main(["push", str(folder), "someone/tiny", "--private"]) == 0
+    assert uploads == [(str(folder), "someone/tiny", {"private": True, "commit_message": None})]
+    assert capsys.readouterr().out.strip() == "https://hub/commit"
+
+
+def test_model_cards_command(tmp_path, capsys):
+    assert main(["model-cards", "--output_dir", str(tmp_path)]) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dodo_llama.md", "locost.md", "vcc_t5.md"]
+    assert capsys.readouterr().out.split()[0].endswith("locost.md")
