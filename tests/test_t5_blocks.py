@@ -64,3 +64,28 @@ def test_loss_and_hidden_states_equal_transformers_t5():
     assert len(got.decoder_hidden_states) == len(expected.decoder_hidden_states)
     for a, b in zip(got.decoder_hidden_states, expected.decoder_hidden_states):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+
+
+def test_t5_initialisation_reaches_every_layer():
+    """transformers v5 only initialises modules that own parameters; every T5 layer must get T5's std (a model whose
+    Linear layers fell back to N(0, 1) trained from scratch diverges)."""
+    from longreach import LocostConfig, LocostForConditionalGeneration
+
+    config = LocostConfig(vocab_size=300, d_model=128, d_state=8, d_kv=32, d_ff=512, num_layers=1, num_heads=4,
+                          initializer_factor=1.0)
+    model = LocostForConditionalGeneration(config)
+    attention = model.decoder.block[0].layer[0].SelfAttention
+    feed_forward = model.decoder.block[0].layer[2].DenseReluDense
+    expected = {
+        attention.q.weight: (128 * 32) ** -0.5, attention.k.weight: 128**-0.5, attention.o.weight: 128**-0.5,
+        attention.relative_attention_bias.weight: 128**-0.5,
+        feed_forward.wi_0.weight: 128**-0.5, feed_forward.wo.weight: 512**-0.5,
+        model.encoder.block[0].layer[1].DenseReluDense.wi_1.weight: 128**-0.5,
+        model.shared.weight: 1.0,
+    }
+    for weight, std in expected.items():
+        assert abs(weight.std().item() / std - 1) < 0.15, (tuple(weight.shape), weight.std().item(), std)
+    assert torch.all(model.decoder.final_layer_norm.weight == 1.0)
+    # The SSM projections keep PyTorch's default (kaiming-uniform) initialisation, as the authors'.
+    k_proj = model.encoder.block[0].layer[0].ssm.k_proj.weight
+    assert k_proj.abs().max() <= 128**-0.5 + 1e-6

@@ -532,28 +532,15 @@ def _set_t5_init_std(module: nn.Module, std: float) -> None:
 def init_t5_module(module: nn.Module, config, init) -> bool:
     """T5's (Mesh-TensorFlow) initialisation for the modules of this file. Returns True if ``module`` was handled.
 
-    ``init`` is ``transformers.initialization`` (its functions skip tensors already loaded from a checkpoint).
+    transformers v5 calls ``_init_weights`` on the modules that own parameters (the Linear/Embedding layers and the
+    norms), each of which carries its std (see :func:`_set_t5_init_std`). ``init`` is ``transformers.initialization``
+    (its functions skip tensors already loaded from a checkpoint).
     """
     factor = config.initializer_factor
     if getattr(module, "_t5_init_std", None) is not None:  # q, k, v, o, wi*, wo, relative_attention_bias
         init.normal_(module.weight, mean=0.0, std=factor * module._t5_init_std)
     elif isinstance(module, T5LayerNorm):
         init.constant_(module.weight, factor)
-    elif isinstance(module, T5DenseActDense):
-        init.normal_(module.wi.weight, mean=0.0, std=factor * config.d_model**-0.5)
-        init.normal_(module.wo.weight, mean=0.0, std=factor * config.d_ff**-0.5)
-    elif isinstance(module, T5DenseGatedActDense):
-        init.normal_(module.wi_0.weight, mean=0.0, std=factor * config.d_model**-0.5)
-        init.normal_(module.wi_1.weight, mean=0.0, std=factor * config.d_model**-0.5)
-        init.normal_(module.wo.weight, mean=0.0, std=factor * config.d_ff**-0.5)
-    elif isinstance(module, T5Attention):
-        d_model, d_kv, heads = config.d_model, config.d_kv, config.num_heads
-        init.normal_(module.q.weight, mean=0.0, std=factor * (d_model * d_kv) ** -0.5)
-        init.normal_(module.k.weight, mean=0.0, std=factor * d_model**-0.5)
-        init.normal_(module.v.weight, mean=0.0, std=factor * d_model**-0.5)
-        init.normal_(module.o.weight, mean=0.0, std=factor * (heads * d_kv) ** -0.5)
-        if module.has_relative_attention_bias:
-            init.normal_(module.relative_attention_bias.weight, mean=0.0, std=factor * d_model**-0.5)
     else:
         return False
     return True
