@@ -114,12 +114,27 @@ def test_lists_batches_and_multiple_sequences(model, tokenizer):
     assert [len(records) for records in several_each] == [2, 2]
 
 
+def test_datasets_and_generators_stream_through(summarizer):
+    from datasets import Dataset
+    from transformers.pipelines.pt_utils import KeyDataset
+
+    dataset = Dataset.from_dict({"document": [document(50), document(60, 1), document(70, 2)]})
+    expected = [summarizer(d, max_new_tokens=3)[0]["summary_text"] for d in dataset["document"]]
+    streamed = summarizer(KeyDataset(dataset, "document"), max_new_tokens=3)
+    assert [records[0]["summary_text"] for records in streamed] == expected
+    assert [r["summary_text"] for r in summarizer(dataset["document"], max_new_tokens=3)] == expected  # a Column
+    generated = summarizer((d for d in dataset["document"]), max_new_tokens=3, batch_size=2)
+    assert len(list(generated)) == 3
+
+
 @pytest.mark.parametrize(
     "call, message",
     [
         (lambda s: s("   "), "empty document"),
         (lambda s: s(42), "must be a string or a non-empty list of strings"),
         (lambda s: s([]), "must be a string or a non-empty list of strings"),
+        (lambda s: s(["w1", 3]), "items of types \\['int', 'str'\\]"),
+        (lambda s: s({"document": "w1"}), "got dict"),
         (lambda s: s("w1 w2", max_input_length=0), "`max_input_length` must be a positive integer"),
         (lambda s: s("w1 w2", truncation=True), "never truncates on its own"),
         (lambda s: s("w1 w2", max_new_tokens=2, generate_kwargs={"max_new_tokens": 3}), "give each once"),
@@ -184,7 +199,7 @@ def test_pipeline_summarization_works_where_longreach_cannot_be_imported(tmp_pat
     assert re.search(r"^\s*(from|import)\s+(longreach|\.)", source, re.M) is None  # stdlib, torch, transformers only
     doc = document(500, offset=4)
     local = pipeline("summarization", model=str(folder), trust_remote_code=True)
-    expected = local(doc, max_new_tokens=6, num_beams=2)[0]["summary_text"]
+    expected = local(doc, max_new_tokens=6, num_beams=2, return_tensors=True)[0]
     result = run_without_longreach(
         f"""
         import json, warnings
@@ -197,6 +212,7 @@ def test_pipeline_summarization_works_where_longreach_cannot_be_imported(tmp_pat
             cut = summarizer(doc, max_new_tokens=3, max_input_length=100)
         print(json.dumps({{
             "summary": summarizer(doc, max_new_tokens=6, num_beams=2)[0]["summary_text"],
+            "ids": summarizer(doc, max_new_tokens=6, num_beams=2, return_tensors=True)[0]["summary_token_ids"].tolist(),
             "inferred_task": inferred.task,
             "pipeline_class": type(summarizer).__module__ + "." + type(summarizer).__name__,
             "model_class": type(summarizer.model).__module__,
@@ -205,7 +221,8 @@ def test_pipeline_summarization_works_where_longreach_cannot_be_imported(tmp_pat
         """,
         tmp_path,
     )
-    assert result["summary"] == expected and expected
+    assert result["summary"] == expected["summary_text"]
+    assert result["ids"] == expected["summary_token_ids"].tolist() and len(result["ids"]) > 1
     assert result["inferred_task"] == "summarization"
     assert result["pipeline_class"].startswith("transformers_modules.") and result["pipeline_class"].endswith(
         "pipeline_summarization.LongSummarizationPipeline")

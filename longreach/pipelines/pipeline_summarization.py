@@ -109,15 +109,23 @@ class LongSummarizationPipeline(Pipeline):
         return preprocess_params, forward_params, postprocess_params
 
     def __call__(self, documents, *args, **kwargs):
-        """Summarize one document (`str`) or several (`list[str]`, with ``batch_size=N`` to batch them)."""
-        if isinstance(documents, str):
-            pass
-        elif isinstance(documents, (list, tuple)) and documents and all(isinstance(d, str) for d in documents):
+        """Summarize one document (`str`), a list of them (``batch_size=N`` batches them), or a dataset / generator
+        of them (results are then yielded as they come)."""
+        if not isinstance(documents, (str, dict, list, tuple, torch.utils.data.Dataset)) and hasattr(documents, "__len__") \
+                and hasattr(documents, "__iter__"):
+            documents = list(documents)  # a column of a `datasets.Dataset`, an array of strings, ...
+        if isinstance(documents, (list, tuple)):
+            if not documents or not all(isinstance(d, str) for d in documents):
+                raise ValueError(
+                    f"`documents` must be a string or a non-empty list of strings, got a {type(documents).__name__} of "
+                    f"{len(documents)} items of types {sorted({type(d).__name__ for d in documents})}."
+                )
             documents = list(documents)
-        else:
+        elif not isinstance(documents, str) and (
+            isinstance(documents, dict) or not (hasattr(documents, "__iter__") or hasattr(documents, "__getitem__"))
+        ):
             raise ValueError(
-                "`documents` must be a string or a non-empty list of strings, got "
-                f"{type(documents).__name__}{'' if not isinstance(documents, (list, tuple)) else ' of ' + str(len(documents)) + ' items'}."
+                f"`documents` must be a string or a non-empty list of strings, got {type(documents).__name__}."
             )
         results = super().__call__(documents, *args, **kwargs)
         if isinstance(documents, list) and all(len(records) == 1 for records in results):
@@ -127,6 +135,8 @@ class LongSummarizationPipeline(Pipeline):
     # Tokenization happens in `_forward`, on whole batches, because the model's own `prepare_summarization_inputs`
     # decides how documents are laid out together (padding side, prompts, extra masks). `preprocess` only validates.
     def preprocess(self, document, max_input_length=None):
+        if not isinstance(document, str):
+            raise ValueError(f"Each document must be a string, got {type(document).__name__}.")
         if not document.strip():
             raise ValueError("Cannot summarize an empty document (got only whitespace).")
         return {"document": document, "max_input_length": max_input_length}
