@@ -1,0 +1,428 @@
+"""``longreach demo``: train a small LOCOST summarizer from scratch on this machine, offline, in a few minutes.
+
+What it does, end to end, with no network and no argument:
+
+1. **Data.** Builds a small long-document summarization set from text that is on every machine where longreach is
+   installed (see :func:`build_corpus` for the provenance): the long descriptions of the installed Python
+   distributions paired with their one-line ``Summary``, and the docstrings of the Python standard library paired
+   with their first line (PEP 257's summary line). Documents and summaries are real text written by people; the split
+   into training and held-out documents is a fixed hash of the document's name.
+2. **Tokenizer.** Trains a byte-level BPE tokenizer on the training documents (T5 conventions: ``<pad>`` = 0,
+   ``</s>`` = 1 appended to every sequence, ``<unk>`` = 2).
+3. **Model.** A small LOCOST (gated bidirectional S4D encoder, T5 decoder) initialised from scratch.
+4. **Training.** ``Seq2SeqTrainer`` with ``DataCollatorForSeq2Seq`` (progress bar and loss on the way).
+5. **Evaluation.** Summaries of the held-out documents with ``generate()``, scored with ROUGE-1/2/Lsum
+   (``rouge_score``), next to a lead baseline (the document's first words).
+6. **Hub-ready save** to ``--output_dir`` (a temporary folder by default): weights (safetensors), code files,
+   ``auto_map``, ``custom_pipelines``, tokenizer and model card.
+7. **Reload** through ``pipeline("summarization", model=DIR, trust_remote_code=True)`` and summary of the longest
+   held-out document, read whole.
+
+The result depends only on the Python version and the installed distributions (and the thread count, through
+floating-point summation order); on one machine, two runs give the same numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import hashlib
+import importlib.machinery
+import importlib.util
+import json
+import re
+import site
+import sys
+import sysconfig
+import tempfile
+import time
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+
+#: Documents shorter than this many words are not "long documents" and are left out.
+MIN_DOCUMENT_WORDS = 80
+#: Corpus documents keep at most this many words (the corpus is built here; the model itself reads any length).
+MAX_DOCUMENT_WORDS = 2500
+#: One document in HELD_OUT_EVERY goes to the held-out set (by hash of its name).
+HELD_OUT_EVERY = 10
+
+_KEEP_UNTIL_EXIT: list = []  # temporary folders that must outlive run_demo (removed when the process exits)
+
+
+class DemoError(RuntimeError):
+    """The demo cannot run on this machine (missing extras, too little local text)."""
+
+
+@dataclass(frozen=True)
+class DemoSettings:
+    """Sizes of one demo run (the defaults take a few minutes on 2 CPU cores)."""
+
+    vocab_size: int = 2000
+    d_model: int = 128
+    d_state: int = 32
+    num_layers: int = 2
+    num_decoder_layers: int = 2
+    num_heads: int = 4
+    d_ff: int = 256
+    dropout_rate: float = 0.1
+    max_source_length: int = 256
+    max_target_length: int = 32
+    batch_size: int = 8
+    learning_rate: float = 3e-3
+    max_steps: int = 400
+    max_eval_documents: int = 48
+    generation_max_new_tokens: int = 32
+    max_train_documents: int | None = None
+
+
+SMOKE_SETTINGS = DemoSettings(
+    vocab_size=400, d_model=32, d_state=8, num_layers=1, num_decoder_layers=1, num_heads=2, d_ff=64,
+    max_source_length=128, max_target_length=16, batch_size=4, learning_rate=1e-3, max_steps=2,
+    max_eval_documents=4, generation_max_new_tokens=8, max_train_documents=40,
+)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Data
+# ---------------------------------------------------------------------------------------------------------------------
+
+_FENCED_CODE = re.compile(r"^\s*(```|~~~).*?^\s*\1[^\n]*$", re.M | re.S)
+_MARKDOWN_LINK = re.compile(r"!?\[([^\]]*)\]\([^)]*\)")
+_RST_LINK = re.compile(r"`([^`<]+?)\s*<[^>]+>`_+")
+_URL = re.compile(r"https?://\S+")
+_HTML_TAG = re.compile(r"<[^>\n]+>")
+_DROPPED_LINE = re.compile(
+    r"^\s*(\.\. |\|[\w -]+\||:\w+:|[=\-~^*#+`'\"_.:]{3,}\s*$|\[!\[|<img|<a |<p |</|<!--)"
+)
+
+
+def clean_text(text: str) -> str:
+    """Markdown/reStructuredText to plain prose: no code blocks, directives, badges, tags, URLs or underlines."""
+    text = _FENCED_CODE.sub(" ", text)
+    lines = [line for line in text.splitlines() if not _DROPPED_LINE.match(line)]
+    text = "\n".join(lines)
+    text = _MARKDOWN_LINK.sub(r"\1", text)
+    text = _RST_LINK.sub(r"\1", text)
+    text = _URL.sub(" ", text)
+    text = _HTML_TAG.sub(" ", text)
+    text = re.sub(r"[*`#|]+", " ", text)
+    return re.sub(r"\s+", " ", text).strip()
+
+
+def _example(source: str, name: str, document: str, summary: str) -> dict | None:
+    document, summary = clean_text(document), clean_text(summary)
+    words = document.split()
+    if len(words) < MIN_DOCUMENT_WORDS or len(summary.split()) < 3 or summary.upper() == "UNKNOWN":
+        return None
+    return {"source": source, "name": name, "document": " ".join(words[:MAX_DOCUMENT_WORDS]), "summary": summary}
+
+
+def _site_directories() -> list[str]:
+    """Where ``pip install`` puts distributions (not the vendored copies some packages add to ``sys.path`` at run
+    time, which would make the corpus depend on what was imported before)."""
+    paths = sysconfig.get_paths()
+    directories = [paths["purelib"], paths["platlib"], site.getusersitepackages()]
+    return [d for d in dict.fromkeys(directories) if Path(d).is_dir()]
+
+
+def distribution_examples() -> list[dict]:
+    """(long description, ``Summary``) of every installed distribution, once per distribution name."""
+    examples = {}
+    for distribution in metadata.distributions(path=_site_directories()):
+        meta = distribution.metadata
+        name = (meta.get("Name") or "").strip()
+        if not name or name.lower() in examples:
+            continue
+        description = meta.get_payload() or meta.get("Description") or ""
+        example = _example("distribution", name, description, meta.get("Summary") or "")
+        if example is not None:
+            examples[name.lower()] = example
+    return [examples[key] for key in sorted(examples)]
+
+
+#: Packages of generated data, tools and demos rather than documented library code.
+_SKIPPED_STDLIB_PACKAGES = {"idlelib", "pydoc_data", "lib2to3", "turtledemo", "ensurepip", "encodings", "test",
+                            "tkinter"}
+
+
+def _documented_nodes(tree: ast.Module):
+    """The module, its classes and functions, and their methods (not functions nested in functions)."""
+    yield tree
+    pending = list(tree.body)
+    while pending:
+        node = pending.pop(0)
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            yield node
+            if isinstance(node, ast.ClassDef):
+                pending.extend(node.body)
+
+
+def stdlib_docstring_examples() -> list[dict]:
+    """(docstring body, summary line) of the standard library's modules, classes and functions (PEP 257 layout:
+    summary line, blank line, body). Sources are parsed with ``ast``; nothing is imported."""
+    examples = []
+    stdlib = [sysconfig.get_paths()["stdlib"]]
+    for module_name in sorted(sys.stdlib_module_names):
+        if module_name.startswith("_"):
+            continue
+        # The path finder on the stdlib folder only: no import hooks (setuptools' distutils shim would change sys.path).
+        spec = importlib.machinery.PathFinder.find_spec(module_name, stdlib)
+        if spec is None or not spec.origin or not spec.origin.endswith(".py"):
+            continue
+        paths = [Path(spec.origin)]
+        if spec.submodule_search_locations and module_name not in _SKIPPED_STDLIB_PACKAGES:
+            paths += sorted(Path(spec.origin).parent.glob("*.py"))[:40]  # a package: its own modules too
+        for path in paths:
+            try:
+                tree = ast.parse(path.read_text(encoding="utf-8"))
+            except (OSError, SyntaxError, UnicodeDecodeError, ValueError):
+                continue
+            module_path = module_name if path == Path(spec.origin) else f"{module_name}.{path.stem}"
+            for node in _documented_nodes(tree):
+                docstring = ast.get_docstring(node)
+                lines = (docstring or "").strip().splitlines()
+                if len(lines) < 3 or lines[1].strip():
+                    continue
+                name = f"{module_path}:{getattr(node, 'name', '<module>')}:{getattr(node, 'lineno', 0)}"
+                example = _example("stdlib", name, "\n".join(lines[2:]), lines[0])
+                if example is not None:
+                    examples.append(example)
+    return examples
+
+
+def build_corpus() -> tuple[list[dict], list[dict]]:
+    """``(train, held_out)`` examples with keys ``source``, ``name``, ``document``, ``summary``.
+
+    Provenance: ``importlib.metadata`` (the ``Summary`` and long description of each installed distribution, as
+    written by its authors in its package metadata) and the standard library's source files (docstrings). Exact
+    duplicates of a document are kept once. Held out: the documents whose name hashes to 0 modulo
+    ``HELD_OUT_EVERY``.
+    """
+    train, held_out, seen = [], [], set()
+    for example in distribution_examples() + stdlib_docstring_examples():
+        if example["document"] in seen:
+            continue
+        seen.add(example["document"])
+        digest = int(hashlib.sha256(f"{example['source']}:{example['name']}".encode()).hexdigest(), 16)
+        (held_out if digest % HELD_OUT_EVERY == 0 else train).append(example)
+    return train, held_out
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Tokenizer and metrics
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def train_tokenizer(texts: list[str], vocab_size: int):
+    """A byte-level BPE ``PreTrainedTokenizerFast`` trained on ``texts``, with T5's special tokens and ids
+    (``<pad>`` 0, ``</s>`` 1, ``<unk>`` 2) and ``</s>`` appended to every sequence."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.BPE(unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=True)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=["<pad>", "</s>", "<unk>"], show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    backend.train_from_iterator(texts, trainer=trainer)
+    backend.post_processor = processors.TemplateProcessing(
+        single="$A </s>", pair="$A </s> $B </s>", special_tokens=[("</s>", backend.token_to_id("</s>"))]
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend, pad_token="<pad>", eos_token="</s>", unk_token="<unk>",
+        clean_up_tokenization_spaces=False, model_max_length=1_000_000,
+    )
+
+
+def _sentences(text: str) -> str:
+    # rouge_score's Lsum convention: one sentence per line (a regex splitter: NLTK's punkt would need a download).
+    return "\n".join(s for s in re.split(r"(?<=[.!?])\s+", text.strip()) if s)
+
+
+def rouge_scores(predictions: list[str], references: list[str]) -> dict[str, float]:
+    """Mean ROUGE-1/2/Lsum F1 (x100) with stemming, as in the summarization literature."""
+    from rouge_score import rouge_scorer
+
+    scorer = rouge_scorer.RougeScorer(["rouge1", "rouge2", "rougeLsum"], use_stemmer=True)
+    totals = {"rouge1": 0.0, "rouge2": 0.0, "rougeLsum": 0.0}
+    for prediction, reference in zip(predictions, references):
+        scores = scorer.score(_sentences(reference), _sentences(prediction))
+        for key in totals:
+            totals[key] += scores[key].fmeasure
+    return {key: round(100 * value / max(len(predictions), 1), 2) for key, value in totals.items()}
+
+
+def lead_baseline(document: str, num_words: int = 12) -> str:
+    """The document's first sentence, at most ``num_words`` words: the usual extractive baseline."""
+    first_sentence = re.split(r"(?<=[.!?])\s+", document.strip(), maxsplit=1)[0]
+    return " ".join(first_sentence.split()[:num_words])
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The demo
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+class _Stage:
+    """Numbered progress lines on stdout, with the elapsed time."""
+
+    def __init__(self, total: int):
+        self.total, self.index, self.start = total, 0, time.perf_counter()
+
+    def __call__(self, message: str) -> None:
+        self.index += 1
+        print(f"[{self.index}/{self.total}] {message}  ({time.perf_counter() - self.start:.0f}s)", flush=True)
+
+
+def run_demo(output_dir: str | Path | None = None, settings: DemoSettings = DemoSettings(), seed: int = 0) -> dict:
+    """Run the demo; returns ``{"rouge", "lead_rouge", "output_dir", "summary", ...}`` (also printed)."""
+    import torch
+    from transformers import (
+        DataCollatorForSeq2Seq, Seq2SeqTrainer, Seq2SeqTrainingArguments, pipeline, set_seed,
+    )
+    from transformers.utils import logging as hf_logging
+
+    from .configuration.configuration_locost import LocostConfig
+    from .hub import hub_files, write_model_card
+    from .modeling.modeling_locost import LocostForConditionalGeneration
+
+    missing = [name for name in ("accelerate", "rouge_score") if importlib.util.find_spec(name) is None]
+    if missing:
+        raise DemoError(f"The demo needs {', '.join(missing)} (training and ROUGE): pip install 'longreach[train]'.")
+    stage = _Stage(7)
+    set_seed(seed)
+    hf_logging.set_verbosity_error()
+    workdir = tempfile.TemporaryDirectory(prefix="longreach-demo-")
+    output_dir = Path(output_dir) if output_dir is not None else Path(workdir.name) / "locost-demo"
+
+    train, held_out = build_corpus()
+    if settings.max_train_documents is not None:
+        train = train[: settings.max_train_documents]
+    held_out = sorted(held_out, key=lambda e: e["name"])[: settings.max_eval_documents]
+    if len(train) < 2 * settings.batch_size or not held_out:
+        raise DemoError(f"Not enough documents on this machine for the demo (train {len(train)}, held out "
+                           f"{len(held_out)}).")
+    words = [len(e["document"].split()) for e in train + held_out]
+    stage(f"Data: {len(train)} training and {len(held_out)} held-out documents ({sum(words) // len(words)} words on "
+          f"average, up to {max(words)}) from installed package descriptions and standard-library docstrings")
+
+    tokenizer = train_tokenizer([e["document"] for e in train] + [e["summary"] for e in train], settings.vocab_size)
+    stage(f"Tokenizer: byte-level BPE with {len(tokenizer)} tokens, trained on the training documents")
+
+    config = LocostConfig(
+        vocab_size=len(tokenizer), d_model=settings.d_model, d_state=settings.d_state, d_kv=settings.d_model // settings.num_heads,
+        d_ff=settings.d_ff, num_layers=settings.num_layers, num_decoder_layers=settings.num_decoder_layers,
+        num_heads=settings.num_heads, dropout_rate=settings.dropout_rate, pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id, decoder_start_token_id=tokenizer.pad_token_id,
+    )
+    model = LocostForConditionalGeneration(config)
+    model.generation_config.max_new_tokens = settings.generation_max_new_tokens
+    model.generation_config.num_beams = 1
+    model.generation_config.no_repeat_ngram_size = 3
+    stage(f"Model: LOCOST from scratch, {model.num_parameters() / 1e6:.1f}M parameters ({settings.num_layers} SSM "
+          f"encoder blocks, {settings.num_decoder_layers} T5 decoder blocks, d_model {settings.d_model})")
+
+    def features(examples: list[dict], max_source_length: int | None) -> list[dict]:
+        sources = tokenizer([e["document"] for e in examples], truncation=max_source_length is not None,
+                            max_length=max_source_length)
+        targets = tokenizer(text_target=[e["summary"] for e in examples], truncation=True,
+                            max_length=settings.max_target_length)
+        return [{"input_ids": ids, "attention_mask": mask, "labels": labels}
+                for ids, mask, labels in zip(sources["input_ids"], sources["attention_mask"], targets["input_ids"])]
+
+    train_features = features(train, settings.max_source_length)
+    eval_features = features(held_out, None)  # held-out documents are read whole
+    args = Seq2SeqTrainingArguments(
+        output_dir=str(Path(workdir.name) / "trainer"), per_device_train_batch_size=settings.batch_size,
+        per_device_eval_batch_size=settings.batch_size, learning_rate=settings.learning_rate,
+        lr_scheduler_type="linear", warmup_steps=min(30, settings.max_steps // 10), max_steps=settings.max_steps,
+        weight_decay=0.01, logging_steps=max(settings.max_steps // 10, 1), save_strategy="no", eval_strategy="no",
+        predict_with_generate=True, generation_max_length=None, report_to="none", use_cpu=not torch.cuda.is_available(),
+        seed=seed, data_seed=seed, disable_tqdm=False, dataloader_num_workers=0,
+    )
+    trainer = Seq2SeqTrainer(
+        model=model, args=args, train_dataset=train_features, processing_class=tokenizer,
+        data_collator=DataCollatorForSeq2Seq(tokenizer, model=model, label_pad_token_id=-100),
+    )
+    print(f"    training for {settings.max_steps} steps of {settings.batch_size} documents (inputs cut to "
+          f"{settings.max_source_length} tokens for training only; evaluation reads whole documents)", flush=True)
+    train_result = trainer.train()
+    stage(f"Training done: final training loss {train_result.training_loss:.3f}")
+
+    predictions = trainer.predict(eval_features, max_new_tokens=settings.generation_max_new_tokens)
+    generated = predictions.predictions
+    generated = [[t for t in row if t >= 0] for row in generated]
+    summaries = tokenizer.batch_decode(generated, skip_special_tokens=True)
+    references = [e["summary"] for e in held_out]
+    rouge = rouge_scores(summaries, references)
+    lead = rouge_scores([lead_baseline(e["document"]) for e in held_out], references)
+    stage(f"ROUGE on {len(held_out)} held-out documents (F1 x100): "
+          + ", ".join(f"{k.upper().replace('ROUGE', 'ROUGE-')} {v:.2f}" for k, v in rouge.items())
+          + "  |  lead baseline: " + ", ".join(f"{v:.2f}" for v in lead.values()))
+
+    output_dir.mkdir(parents=True, exist_ok=True)
+    trainer.save_model(str(output_dir))  # weights, code files, auto_map, custom_pipelines, tokenizer
+    (output_dir / "training_args.bin").unlink(missing_ok=True)
+    write_model_card(output_dir, "locost", repo_id=None, training_note=_training_note(settings, train, held_out, rouge))
+    stage(f"Saved Hub-ready to {output_dir}: {', '.join(hub_files(output_dir))}, README.md")
+
+    summarizer = pipeline("summarization", model=str(output_dir), trust_remote_code=True)
+    longest = max(held_out, key=lambda e: len(e["document"]))
+    num_tokens = len(summarizer.tokenizer(longest["document"])["input_ids"])
+    summary = summarizer(longest["document"])[0]["summary_text"]
+    stage(f"Reloaded with pipeline('summarization', model=DIR, trust_remote_code=True); longest held-out document: "
+          f"{longest['name']} ({num_tokens} tokens)")
+    print(f"    reference: {longest['summary']}\n    summary:   {summary}", flush=True)
+
+    result = {"rouge": rouge, "lead_rouge": lead, "output_dir": str(output_dir), "summary": summary,
+              "reference": longest["summary"], "document_name": longest["name"], "document_tokens": num_tokens,
+              "train_documents": len(train), "held_out_documents": len(held_out),
+              "training_loss": train_result.training_loss, "seconds": round(time.perf_counter() - stage.start, 1)}
+    if output_dir.parent == Path(workdir.name):
+        print("    (the folder is temporary and is removed on exit; pass --output_dir DIR to keep it)", flush=True)
+        _KEEP_UNTIL_EXIT.append(workdir)
+    else:
+        workdir.cleanup()
+    return result
+
+
+def _training_note(settings: DemoSettings, train: list[dict], held_out: list[dict], rouge: dict) -> str:
+    return (
+        "Trained from scratch by `longreach demo` on one machine, offline, as a demonstration (not a useful "
+        f"summarizer): {len(train)} documents made of the long descriptions of installed Python distributions (summary: "
+        "their one-line `Summary` metadata) and Python standard-library docstrings (summary: their first line), "
+        f"{settings.max_steps} steps of {settings.batch_size} documents with `Seq2SeqTrainer`. ROUGE F1 on "
+        f"{len(held_out)} held-out documents: ROUGE-1 {rouge['rouge1']:.2f}, ROUGE-2 {rouge['rouge2']:.2f}, "
+        f"ROUGE-Lsum {rouge['rougeLsum']:.2f}."
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="longreach demo",
+        description="Train a small LOCOST summarizer from scratch on local text, evaluate ROUGE, save it Hub-ready "
+        "and summarize a long document through pipeline('summarization'). Offline; a few minutes on 2 CPU cores.",
+    )
+    parser.add_argument("--output_dir", default=None, help="Where to save the model (default: a temporary folder).")
+    parser.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--max_steps", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--smoke", action="store_true", help=argparse.SUPPRESS)  # tiny run for the test suite
+    parser.add_argument("--json", action="store_true", help=argparse.SUPPRESS)  # print the result as JSON at the end
+    args = parser.parse_args(argv)
+    settings = SMOKE_SETTINGS if args.smoke else DemoSettings()
+    if args.max_steps is not None:
+        from dataclasses import replace
+
+        settings = replace(settings, max_steps=args.max_steps)
+    try:
+        result = run_demo(args.output_dir, settings, seed=args.seed)
+    except DemoError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    print(f"Done in {result['seconds']:.0f}s.", flush=True)
+    if args.json:
+        print(json.dumps(result))
+    return 0

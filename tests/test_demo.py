@@ -1,0 +1,67 @@
+"""`longreach demo`: a fast smoke run of the real code path (the full run takes minutes; see the demo's docstring),
+and the data set it builds."""
+
+from __future__ import annotations
+
+import json
+
+from huggingface_hub import ModelCard
+
+from longreach import hub
+from longreach.cli import main
+from longreach.demo import build_corpus, lead_baseline, rouge_scores
+
+
+def test_corpus_is_real_local_text_split_deterministically():
+    train, held_out = build_corpus()
+    again_train, again_held_out = build_corpus()
+    assert (train, held_out) == (again_train, again_held_out)
+    assert len(train) >= 100 and len(held_out) >= 10
+    assert {e["source"] for e in train} == {"distribution", "stdlib"}
+    assert not {e["document"] for e in train} & {e["document"] for e in held_out}
+    transformers_entry = [e for e in train + held_out if e["name"] == "transformers"]
+    assert transformers_entry and "Transformers" in transformers_entry[0]["document"]
+    assert all(len(e["document"].split()) >= 80 and len(e["summary"].split()) >= 3 for e in train + held_out)
+    assert all("https://" not in e["document"] and "```" not in e["document"] for e in train + held_out)  # no URLs
+
+
+def test_rouge_and_baseline_helpers():
+    assert rouge_scores(["the cat sat on the mat."], ["the cat sat on the mat."]) == {
+        "rouge1": 100.0, "rouge2": 100.0, "rougeLsum": 100.0}
+    assert rouge_scores(["dogs bark"], ["the cat sat"])["rouge1"] == 0.0
+    assert lead_baseline("First sentence here. Second one.") == "First sentence here."
+
+
+def test_demo_smoke_run(tmp_path, capsys):
+    output_dir = tmp_path / "demo-model"
+    assert main(["demo", "--smoke", "--output_dir", str(output_dir), "--json"]) == 0
+    out = capsys.readouterr().out
+    for stage in range(1, 8):
+        assert f"[{stage}/7]" in out  # progress: data, tokenizer, model, training, ROUGE, save, reload
+    result = json.loads(out.strip().splitlines()[-1])
+    assert set(result["rouge"]) == {"rouge1", "rouge2", "rougeLsum"}
+    assert all(0.0 <= value <= 100.0 for value in result["rouge"].values())
+    assert "ROUGE on 4 held-out documents" in out and "reference:" in out and "summary:" in out
+    assert result["document_tokens"] > 128  # longer than the training inputs (cut to 128 here): read whole
+    assert result["output_dir"] == str(output_dir)
+    files = set(hub.hub_files(output_dir))
+    assert {"model.safetensors", "config.json", "modeling_locost.py", "pipeline_summarization.py",
+            "tokenizer.json"} <= files
+    card = ModelCard.load(output_dir / "README.md")
+    assert card.data.pipeline_tag == "summarization" and "Trained from scratch by `longreach demo`" in card.text
+    assert not (output_dir / "training_args.bin").exists()
+
+
+def test_models_trained_from_scratch_get_t5_initialisation():
+    """The demo trains from scratch: T5's init must reach every Linear of the T5 blocks (v5 only calls `_init_weights`
+    on modules that own parameters; with N(0, 1) weights the activations blew up and training stalled)."""
+    from longreach import LocostConfig, LocostForConditionalGeneration
+
+    model = LocostForConditionalGeneration(LocostConfig(vocab_size=500, d_model=128, d_state=16, d_kv=32, d_ff=256,
+                                                        num_layers=2, num_heads=4))
+    feed_forward = model.encoder.block[0].layer[1].DenseReluDense
+    attention = model.decoder.block[0].layer[0].SelfAttention
+    expected = {feed_forward.wi_0: 128**-0.5, feed_forward.wo: 256**-0.5, attention.q: (128 * 32) ** -0.5,
+                attention.k: 128**-0.5, attention.o: 128**-0.5, attention.relative_attention_bias: 128**-0.5}
+    for module, std in expected.items():
+        assert abs(module.weight.std().item() / std - 1) < 0.15
