@@ -32,6 +32,7 @@ trains if there is training data and evaluates if there is validation data. Eval
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 import sys
@@ -240,9 +241,11 @@ def run(model_args: ModelArguments, data_args: DataArguments, training_args: Seq
         processing_class=tokenizer, data_collator=collator, compute_metrics=build_compute_metrics(tokenizer),
     )
     metrics = {}
+    generation_config = copy.deepcopy(model.generation_config)
     if training_args.do_train:
         result = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
         metrics.update(result.metrics)
+        model.generation_config = generation_config  # evaluation fills in every default (max_length=20, ...)
         trainer.save_model()  # Hub-ready: weights, code files, auto_map, custom_pipelines, tokenizer
         write_model_card(
             training_args.output_dir, model.config.model_type,

@@ -20,12 +20,19 @@ What it does, end to end, with no network and no argument:
 
 The result depends only on the Python version and the installed distributions (and the thread count, through
 floating-point summation order); on one machine, two runs give the same numbers.
+
+Measured on a 2-core CPU machine (Python 3.11, torch 2.13 CPU; 425 training and 48 held-out documents): about 70 s
+end to end (training about 55 s), peak memory 0.9 GB; ROUGE-1/2/Lsum 12.5 / 0.7 / 10.8 against 24.1 / 10.7 / 21.3
+for the lead baseline. A 1M-parameter model trained from scratch for a minute on 425 documents learns the style of
+the summaries ("A Python library for ...", "Return the ..."), not yet to read the document: the point is the
+workflow, which is the one to use with a converted, pretrained LOCOST (``examples/finetune_summarization.py``).
 """
 
 from __future__ import annotations
 
 import argparse
 import ast
+import copy
 import hashlib
 import importlib.machinery
 import importlib.util
@@ -66,11 +73,11 @@ class DemoSettings:
     num_heads: int = 4
     d_ff: int = 256
     dropout_rate: float = 0.1
-    max_source_length: int = 256
+    max_source_length: int = 128
     max_target_length: int = 32
     batch_size: int = 8
     learning_rate: float = 3e-3
-    max_steps: int = 400
+    max_steps: int = 600
     max_eval_documents: int = 48
     generation_max_new_tokens: int = 32
     max_train_documents: int | None = None
@@ -322,6 +329,7 @@ def run_demo(output_dir: str | Path | None = None, settings: DemoSettings = Demo
     model.generation_config.max_new_tokens = settings.generation_max_new_tokens
     model.generation_config.num_beams = 1
     model.generation_config.no_repeat_ngram_size = 3
+    generation_config = copy.deepcopy(model.generation_config)
     stage(f"Model: LOCOST from scratch, {model.num_parameters() / 1e6:.1f}M parameters ({settings.num_layers} SSM "
           f"encoder blocks, {settings.num_decoder_layers} T5 decoder blocks, d_model {settings.d_model})")
 
@@ -364,6 +372,7 @@ def run_demo(output_dir: str | Path | None = None, settings: DemoSettings = Demo
           + "  |  lead baseline: " + ", ".join(f"{v:.2f}" for v in lead.values()))
 
     output_dir.mkdir(parents=True, exist_ok=True)
+    model.generation_config = generation_config  # Seq2SeqTrainer filled in every default (max_length=20, ...)
     trainer.save_model(str(output_dir))  # weights, code files, auto_map, custom_pipelines, tokenizer
     (output_dir / "training_args.bin").unlink(missing_ok=True)
     write_model_card(output_dir, "locost", repo_id=None, training_note=_training_note(settings, train, held_out, rouge))
