@@ -21,6 +21,8 @@ Examples::
     # VCC-T5 (the VIP mask is built by the model's prepare_summarization_inputs, exactly as at inference)
     python examples/finetune_summarization.py --model_name_or_path vcc-t5-hf --train_file train.jsonl ...
 
+    # ... and upload the result (code files, tokenizer and model card included) with --push_to_hub --hub_model_id you/name
+
     # the CI smoke test: a tiny LOCOST and a tiny dataset built on the fly, a few steps, offline
     python examples/finetune_summarization.py --smoke --output_dir /tmp/smoke
 
@@ -41,7 +43,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import longreach  # noqa: F401  (registers LOCOST / VCC-T5 with the Auto classes)
-from longreach.hub import write_model_card
+from longreach.hub import push_folder_to_hub, write_model_card
 from transformers import (
     AutoConfig,
     AutoModelForSeq2SeqLM,
@@ -235,6 +237,9 @@ def run(model_args: ModelArguments, data_args: DataArguments, training_args: Seq
 
     train_dataset = features("train", data_args.max_train_samples) if training_args.do_train else None
     eval_dataset = features("validation", data_args.max_eval_samples) if training_args.do_eval else None
+    # The Trainer's own upload would replace our model card with its generic one: upload at the end with longreach.
+    push_to = (training_args.hub_model_id or Path(training_args.output_dir).name) if training_args.push_to_hub else None
+    training_args.push_to_hub = False
     collator = SummarizationCollator(DataCollatorForSeq2Seq(tokenizer, model=model, label_pad_token_id=-100))
     trainer = Seq2SeqTrainer(
         model=model, args=training_args, train_dataset=train_dataset, eval_dataset=eval_dataset,
@@ -255,6 +260,10 @@ def run(model_args: ModelArguments, data_args: DataArguments, training_args: Seq
     if training_args.do_eval and eval_dataset is not None:
         metrics.update(trainer.evaluate(max_new_tokens=data_args.max_target_length))
     trainer.log_metrics("all", metrics)
+    if push_to is not None and training_args.do_train:
+        commit = push_folder_to_hub(training_args.output_dir, push_to, private=training_args.hub_private_repo,
+                                    token=training_args.hub_token)
+        print(f"Uploaded to {push_to}: {getattr(commit, 'commit_url', commit)}")
     return metrics
 
 
