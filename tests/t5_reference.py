@@ -30,8 +30,7 @@ class BlocksT5ForConditionalGeneration(T5Seq2SeqLMMixin, PreTrainedModel, Genera
 
     @torch.no_grad()
     def _init_weights(self, module):
-        if not init_t5_module(module, self.config, init) and isinstance(module, (nn.Embedding, nn.Linear)):
-            init.normal_(module.weight, std=self.config.initializer_factor)
+        init_t5_module(module, self.config, init)
 
     def forward(self, input_ids=None, attention_mask=None, decoder_input_ids=None, decoder_attention_mask=None,
                 encoder_outputs=None, past_key_values=None, labels=None, use_cache=None, output_attentions=None,

@@ -89,3 +89,16 @@ def test_t5_initialisation_reaches_every_layer():
     # The SSM projections keep PyTorch's default (kaiming-uniform) initialisation, as the authors'.
     k_proj = model.encoder.block[0].layer[0].ssm.k_proj.weight
     assert k_proj.abs().max() <= 128**-0.5 + 1e-6
+
+
+def test_tuple_encoder_outputs_are_understood():
+    from transformers.modeling_outputs import ModelOutput
+
+    from longreach.modeling.t5_blocks import as_encoder_output
+
+    last, layers = torch.zeros(1, 3, 4), (torch.ones(1, 3, 4),)
+    extra = ModelOutput(compression="info")  # e.g. VCC's compression info inside an encoder's to_tuple()
+    assert as_encoder_output((last,)).hidden_states is None
+    assert as_encoder_output((last, extra)).hidden_states is None
+    out = as_encoder_output((last, layers, extra))
+    assert out.last_hidden_state is last and out.hidden_states is layers and out.attentions is None

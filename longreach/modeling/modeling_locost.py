@@ -27,7 +27,15 @@ from ..configuration.configuration_locost import LocostConfig
 from .input_checks import check_mask, check_token_ids
 from .remote_code import HubReadyMixin
 from .ssm import BidirectionalS4DConvolution
-from .t5_blocks import T5DecoderStack, T5LayerFF, T5LayerNorm, T5Seq2SeqLMMixin, init_t5_module
+from .t5_blocks import (
+    T5DecoderStack,
+    T5LayerFF,
+    T5LayerNorm,
+    T5Seq2SeqLMMixin,
+    as_encoder_output,
+    init_t5_module,
+    returns_dict,
+)
 
 
 class LocostGatedSSM(nn.Module):
@@ -157,31 +165,14 @@ class LocostPreTrainedModel(HubReadyMixin, PreTrainedModel):
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
-        """T5 initialisation for the T5 parts, S4D-Lin for the SSM, PyTorch defaults for the SSM projections (as the
-        authors), N(0, initializer_factor²) for the embedding and an untied head."""
-        if init_t5_module(module, self.config, init):
-            return
+        """S4D-Lin for the SSM and PyTorch defaults for its projections (as the authors), T5's initialisation for
+        everything else (N(0, initializer_factor²) for the embedding and an untied head)."""
         if isinstance(module, BidirectionalS4DConvolution):
             module.reset_parameters()
         elif isinstance(module, nn.Linear) and getattr(module, "_torch_default_init", False):
             module.reset_parameters()  # transformers guards torch.nn.init here: loaded tensors are kept
-        elif isinstance(module, (nn.Embedding, nn.Linear)):
-            init.normal_(module.weight, mean=0.0, std=self.config.initializer_factor)
-
-
-def _returns_dict(return_dict: bool | None, config: LocostConfig) -> bool:
-    """transformers' convention: ``return_dict=False`` (argument, else config) returns a plain tuple."""
-    return return_dict if return_dict is not None else config.return_dict
-
-
-def _as_encoder_output(encoder_outputs) -> BaseModelOutput:
-    if isinstance(encoder_outputs, BaseModelOutput):
-        return encoder_outputs
-    return BaseModelOutput(
-        last_hidden_state=encoder_outputs[0],
-        hidden_states=encoder_outputs[1] if len(encoder_outputs) > 1 else None,
-        attentions=encoder_outputs[2] if len(encoder_outputs) > 2 else None,
-    )
+        else:
+            init_t5_module(module, self.config, init)
 
 
 class _LocostSeq2Seq(T5Seq2SeqLMMixin, LocostPreTrainedModel):
@@ -210,7 +201,7 @@ class _LocostSeq2Seq(T5Seq2SeqLMMixin, LocostPreTrainedModel):
                 inputs_embeds=inputs_embeds,
                 output_hidden_states=output_hidden_states,
             )
-        return _as_encoder_output(encoder_outputs)
+        return as_encoder_output(encoder_outputs)
 
 
 class LocostModel(_LocostSeq2Seq):
@@ -238,30 +229,20 @@ class LocostModel(_LocostSeq2Seq):
     ) -> Seq2SeqModelOutput:
         output_hidden_states = bool(output_hidden_states if output_hidden_states is not None
                                     else self.config.output_hidden_states)
+        check_token_ids("decoder_input_ids", decoder_input_ids)
         encoder_outputs = self._encode(input_ids, attention_mask, inputs_embeds, encoder_outputs, output_hidden_states)
-        if decoder_input_ids is None and decoder_inputs_embeds is None:
-            raise ValueError("Pass `decoder_input_ids` or `decoder_inputs_embeds` to `LocostModel`; got neither.")
-        decoder_outputs = self.decoder(
-            input_ids=decoder_input_ids,
-            attention_mask=decoder_attention_mask,
-            encoder_hidden_states=encoder_outputs.last_hidden_state,
-            encoder_attention_mask=attention_mask,
-            inputs_embeds=decoder_inputs_embeds,
-            past_key_values=past_key_values,
+        output = self._model_output(
+            encoder_outputs,
+            attention_mask,
+            decoder_input_ids,
+            decoder_attention_mask,
+            decoder_inputs_embeds,
+            past_key_values,
             use_cache=bool(use_cache if use_cache is not None else self.config.use_cache),
             output_attentions=bool(output_attentions),
             output_hidden_states=output_hidden_states,
         )
-        output = Seq2SeqModelOutput(
-            last_hidden_state=decoder_outputs.last_hidden_state,
-            past_key_values=decoder_outputs.past_key_values,
-            decoder_hidden_states=decoder_outputs.hidden_states,
-            decoder_attentions=decoder_outputs.attentions,
-            cross_attentions=decoder_outputs.cross_attentions,
-            encoder_last_hidden_state=encoder_outputs.last_hidden_state,
-            encoder_hidden_states=encoder_outputs.hidden_states,
-        )
-        return output if _returns_dict(return_dict, self.config) else output.to_tuple()
+        return output if returns_dict(return_dict, self.config) else output.to_tuple()
 
 
 class LocostForConditionalGeneration(_LocostSeq2Seq, GenerationMixin):
@@ -327,4 +308,4 @@ class LocostForConditionalGeneration(_LocostSeq2Seq, GenerationMixin):
             output_attentions=bool(output_attentions),
             output_hidden_states=output_hidden_states,
         )
-        return output if _returns_dict(return_dict, self.config) else output.to_tuple()
+        return output if returns_dict(return_dict, self.config) else output.to_tuple()

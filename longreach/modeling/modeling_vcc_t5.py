@@ -43,7 +43,16 @@ from transformers.utils import ModelOutput, logging
 from ..configuration.configuration_vcc_t5 import VCCT5Config
 from .input_checks import check_mask, check_token_ids, describe
 from .remote_code import HubReadyMixin
-from .t5_blocks import T5Block, T5DecoderStack, T5LayerNorm, T5Seq2SeqLMMixin, init_t5_module, relative_position_bucket
+from .t5_blocks import (
+    T5Block,
+    T5DecoderStack,
+    T5LayerNorm,
+    T5Seq2SeqLMMixin,
+    as_encoder_output,
+    init_t5_module,
+    relative_position_bucket,
+    returns_dict,
+)
 
 logger = logging.get_logger(__name__)
 
@@ -631,22 +640,7 @@ class VCCT5PreTrainedModel(HubReadyMixin, PreTrainedModel):
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
         """T5's initialisation; N(0, initializer_factor²) for the embedding and an untied head (as T5)."""
-        if init_t5_module(module, self.config, init):
-            return
-        if isinstance(module, (nn.Embedding, nn.Linear)):
-            init.normal_(module.weight, mean=0.0, std=self.config.initializer_factor)
-
-
-def _returns_dict(return_dict: bool | None, config: VCCT5Config) -> bool:
-    """transformers' convention: `return_dict=False` (argument, else config) returns a plain tuple."""
-    return return_dict if return_dict is not None else config.return_dict
-
-
-def _as_encoder_output(encoder_outputs) -> BaseModelOutput:
-    if isinstance(encoder_outputs, BaseModelOutput):
-        return encoder_outputs
-    hidden_states = encoder_outputs[1] if len(encoder_outputs) > 1 and isinstance(encoder_outputs[1], tuple) else None
-    return VCCT5EncoderOutput(last_hidden_state=encoder_outputs[0], hidden_states=hidden_states)
+        init_t5_module(module, self.config, init)
 
 
 class _VCCT5Seq2Seq(T5Seq2SeqLMMixin, VCCT5PreTrainedModel):
@@ -666,7 +660,7 @@ class _VCCT5Seq2Seq(T5Seq2SeqLMMixin, VCCT5PreTrainedModel):
     def _encode(self, input_ids, attention_mask, vip_mask, inputs_embeds, encoder_outputs, output_hidden_states,
                 output_compression_info) -> BaseModelOutput:
         if encoder_outputs is not None:
-            return _as_encoder_output(encoder_outputs)
+            return as_encoder_output(encoder_outputs, VCCT5EncoderOutput)
         if input_ids is None and inputs_embeds is None:
             raise ValueError("Pass `input_ids`, `inputs_embeds` or precomputed `encoder_outputs`; got none.")
         return self.encoder(
@@ -723,30 +717,20 @@ class VCCT5Model(_VCCT5Seq2Seq):
         check_token_ids("decoder_input_ids", decoder_input_ids)
         encoder_outputs = self._encode(input_ids, attention_mask, vip_mask, inputs_embeds, encoder_outputs,
                                        output_hidden_states, output_compression_info)
-        if decoder_input_ids is None and decoder_inputs_embeds is None:
-            raise ValueError("Pass `decoder_input_ids` or `decoder_inputs_embeds` to `VCCT5Model`; got neither.")
-        decoder_outputs = self.decoder(
-            input_ids=decoder_input_ids,
-            attention_mask=decoder_attention_mask,
-            encoder_hidden_states=encoder_outputs.last_hidden_state,
-            encoder_attention_mask=attention_mask,
-            inputs_embeds=decoder_inputs_embeds,
-            past_key_values=past_key_values,
+        output = self._model_output(
+            encoder_outputs,
+            attention_mask,
+            decoder_input_ids,
+            decoder_attention_mask,
+            decoder_inputs_embeds,
+            past_key_values,
             use_cache=bool(use_cache if use_cache is not None else self.config.use_cache),
             output_attentions=bool(output_attentions),
             output_hidden_states=output_hidden_states,
-        )
-        output = VCCT5Seq2SeqModelOutput(
-            last_hidden_state=decoder_outputs.last_hidden_state,
-            past_key_values=decoder_outputs.past_key_values,
-            decoder_hidden_states=decoder_outputs.hidden_states,
-            decoder_attentions=decoder_outputs.attentions,
-            cross_attentions=decoder_outputs.cross_attentions,
-            encoder_last_hidden_state=encoder_outputs.last_hidden_state,
-            encoder_hidden_states=encoder_outputs.hidden_states,
+            output_class=VCCT5Seq2SeqModelOutput,
             encoder_compression_info=getattr(encoder_outputs, "compression_info", None),
         )
-        return output if _returns_dict(return_dict, self.config) else output.to_tuple()
+        return output if returns_dict(return_dict, self.config) else output.to_tuple()
 
 
 class VCCT5ForConditionalGeneration(_VCCT5Seq2Seq, GenerationMixin):
@@ -823,8 +807,7 @@ class VCCT5ForConditionalGeneration(_VCCT5Seq2Seq, GenerationMixin):
             use_cache=bool(use_cache),
             output_attentions=bool(output_attentions),
             output_hidden_states=output_hidden_states,
+            output_class=VCCT5Seq2SeqLMOutput,
+            encoder_compression_info=getattr(encoder_outputs, "compression_info", None),
         )
-        output = VCCT5Seq2SeqLMOutput(
-            **output, encoder_compression_info=getattr(encoder_outputs, "compression_info", None)
-        )
-        return output if _returns_dict(return_dict, self.config) else output.to_tuple()
+        return output if returns_dict(return_dict, self.config) else output.to_tuple()

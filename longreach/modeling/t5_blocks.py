@@ -23,7 +23,12 @@ from torch import nn
 from transformers.activations import ACT2FN
 from transformers.cache_utils import Cache, DynamicCache, EncoderDecoderCache
 from transformers.modeling_layers import GradientCheckpointingLayer
-from transformers.modeling_outputs import BaseModelOutput, BaseModelOutputWithPastAndCrossAttentions, Seq2SeqLMOutput
+from transformers.modeling_outputs import (
+    BaseModelOutput,
+    BaseModelOutputWithPastAndCrossAttentions,
+    Seq2SeqLMOutput,
+    Seq2SeqModelOutput,
+)
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -541,6 +546,8 @@ def init_t5_module(module: nn.Module, config, init) -> bool:
         init.normal_(module.weight, mean=0.0, std=factor * module._t5_init_std)
     elif isinstance(module, T5LayerNorm):
         init.constant_(module.weight, factor)
+    elif isinstance(module, (nn.Embedding, nn.Linear)):  # the shared embedding and an untied LM head
+        init.normal_(module.weight, mean=0.0, std=factor)
     else:
         return False
     return True
@@ -612,6 +619,66 @@ class T5Seq2SeqLMMixin:
         device = self.device
         return {"input_ids": input_ids.to(device), "attention_mask": attention_mask.to(device)}, dropped
 
+    def _decode(
+        self,
+        encoder_outputs: BaseModelOutput,
+        attention_mask: torch.Tensor | None,
+        decoder_input_ids: torch.Tensor | None,
+        decoder_attention_mask: torch.Tensor | None,
+        decoder_inputs_embeds: torch.Tensor | None,
+        past_key_values: Cache | None,
+        use_cache: bool,
+        output_attentions: bool,
+        output_hidden_states: bool,
+    ) -> BaseModelOutputWithPastAndCrossAttentions:
+        """The T5 decoder over ``encoder_outputs`` (cross-attention masked by the encoder's ``attention_mask``)."""
+        return self.decoder(
+            input_ids=decoder_input_ids,
+            attention_mask=decoder_attention_mask,
+            encoder_hidden_states=encoder_outputs.last_hidden_state,
+            encoder_attention_mask=attention_mask,
+            inputs_embeds=decoder_inputs_embeds,
+            past_key_values=past_key_values,
+            use_cache=use_cache,
+            output_attentions=output_attentions,
+            output_hidden_states=output_hidden_states,
+        )
+
+    def _model_output(
+        self,
+        encoder_outputs: BaseModelOutput,
+        attention_mask: torch.Tensor | None,
+        decoder_input_ids: torch.Tensor | None,
+        decoder_attention_mask: torch.Tensor | None,
+        decoder_inputs_embeds: torch.Tensor | None,
+        past_key_values: Cache | None,
+        use_cache: bool,
+        output_attentions: bool,
+        output_hidden_states: bool,
+        output_class: type[Seq2SeqModelOutput] = Seq2SeqModelOutput,
+        **extra_outputs,
+    ) -> Seq2SeqModelOutput:
+        """Decoder states without the LM head (the ``...Model`` classes, like ``T5Model``)."""
+        if decoder_input_ids is None and decoder_inputs_embeds is None:
+            raise ValueError(
+                f"Pass `decoder_input_ids` or `decoder_inputs_embeds` to `{type(self).__name__}`; got neither."
+            )
+        decoder_outputs = self._decode(
+            encoder_outputs, attention_mask, decoder_input_ids, decoder_attention_mask, decoder_inputs_embeds,
+            past_key_values, use_cache, output_attentions, output_hidden_states,
+        )
+        return output_class(
+            last_hidden_state=decoder_outputs.last_hidden_state,
+            past_key_values=decoder_outputs.past_key_values,
+            decoder_hidden_states=decoder_outputs.hidden_states,
+            decoder_attentions=decoder_outputs.attentions,
+            cross_attentions=decoder_outputs.cross_attentions,
+            encoder_last_hidden_state=encoder_outputs.last_hidden_state,
+            encoder_hidden_states=encoder_outputs.hidden_states,
+            encoder_attentions=encoder_outputs.attentions,
+            **extra_outputs,
+        )
+
     def _lm_head_output(
         self,
         encoder_outputs: BaseModelOutput,
@@ -624,6 +691,8 @@ class T5Seq2SeqLMMixin:
         use_cache: bool,
         output_attentions: bool,
         output_hidden_states: bool,
+        output_class: type[Seq2SeqLMOutput] = Seq2SeqLMOutput,
+        **extra_outputs,
     ) -> Seq2SeqLMOutput:
         """Run the decoder over ``encoder_outputs`` and project to the vocabulary (plus the loss with ``labels``)."""
         if labels is not None and decoder_input_ids is None and decoder_inputs_embeds is None:
@@ -633,16 +702,9 @@ class T5Seq2SeqLMMixin:
                 "Pass `decoder_input_ids` (or `decoder_inputs_embeds`) or `labels` (from which the decoder inputs are "
                 "derived by shifting right); got neither."
             )
-        decoder_outputs = self.decoder(
-            input_ids=decoder_input_ids,
-            attention_mask=decoder_attention_mask,
-            encoder_hidden_states=encoder_outputs.last_hidden_state,
-            encoder_attention_mask=attention_mask,
-            inputs_embeds=decoder_inputs_embeds,
-            past_key_values=past_key_values,
-            use_cache=use_cache,
-            output_attentions=output_attentions,
-            output_hidden_states=output_hidden_states,
+        decoder_outputs = self._decode(
+            encoder_outputs, attention_mask, decoder_input_ids, decoder_attention_mask, decoder_inputs_embeds,
+            past_key_values, use_cache, output_attentions, output_hidden_states,
         )
         sequence_output = decoder_outputs.last_hidden_state
         if self.config.tie_word_embeddings:
@@ -654,7 +716,7 @@ class T5Seq2SeqLMMixin:
             loss = nn.functional.cross_entropy(
                 logits.float().reshape(-1, logits.size(-1)), labels.to(logits.device).reshape(-1), ignore_index=-100
             )
-        return Seq2SeqLMOutput(
+        return output_class(
             loss=loss,
             logits=logits,
             past_key_values=decoder_outputs.past_key_values,
@@ -664,4 +726,23 @@ class T5Seq2SeqLMMixin:
             encoder_last_hidden_state=encoder_outputs.last_hidden_state,
             encoder_hidden_states=encoder_outputs.hidden_states,
             encoder_attentions=encoder_outputs.attentions,
+            **extra_outputs,
         )
+
+
+def returns_dict(return_dict: bool | None, config) -> bool:
+    """transformers' convention: ``return_dict=False`` (the argument, else the config) returns a plain tuple."""
+    return return_dict if return_dict is not None else config.return_dict
+
+
+def as_encoder_output(encoder_outputs, output_class: type[BaseModelOutput] = BaseModelOutput) -> BaseModelOutput:
+    """Precomputed ``encoder_outputs`` given as a tuple (an encoder's ``return_dict=False`` output): the last hidden
+    state first, then the tuples of per-layer hidden states and attentions if present; other entries are ignored."""
+    if isinstance(encoder_outputs, BaseModelOutput):
+        return encoder_outputs
+    per_layer = [item for item in encoder_outputs[1:] if isinstance(item, tuple)]
+    return output_class(
+        last_hidden_state=encoder_outputs[0],
+        hidden_states=per_layer[0] if per_layer else None,
+        attentions=per_layer[1] if len(per_layer) > 1 else None,
+    )
