@@ -15,6 +15,7 @@ Rules every converter follows:
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 from collections.abc import Iterable
@@ -23,6 +24,8 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file as load_safetensors
+
+logger = logging.getLogger(__name__)
 
 
 class ConversionError(ValueError):
@@ -198,6 +201,45 @@ def verify_tensors(model: torch.nn.Module, expected: dict[str, torch.Tensor], so
             problems.append(f"{key}: differs after reload")
     if problems:
         raise ConversionError(f"Verification of {source} failed:\n" + "\n".join(problems))
+
+
+def finish_conversion(
+    model,
+    output: Path,
+    converted: dict[str, torch.Tensor],
+    *,
+    card_name: str,
+    source: str,
+    tokenizer_name_or_path: str | None = None,
+    push_to_hub: str | None = None,
+    reload_kwargs: dict | None = None,
+    extra_check=None,
+):
+    """The common end of every converter; returns the reloaded model.
+
+    Saves ``model`` Hub-ready into ``output`` (safetensors, code files, ``auto_map``), adds the tokenizer if given and
+    the model card, reloads the folder with ``from_pretrained`` and checks every converted tensor bit for bit (plus
+    ``extra_check(reloaded)`` if given) *before* anything is reported or uploaded; then pushes in one commit if asked.
+    """
+    from ..hub import write_model_card
+
+    model.save_pretrained(output)
+    tokenizer = None
+    if tokenizer_name_or_path is not None:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_name_or_path)
+        tokenizer.save_pretrained(output)
+    write_model_card(output, card_name, converted_from=source)
+
+    reloaded = type(model).from_pretrained(output, **(reload_kwargs or {}))
+    verify_tensors(reloaded, converted, source=str(output))
+    if extra_check is not None:
+        extra_check(reloaded)
+    logger.info("Converted %s -> %s: %d tensors verified.", source, output, len(converted))
+    if push_to_hub:  # one commit: weights, code files, tokenizer and the model card written above
+        reloaded.push_to_hub(push_to_hub, tokenizer=tokenizer)
+    return reloaded
 
 
 def write_json(path: Path, payload: dict) -> None:

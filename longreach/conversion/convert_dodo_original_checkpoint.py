@@ -54,10 +54,10 @@ from ..modeling.modeling_dodo import DodoLlamaForCausalLM
 from .conversion_utils import (
     ConversionError,
     KeyMap,
+    finish_conversion,
     load_state_dict_from_folder,
     prepare_output_folder,
     safe_torch_load,
-    verify_tensors,
 )
 
 logger = logging.getLogger(__name__)
@@ -464,31 +464,23 @@ def _build_and_save(
         model.generation_config = GenerationConfig.from_pretrained(base_path)
     if max_new_tokens:
         model.generation_config.max_new_tokens = int(max_new_tokens)  # the authors generate greedily (paper §5)
-    model.save_pretrained(output)
-
-    tokenizer = None
     tokenizer_source = tokenizer_name_or_path
     if tokenizer_source is None and any(
         (base_path / name).is_file() for name in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
     ):
         tokenizer_source = str(base_path)
-    if tokenizer_source is not None:
-        from transformers import AutoTokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(tokenizer_source)
-        tokenizer.save_pretrained(output)
-    _write_model_card(output, "dodo_llama", source)
+    def base_stays_frozen(reloaded: DodoLlamaForCausalLM) -> None:
+        trainable = {name for name, param in reloaded.named_parameters() if param.requires_grad}
+        if any(".lora_" not in name and not name.startswith(("nugget_scorer.", "soft_prompt.")) for name in trainable):
+            raise ConversionError(
+                "Verification failed: base weights of the reloaded model are trainable (should be frozen)."
+            )
 
-    reloaded = DodoLlamaForCausalLM.from_pretrained(output, dtype=target_dtype)
-    verify_tensors(reloaded, converted, source=str(output))
-    trainable = {name for name, param in reloaded.named_parameters() if param.requires_grad}
-    if any(".lora_" not in name and not name.startswith(("nugget_scorer.", "soft_prompt.")) for name in trainable):
-        raise ConversionError(
-            "Verification failed: base weights of the reloaded model are trainable (should be frozen)."
-        )
-    logger.info("Converted %s -> %s: %d tensors verified (dtype %s).", source, output, len(converted), target_dtype)
-    if push_to_hub:
-        reloaded.push_to_hub(push_to_hub, tokenizer=tokenizer)
+    finish_conversion(
+        model, output, converted, card_name="dodo_llama", source=source, tokenizer_name_or_path=tokenizer_source,
+        push_to_hub=push_to_hub, reload_kwargs={"dtype": target_dtype}, extra_check=base_stays_frozen,
+    )
     return output
 
 
@@ -655,14 +647,6 @@ def export_peft_adapters(dodo_model_path: str | Path, pytorch_dump_folder_path: 
         raise ConversionError("Export verification failed for the scorer.")
     logger.info("Exported the adapters of %s to %s.", dodo_model_path, output)
     return output
-
-
-def _write_model_card(output: Path, model_name: str, source: str) -> None:
-    try:
-        from ..hub import write_model_card
-    except ImportError:  # model cards arrive with the workflows; conversion does not depend on them
-        return
-    write_model_card(output, model_name, converted_from=source)
 
 
 # ---------------------------------------------------------------------------------------------------------------------

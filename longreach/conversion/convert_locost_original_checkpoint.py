@@ -28,19 +28,18 @@ import logging
 import sys
 from pathlib import Path
 
-import torch
 
 from ..configuration.configuration_locost import LocostConfig
 from ..modeling.modeling_locost import LocostForConditionalGeneration
 from .conversion_utils import (
     ConversionError,
     KeyMap,
+    finish_conversion,
     load_state_dict_from_folder,
     pickled_class_stand_in,
     prepare_output_folder,
     safe_torch_load,
     strip_prefix,
-    verify_tensors,
 )
 
 logger = logging.getLogger(__name__)
@@ -163,31 +162,11 @@ def convert_locost_checkpoint(
         raise ConversionError(f"Loading into the model failed: missing {missing}, unexpected {unexpected}")
     model.generation_config.max_new_tokens = 512  # the authors' evaluation setting (greedy, 512 new tokens)
 
-    model.save_pretrained(output)
-    tokenizer = None
-    if tokenizer_name_or_path is not None:
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(tokenizer_name_or_path)
-        tokenizer.save_pretrained(output)
-    _write_model_card(output, "locost", source=str(checkpoint_path))
-
-    reloaded = LocostForConditionalGeneration.from_pretrained(output)
-    verify_tensors(reloaded, converted, source=str(output))
-    logger.info("Converted %s -> %s: %d tensors verified.", checkpoint_path, output, len(converted))
-    if push_to_hub:
-        reloaded.push_to_hub(push_to_hub)
-        if tokenizer is not None:
-            tokenizer.push_to_hub(push_to_hub)
+    finish_conversion(
+        model, output, converted, card_name="locost", source=str(checkpoint_path),
+        tokenizer_name_or_path=tokenizer_name_or_path, push_to_hub=push_to_hub,
+    )
     return output
-
-
-def _write_model_card(output: Path, model_name: str, source: str) -> None:
-    try:
-        from ..hub import write_model_card
-    except ImportError:  # model cards arrive with the workflows; conversion does not depend on them
-        return
-    write_model_card(output, model_name, converted_from=source)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

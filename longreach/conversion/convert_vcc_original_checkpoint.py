@@ -34,18 +34,17 @@ import logging
 import sys
 from pathlib import Path
 
-import torch
 
 from ..configuration.configuration_vcc_t5 import VCC_FIELDS, VCC_T5_PRESETS, VCCT5Config, pop_original_vcc_fields
 from ..modeling.modeling_vcc_t5 import VCCT5ForConditionalGeneration
 from .conversion_utils import (
     ConversionError,
     KeyMap,
+    finish_conversion,
     load_state_dict_from_folder,
     prepare_output_folder,
     safe_torch_load,
     strip_prefix,
-    verify_tensors,
 )
 
 logger = logging.getLogger(__name__)
@@ -222,31 +221,11 @@ def convert_vcc_checkpoint(
     for name, value in generation.items():
         setattr(model.generation_config, name, value)
 
-    model.save_pretrained(output)
-    tokenizer = None
-    if tokenizer_name_or_path is not None:
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(tokenizer_name_or_path)
-        tokenizer.save_pretrained(output)
-    _write_model_card(output, "vcc_t5", source=str(checkpoint_path))
-
-    reloaded = VCCT5ForConditionalGeneration.from_pretrained(output)
-    verify_tensors(reloaded, converted, source=str(output))
-    logger.info("Converted %s -> %s: %d tensors verified.", checkpoint_path, output, len(converted))
-    if push_to_hub:
-        reloaded.push_to_hub(push_to_hub)
-        if tokenizer is not None:
-            tokenizer.push_to_hub(push_to_hub)
+    finish_conversion(
+        model, output, converted, card_name="vcc_t5", source=str(checkpoint_path),
+        tokenizer_name_or_path=tokenizer_name_or_path, push_to_hub=push_to_hub,
+    )
     return output
-
-
-def _write_model_card(output: Path, model_name: str, source: str) -> None:
-    try:
-        from ..hub import write_model_card
-    except ImportError:  # model cards arrive with the workflows; conversion does not depend on them
-        return
-    write_model_card(output, model_name, converted_from=source)
 
 
 def _bool(text: str) -> bool:
