@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+import torch
 from huggingface_hub import ModelCard
 
 from longreach import hub
@@ -64,3 +66,116 @@ def test_finetune_summarization_pushes_with_our_card(tmp_path, monkeypatch):
     assert {"README.md", "model.safetensors", "modeling_locost.py", "tokenizer.json"} <= set(files)
     assert "training_args.bin" not in files
     assert "Fine-tuned with `examples/finetune_summarization.py`" in files["README.md"].decode()
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# examples/finetune_dodo.py
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def _load_example(name: str, monkeypatch):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, EXAMPLES / f"{name}.py")
+    example = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, example)  # dataclasses look their module up there
+    spec.loader.exec_module(example)
+    return example
+
+
+def test_finetune_dodo_smoke_trains_adapters_scorer_and_soft_prompt_only(tmp_path):
+    from safetensors.torch import load_file
+
+    output_dir = tmp_path / "dodo"
+    result = subprocess.run(
+        [sys.executable, str(EXAMPLES / "finetune_dodo.py"), "--smoke", "--output_dir", str(output_dir)],
+        capture_output=True, text=True, timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    metrics = json.loads(result.stdout.strip().splitlines()[-1])
+    assert metrics["train_loss"] > 0 and metrics["eval_loss"] > 0 and metrics["eval_perplexity"] > 1
+    # joint training: both adapters, the scorer and the soft prompt moved; the base did not
+    assert metrics["parameters_changed"] == {"base": False, "encoder_adapter": True, "decoder_adapter": True,
+                                             "scorer": True, "soft_prompt": True}
+    assert "generated for the first validation example:" in result.stdout  # reloaded with trust_remote_code
+    # the saved checkpoint, checked independently: base tensors equal the base Llama's, LoRA B (zero at start) moved
+    base = load_file(str(Path(metrics["smoke_inputs"]) / "tiny-llama" / "model.safetensors"))
+    saved = load_file(str(output_dir / "model.safetensors"))
+    for key, tensor in base.items():
+        assert torch.equal(saved.get(key, saved.get(key.replace(".weight", ".base_layer.weight"))), tensor), key
+    still_zero = sorted(key for key in saved if ".lora_B." in key and saved[key].abs().sum() == 0)
+    # φ's pass is only used for its keys and values: the last layer's query and output projections get no gradient
+    assert still_zero == ["model.layers.2.self_attn.o_proj.lora_B.encoder.weight",
+                          "model.layers.2.self_attn.q_proj.lora_B.encoder.weight"]
+    config = json.loads((output_dir / "config.json").read_text())
+    assert config["model_type"] == "dodo_llama" and config["nugget_ratio"] == 0.2 and config["lora_r"] == 4
+    assert {"model.safetensors", "modeling_dodo.py", "pipeline_summarization.py", "tokenizer.json"} <= set(
+        hub.hub_files(output_dir))
+    assert "Trained with `examples/finetune_dodo.py` (continuation)" in ModelCard.load(output_dir / "README.md").text
+
+
+def test_finetune_dodo_uses_the_authors_optimizer_and_schedule(tmp_path, monkeypatch):
+    from transformers import HfArgumentParser
+
+    example = _load_example("finetune_dodo", monkeypatch)
+    (args,) = HfArgumentParser(example.DodoTrainingArguments).parse_args_into_dataclasses(
+        args=["--output_dir", str(tmp_path), "--use_cpu", "--report_to", "none"])
+    # spec dodo.md §6: AdamW (0.9, 0.95), eps 1e-5, weight decay 0.1, lr 1e-4, cosine after 2000 warm-up steps
+    assert (args.adam_beta1, args.adam_beta2, args.adam_epsilon, args.weight_decay) == (0.9, 0.95, 1e-5, 0.1)
+    assert args.learning_rate == 1e-4 and args.warmup_steps == 2000 and args.lr_scheduler_type == "cosine"
+    assert args.remove_unused_columns is False
+
+    from longreach import DodoLlamaConfig, DodoLlamaForCausalLM
+
+    model = DodoLlamaForCausalLM(DodoLlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32,
+                                                 num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                                                 nugget_layer=1, lora_r=2))
+    args.scorer_learning_rate, args.warmup_steps, args.schedule_horizon_steps = 3e-4, 10, 300
+    trainer = example.DodoTrainer(model=model, args=args)
+    optimizer = trainer.create_optimizer()
+    assert isinstance(optimizer, torch.optim.AdamW)
+    lora, rest = optimizer.param_groups
+    names = {id(param): name for name, param in model.named_parameters()}
+    assert lora["lr"] == 1e-4 and all(".lora_" in names[id(p)] for p in lora["params"])
+    assert rest["lr"] == 3e-4 and {names[id(p)].split(".")[0] for p in rest["params"]} == {"nugget_scorer",
+                                                                                          "soft_prompt"}
+    trainable = {name for name, param in model.named_parameters() if param.requires_grad}
+    assert {names[id(p)] for group in (lora, rest) for p in group["params"]} == trainable  # nothing of the base
+    for group in (lora, rest):
+        assert group["betas"] == (0.9, 0.95) and group["eps"] == 1e-5 and group["weight_decay"] == 0.1
+    # warm-up then half a cosine over the horizon (the authors: 150 x warmup), not over the run's 20 steps
+    scheduler = trainer.create_scheduler(num_training_steps=20, optimizer=optimizer)
+    for _ in range(155):
+        optimizer.step()
+        scheduler.step()
+    assert rest["lr"] == pytest.approx(3e-4 * 0.5, rel=1e-6) and lora["lr"] == pytest.approx(1e-4 * 0.5, rel=1e-6)
+
+
+def test_finetune_dodo_pushes_with_our_card(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    uploads = []
+
+    class RecordingHubApi:
+        def __init__(self, **kwargs):
+            pass
+
+        def create_repo(self, repo_id, **kwargs):
+            return SimpleNamespace(repo_id=repo_id)
+
+        def create_commit(self, repo_id, operations, **kwargs):
+            uploads.append((repo_id, {op.path_in_repo: op.path_or_fileobj for op in operations}))
+            return SimpleNamespace(commit_url="https://hub/commit")
+
+    monkeypatch.setattr(hub, "HfApi", RecordingHubApi)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    example = _load_example("finetune_dodo", monkeypatch)
+    example.main(["--smoke", "--output_dir", str(tmp_path / "ft"), "--push_to_hub", "--hub_model_id", "someone/dodo",
+                  "--max_steps", "1", "--do_eval", "false"])
+    ((repo_id, files),) = uploads
+    assert repo_id == "someone/dodo"
+    assert {"README.md", "model.safetensors", "modeling_dodo.py", "configuration_dodo.py", "tokenizer.json"} <= set(
+        files)
+    assert "training_args.bin" not in files
+    readme = files["README.md"].decode()
+    assert "Trained with `examples/finetune_dodo.py`" in readme and 'model="someone/dodo"' in readme
