@@ -1,0 +1,479 @@
+"""The users' workflows for VCC-T5 and Dodo (issue 5): the summarization pipeline (VIP prefix, the paper's Dodo prompt
+with nuggets, dropped-token warnings, batches, and a process where longreach cannot be imported), the CLI (the model
+cards' own conversion commands run on the fixtures; `longreach summarize`), Hub uploads (recorder, hf-integration §6)
+and the model cards (parity figures, claims, usage code that runs).
+
+`examples/finetune_dodo.py` is tested in test_examples.py.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import shutil
+import warnings
+
+import pytest
+import torch
+from huggingface_hub import ModelCard
+from remote_code_helpers import run_without_longreach
+from safetensors.torch import load as load_safetensors
+from safetensors.torch import load_file
+from test_hub import RecordingHubApi
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast, pipeline
+from workflow_helpers import WORDS, document, word_tokenizer
+
+from longreach import DodoLlamaConfig, DodoLlamaForCausalLM, VCCT5Config, VCCT5ForConditionalGeneration, hub
+from longreach.cli import main as cli_main
+from longreach.modeling.modeling_dodo import SUMMARIZATION_CONTEXT_PREFIX, SUMMARIZATION_PROMPT
+
+NAMES = ("vcc_t5", "dodo_llama")
+VCC_CODE_FILES = {"configuration_vcc_t5.py", "modeling_vcc_t5.py", "input_checks.py", "remote_code.py", "t5_blocks.py",
+                  "pipeline_summarization.py"}
+DODO_CODE_FILES = {"configuration_dodo.py", "modeling_dodo.py", "input_checks.py", "remote_code.py",
+                   "pipeline_summarization.py"}
+CODE_FILES = {"vcc_t5": VCC_CODE_FILES, "dodo_llama": DODO_CODE_FILES}
+#: What a Hub user needs besides the code: config, generation config, weights, tokenizer, our card.
+OTHER_FILES = {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
+               "README.md"}
+PROMPT_WORDS = ["[INST]", "[/INST]", "Please", "summarize", "the", "above", "document", "in", "one", "sentence."]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Tiny models and tokenizers built locally
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def llama_word_tokenizer(vocab_size: int = 4 + len(PROMPT_WORDS) + len(WORDS)) -> PreTrainedTokenizerFast:
+    """Word-level tokenizer with Llama's ids (``<pad>`` 0, ``<s>`` 1, ``</s>`` 2, ``<unk>`` 3), the words of the Dodo
+    prompt and ``w0``...; filler words up to ``vocab_size``."""
+    words = ["<pad>", "<s>", "</s>", "<unk>"] + PROMPT_WORDS + WORDS
+    words += [f"x{i}" for i in range(vocab_size - len(words))]
+    backend = Tokenizer(models.WordLevel(vocab={token: i for i, token in enumerate(words)}, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
+                                   unk_token="<unk>", clean_up_tokenization_spaces=False)
+
+
+def t5_word_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
+    """workflow_helpers' T5-style tokenizer (``</s>`` appended) with filler words up to ``vocab_size``."""
+    from tokenizers import processors
+
+    words = ["<pad>", "</s>", "<unk>"] + WORDS
+    words += [f"x{i}" for i in range(vocab_size - len(words))]
+    backend = Tokenizer(models.WordLevel(vocab={token: i for i, token in enumerate(words)}, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    backend.post_processor = processors.TemplateProcessing(single="$A </s>", special_tokens=[("</s>", 1)])
+    return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="</s>", unk_token="<unk>",
+                                   clean_up_tokenization_spaces=False)
+
+
+def tiny_vcc(seed: int = 0) -> VCCT5ForConditionalGeneration:
+    torch.manual_seed(seed)
+    config = VCCT5Config(vocab_size=99, d_model=32, d_kv=8, d_ff=64, num_layers=3, num_decoder_layers=2, num_heads=4,
+                         decoder_start_token_id=0, dropout_rate=0.0, num_vanilla_layers=1, segment_length=32,
+                         num_vip_slots=8, block_size=4, num_refined_blocks=3)
+    model = VCCT5ForConditionalGeneration(config).eval()
+    model.generation_config.max_new_tokens = 8
+    return model
+
+
+def tiny_dodo(seed: int = 0) -> DodoLlamaForCausalLM:
+    torch.manual_seed(seed)
+    config = DodoLlamaConfig(vocab_size=len(llama_word_tokenizer()), hidden_size=32, intermediate_size=64,
+                             num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, nugget_layer=2,
+                             nugget_ratio=0.2, lora_r=4, lora_alpha=8.0, lora_dropout=0.0, soft_prompt_length=1,
+                             bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    model = DodoLlamaForCausalLM(config).eval()
+    with torch.no_grad():  # fresh LoRA B is zero (φ = θ = base): make both adapters matter
+        for name, param in model.named_parameters():
+            if ".lora_B." in name:
+                param.normal_(0.0, 0.3)
+    model.generation_config.max_new_tokens = 8
+    return model
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    """name -> (model, tokenizer)."""
+    return {"vcc_t5": (tiny_vcc(), word_tokenizer()), "dodo_llama": (tiny_dodo(), llama_word_tokenizer())}
+
+
+def _summarizer(tiny, name, **defaults):
+    model, tokenizer = tiny[name]
+    return pipeline("long-summarization", model=model, tokenizer=tokenizer, **defaults)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Pipeline, in process
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def test_vcc_pipeline_marks_the_task_prefix_as_vip_tokens(tiny):
+    model, tokenizer = tiny["vcc_t5"]
+    doc = document(200, offset=3)
+    received = []
+    encoder_forward = model.encoder.forward
+    model.encoder.forward = lambda *args, **kwargs: received.append(kwargs) or encoder_forward(*args, **kwargs)
+    try:
+        record = _summarizer(tiny, "vcc_t5")(doc, max_new_tokens=5, return_tensors=True)[0]
+    finally:
+        del model.encoder.forward
+    (encoder_kwargs,) = received  # generate() encodes once
+    expected_ids = tokenizer("summarize\n\n\n" + doc)["input_ids"]
+    assert encoder_kwargs["input_ids"][0].tolist() == expected_ids
+    num_vip = len(tokenizer("summarize")["input_ids"])  # the prefix with its EOS count, as the original marks it
+    assert encoder_kwargs["vip_mask"][0].tolist() == [1] * num_vip + [0] * (len(expected_ids) - num_vip)
+    inputs = {"input_ids": torch.tensor([expected_ids]), "attention_mask": torch.ones(1, len(expected_ids)).long(),
+              "vip_mask": encoder_kwargs["vip_mask"]}
+    with torch.no_grad():
+        assert record["summary_token_ids"].tolist() == model.generate(**inputs, max_new_tokens=5)[0].tolist()
+        # other VIP tokens give another encoding: the prefix's mask is what steers the compression
+        other_vip = torch.zeros_like(inputs["vip_mask"])
+        other_vip[0, 100] = 1
+        other = model.encoder(inputs["input_ids"], vip_mask=other_vip).last_hidden_state
+        marked = model.encoder(inputs["input_ids"], vip_mask=inputs["vip_mask"]).last_hidden_state
+    assert (other - marked).abs().max() > 1e-4
+
+
+def test_dodo_pipeline_compresses_the_document_and_prompts_with_the_papers_d3_prompt(tiny):
+    model, tokenizer = tiny["dodo_llama"]
+    doc = document(120, offset=5)
+    compressed = []
+    compress = model.compress
+
+    def spy(input_ids, attention_mask=None, **kwargs):
+        compressed.append((input_ids, attention_mask, compress(input_ids, attention_mask, **kwargs)))
+        return compressed[-1][2]
+
+    model.compress = spy
+    try:
+        record = _summarizer(tiny, "dodo_llama")(doc, max_new_tokens=6, return_tensors=True)[0]
+    finally:
+        del model.compress
+    ((context, context_mask, nuggets),) = compressed
+    assert context_mask.all()
+    words = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert context[0].tolist() == [tokenizer.bos_token_id] + words(SUMMARIZATION_CONTEXT_PREFIX) + words(doc)
+    assert tokenizer.decode(words(SUMMARIZATION_CONTEXT_PREFIX)) == "[INST]"
+    # the document is all the decoder sees of the context: k nuggets for its n tokens (10x fewer by default)
+    assert int(nuggets.num_nuggets[0]) == model.config.num_nuggets_for_length(context.shape[1]) == 25
+    prompt = torch.tensor([words(SUMMARIZATION_PROMPT)])
+    assert tokenizer.decode(prompt[0]) == "Please summarize the above document in one sentence. [/INST]"
+    with torch.no_grad():
+        expected = model.generate(prompt, nuggets=model.compress(context), max_new_tokens=6, do_sample=False)
+    assert record["summary_token_ids"].tolist() == expected[0, prompt.shape[1]:].tolist()  # the prompt is stripped
+    assert record["summary_text"] == tokenizer.decode(expected[0, prompt.shape[1]:], skip_special_tokens=True)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_dropped_tokens_are_reported_never_silent(tiny, name):
+    model, _ = tiny[name]
+    summarizer = _summarizer(tiny, name, max_new_tokens=3)
+    long_doc, short_doc = document(300), document(40, offset=1)
+    lengths = []  # tokens the model reads from the longest document of each call
+    generate = model.generate
+
+    def spy(**kwargs):
+        mask = kwargs["attention_mask"] if name == "vcc_t5" else kwargs["context_attention_mask"]
+        lengths.append(int(mask.sum(dim=1).max()))
+        return generate(**kwargs)
+
+    model.generate = spy
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            summarizer(long_doc)
+            summarizer([long_doc, short_doc], max_input_length=100)
+    finally:
+        del model.generate
+    dropped = [str(w.message) for w in caught if "dropped" in str(w.message)]
+    # VCC: "summarize" (<unk>) + 300 words + </s> = 302 tokens; Dodo: <s> [INST] + 300 words = 302 context tokens
+    assert dropped == [(f"The document ({len(long_doc)} characters) is longer than the model may read: its last 202 "
+                        "tokens were dropped (max_input_length=100).")]
+    assert lengths == [302, 100, 42]  # the list is summarized one document at a time (no batch_size)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_batched_documents_equal_one_by_one(tiny, name):
+    """Right-padded batches (VCC rows; Dodo contexts with different numbers of nuggets) summarize each row as alone."""
+    summarizer = _summarizer(tiny, name, max_new_tokens=6, return_tensors=True)
+    docs = [document(120, offset=1), document(45, offset=2)]
+    batched = summarizer(docs, batch_size=2)
+    for record, doc in zip(batched, docs):
+        assert record["summary_token_ids"].tolist() == summarizer(doc)[0]["summary_token_ids"].tolist()
+
+
+def test_vcc_card_padding_claims():
+    """The card: extra right padding leaves real tokens' outputs unchanged; left padding changes them."""
+    model = tiny_vcc()
+    ids = torch.randint(3, 99, (1, 70))
+    vip = torch.zeros_like(ids)
+    vip[:, :2] = 1
+    pad, zeros = torch.zeros(1, 13, dtype=torch.long), torch.zeros(1, 13, dtype=torch.long)
+    ones = torch.ones_like(ids)
+    with torch.no_grad():
+        alone = model.encoder(ids, vip_mask=vip).last_hidden_state
+        right = model.encoder(torch.cat([ids, pad], 1), attention_mask=torch.cat([ones, zeros], 1),
+                              vip_mask=torch.cat([vip, zeros], 1)).last_hidden_state
+        left = model.encoder(torch.cat([pad, ids], 1), attention_mask=torch.cat([zeros, ones], 1),
+                             vip_mask=torch.cat([zeros, vip], 1)).last_hidden_state
+    assert torch.equal(right[:, :70], alone)
+    assert (left[:, 13:] - alone).abs().max() > 1e-2
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Hub uploads (recorder) and what Hub users then run, in a process where longreach cannot be imported
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def uploads(tiny, tmp_path_factory):
+    """``model.push_to_hub(repo, tokenizer=...)`` for both models through the recorder; the uploaded files are written
+    to a folder each, as a Hub user downloads them. name -> (commit, folder)."""
+    root = tmp_path_factory.mktemp("hub")
+    result = {}
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(hub, "HfApi", RecordingHubApi)
+        for name in NAMES:
+            RecordingHubApi.instances = []
+            model, tokenizer = tiny[name]
+            model.push_to_hub(f"someone/{name}-tiny", tokenizer=tokenizer, commit_message=f"upload {name}")
+            (commit,) = [commit for api in RecordingHubApi.instances for commit in api.commits]
+            folder = root / name
+            folder.mkdir()
+            for path, content in commit["files"].items():
+                (folder / path).write_bytes(content)
+            result[name] = (commit, folder)
+    return result
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_push_uploads_exactly_what_hub_users_need(uploads, name):
+    commit, _ = uploads[name]
+    files = commit["files"]
+    assert commit["repo_id"] == f"someone/{name}-tiny" and commit["message"] == f"upload {name}"
+    assert set(files) == CODE_FILES[name] | OTHER_FILES
+    config = json.loads(files["config.json"])
+    auto_class = "AutoModelForSeq2SeqLM" if name == "vcc_t5" else "AutoModelForCausalLM"
+    model_class = "modeling_vcc_t5.VCCT5ForConditionalGeneration" if name == "vcc_t5" else \
+        "modeling_dodo.DodoLlamaForCausalLM"
+    assert config["auto_map"][auto_class] == model_class and "AutoConfig" in config["auto_map"]
+    assert config["custom_pipelines"]["summarization"] == {
+        "impl": "pipeline_summarization.LongSummarizationPipeline", "pt": [auto_class], "type": "text"}
+    for code in CODE_FILES[name]:
+        assert re.search(rb"^\s*(from|import)\s+longreach", files[code], re.M) is None, code  # flat, sibling imports
+    card = ModelCard(files["README.md"].decode())
+    assert card.data.tags and "custom_code" in card.data.tags and "automatically generated" not in card.text
+    assert f'model="someone/{name}-tiny"' in card.text
+    weights = load_safetensors(files["model.safetensors"])
+    if name == "dodo_llama":
+        assert re.search(rb"^from peft", files["modeling_dodo.py"], re.M)  # the adapters need peft on the Hub side
+        assert card.data.pipeline_tag == "text-generation" and "\n# Dodo: Llama that compresses" in card.text
+        # one checkpoint: frozen base (LoRA-wrapped names), both adapters, scorer, soft prompt
+        for pattern in (r"\.base_layer\.weight$", r"\.lora_B\.encoder\.weight$", r"\.lora_B\.decoder\.weight$",
+                        r"^nugget_scorer\.0\.weight$", r"^soft_prompt\.weight$"):
+            assert any(re.search(pattern, key) for key in weights), pattern
+    else:
+        assert card.data.pipeline_tag == "summarization" and "\n# VCC-T5: T5 with VIP-token" in card.text
+        assert "shared.weight" in weights
+
+
+def _card_usage_code(name: str, repo_id: str) -> list[str]:
+    text = hub.build_model_card(name, repo_id=repo_id).text
+    blocks = re.findall(r"```python\n(.*?)```", text, re.S)
+    assert len(blocks) == 2, name
+    return [block.replace("max_new_tokens=64", "max_new_tokens=4").replace("print(", "outputs.append(")
+            for block in blocks]
+
+
+@pytest.fixture(scope="module")
+def remote(uploads, tmp_path_factory):
+    """One fresh process without longreach: the pipeline from each uploaded folder, and each card's usage code
+    (the repository id replaced by that folder) in its own namespace."""
+    workdir = tmp_path_factory.mktemp("remote")
+    doc = document(400, offset=4)
+    jobs = {name: {"folder": str(uploads[name][1]),
+                   "usage": [code.replace(f'"someone/{name}"', repr(str(uploads[name][1])))
+                             for code in _card_usage_code(name, f"someone/{name}")]} for name in NAMES}
+    return run_without_longreach(
+        f"""
+        import json, warnings
+        from transformers import pipeline
+        results = {{}}
+        for name, job in {jobs!r}.items():
+            summarizer = pipeline("summarization", model=job["folder"], trust_remote_code=True)
+            record = summarizer({doc!r}, max_new_tokens=6, return_tensors=True)[0]
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                summarizer({doc!r}, max_new_tokens=2, max_input_length=50)
+            usage_outputs = []
+            for code in job["usage"]:
+                namespace = {{"outputs": []}}
+                exec(code, namespace)
+                usage_outputs += namespace["outputs"]
+            results[name] = {{
+                "summary": record["summary_text"], "ids": record["summary_token_ids"].tolist(),
+                "pipeline_class": type(summarizer).__module__ + "." + type(summarizer).__name__,
+                "model_module": type(summarizer.model).__module__,
+                "warnings": [str(w.message) for w in caught if "dropped" in str(w.message)],
+                "usage_outputs": usage_outputs,
+            }}
+        print(json.dumps(results))
+        """,
+        workdir,
+    ) | {"doc": doc}
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_pipeline_from_the_uploaded_files_works_where_longreach_cannot_be_imported(remote, tiny, uploads, name):
+    result, doc = remote[name], remote["doc"]
+    assert result["pipeline_class"].startswith("transformers_modules.")
+    assert result["pipeline_class"].endswith("pipeline_summarization.LongSummarizationPipeline")
+    assert result["model_module"].startswith("transformers_modules.")
+    # identical to the in-process pipelines: on the model that was pushed, and on the downloaded folder
+    expected = _summarizer(tiny, name)(doc, max_new_tokens=6, return_tensors=True)[0]
+    assert result["ids"] == expected["summary_token_ids"].tolist() and result["summary"] == expected["summary_text"]
+    assert len(result["ids"]) > 1
+    from_folder = pipeline("summarization", model=str(uploads[name][1]), trust_remote_code=True)
+    assert from_folder(doc, max_new_tokens=6)[0]["summary_text"] == expected["summary_text"]
+    dropped = 400 + 2 - 50  # VCC: <unk> + words + </s>; Dodo: <s> [INST] + words
+    assert result["warnings"] == [(f"The document ({len(doc)} characters) is longer than the model may read: its last "
+                                   f"{dropped} tokens were dropped (max_input_length=50).")]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_card_usage_code_runs_where_longreach_cannot_be_imported(remote, name):
+    outputs = remote[name]["usage_outputs"]
+    assert len(outputs) == 2 and all(isinstance(summary, str) for summary in outputs)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# CLI: the cards' conversion commands on the fixtures; `longreach summarize`
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def _substitute(argument: str, stand_ins: dict) -> str:
+    """``argument`` with a name used in a card (a path or a path prefix) replaced by its stand-in."""
+    for old, new in stand_ins.items():
+        if argument == old or argument.startswith(old + "/"):
+            return str(new) + argument[len(old):]
+    return argument
+
+
+def _card_commands(name: str) -> list[list[str]]:
+    """The `longreach convert ...` commands of a card's Conversion section, as argument lists."""
+    text = hub.build_model_card(name).text
+    script = "\n".join(re.findall(r"```bash\n(.*?)```", text, re.S)).replace("\\\n", " ")
+    return [shlex.split(line)[1:] for line in script.splitlines() if line.startswith("longreach convert ")]
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory, fixtures_dir):
+    """Run each card's conversion commands with the fixtures in place of the names they use (the first command of
+    each also with `--push_to_hub`, through the recorder). name -> {"outputs", "sources", "commit"}."""
+    root = tmp_path_factory.mktemp("convert")
+    t5_word_tokenizer(128).save_pretrained(root / "t5-base")
+    shutil.copytree(fixtures_dir / "dodo" / "base", root / "Llama-2-7b-hf")  # the base Llama, with a tokenizer
+    llama_word_tokenizer(128).save_pretrained(root / "Llama-2-7b-hf")
+    vcc, dodo = fixtures_dir / "vcc", fixtures_dir / "dodo"
+    stand_ins = {
+        "vcc_t5": {"hf_ckpts/epoch=00004-step=00050000": vcc / "hf_ckpt",
+                   "last.ckpt": vcc / "lightning" / "epoch=00000-step=00000001.ckpt", "t5-base": root / "t5-base"},
+        "dodo_llama": {"dodo_ckpt": dodo / "dodo_ckpt", "adapters": dodo / "adapters", "scorer.pt": dodo / "scorer.pt",
+                       "Llama-2-7b-hf": root / "Llama-2-7b-hf"},
+    }
+    outputs_named = {"vcc_t5": "vcc-t5-hf", "dodo_llama": "dodo-llama-hf"}
+    result = {}
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(hub, "HfApi", RecordingHubApi)
+        patch.setenv("HF_HUB_OFFLINE", "1")
+        for name in NAMES:
+            RecordingHubApi.instances = []
+            outputs, sources = [], []
+            for index, argv in enumerate(_card_commands(name)):
+                output = root / f"{outputs_named[name]}-{index}"
+                argv = [_substitute(argument, {**stand_ins[name], outputs_named[name]: output}) for argument in argv]
+                if index == 0:
+                    argv += ["--push_to_hub", f"someone/{name}-converted"]
+                assert cli_main(argv) == 0, argv  # argv: ["convert", NAME, ...]
+                outputs.append(output)
+                if "--checkpoint_path" in argv:
+                    sources.append(argv[argv.index("--checkpoint_path") + 1])
+                else:  # the PEFT route records its three inputs
+                    sources.append(" + ".join(argv[argv.index(option) + 1] for option in (
+                        "--encoder_adapter_path", "--decoder_adapter_path", "--scorer_path")))
+            commits = [commit for api in RecordingHubApi.instances for commit in api.commits]
+            result[name] = {"outputs": outputs, "sources": sources, "commits": commits}
+    return result
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_card_conversion_commands_run_on_the_fixtures_and_write_the_card(converted, name):
+    outputs, sources = converted[name]["outputs"], converted[name]["sources"]
+    assert len(outputs) == 2  # each card documents two source formats
+    for output, source in zip(outputs, sources):
+        assert set(CODE_FILES[name]) | {"config.json", "model.safetensors"} <= set(hub.hub_files(output))
+        assert hub.read_card_state(output / "README.md") == {"model": name, "repo_id": None, "converted_from": source,
+                                                             "training_note": None, "tags": []}
+        card = ModelCard.load(output / "README.md")
+        assert f"`{source}`" in card.text and "PLACEHOLDER" not in card.text
+    # both documented formats give the same model
+    first, second = (load_file(str(output / "model.safetensors")) for output in outputs)
+    assert first.keys() == second.keys() and all(torch.equal(first[key], second[key]) for key in first)
+    assert (outputs[0] / "tokenizer.json").is_file()  # --tokenizer_name_or_path (Dodo: the base folder's)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_converter_push_uploads_one_commit_with_tokenizer_and_card(converted, name):
+    (commit,) = converted[name]["commits"]
+    assert commit["repo_id"] == f"someone/{name}-converted"
+    assert set(commit["files"]) == CODE_FILES[name] | OTHER_FILES
+    readme = commit["files"]["README.md"].decode()
+    assert f"`{converted[name]['sources'][0]}`" in readme and f'model="someone/{name}-converted"' in readme
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_summarize_command_on_converted_checkpoints(converted, name, tmp_path, capsys):
+    folder = converted[name]["outputs"][0]
+    doc = document(1000, offset=2)  # a long file
+    (tmp_path / "doc.txt").write_text(doc)
+    assert cli_main(["summarize", "--model", str(folder), str(tmp_path / "doc.txt"), "--max_new_tokens", "5",
+                     "--max_input_length", "600"]) == 0
+    captured = capsys.readouterr()
+    with pytest.warns(UserWarning, match="tokens were dropped"):
+        expected = pipeline("summarization", model=str(folder), trust_remote_code=True)(
+            doc, max_new_tokens=5, max_input_length=600)
+    assert captured.out == expected[0]["summary_text"] + "\n"
+    assert f"({name}," in captured.err and "generating:" in captured.err and "done in" in captured.err
+    num_tokens = 1001 if name == "vcc_t5" else 1000  # the whole file is read (the T5-style tokenizer adds </s>)
+    assert f"{num_tokens} tokens" in captured.err
+    assert "its last 402 tokens were dropped (max_input_length=600)" in captured.err  # 2 prefix tokens + 1000 - 600
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Model cards
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def test_vcc_card_reports_the_measured_parity():
+    text = " ".join(hub.build_model_card("vcc_t5").text.split())
+    for row in ("| encoder output | 3.8e-6 | 0.0 | 1e-5 |", "| logits | 2.4e-5 | 0.0 | 1e-4 |",
+                "| loss | 9.5e-7 | 0.0 | 1e-5 |", "| greedy `generate()` ids | identical | identical | exact |",
+                "| refined blocks of every VCC layer | identical | identical | exact |"):
+        assert row in text, row
+    assert "PLACEHOLDER" not in text and "Rows must be right-padded" in text
+
+
+def test_dodo_card_reports_the_measured_parity_and_fixed_bugs():
+    text = " ".join(hub.build_model_card("dodo_llama").text.split())
+    for figure in ("1.2e-6", "3.6e-7", "2.4e-7", "2.7e-7", "1.8e-7", "5.022879", "5.027080",
+                   "| selected nuggets (indices) | identical | identical | exact |",
+                   "| greedy generation ids (10 tokens) | identical | identical | exact |",
+                   "`legacy_decoder_mask_order=True` (both rows) | logits and loss 0.0"):
+        assert figure in text, figure
+    assert "PLACEHOLDER" not in text
+    assert "prompts of 6 and 3 tokens" in text and "right or left padding" in text
+    assert "--soft_prompt_path" in text  # the PEFT route needs the soft prompt (or --soft_prompt_length 0)
