@@ -173,6 +173,29 @@ def test_internal_padding_crops_back_zeroes_padding_and_is_invariant():
         assert short.compression_info.padded_length == 32 and torch.isfinite(short.last_hidden_state).all()
 
 
+def test_left_padded_rows_equal_rows_alone():
+    """The original assumes right padding; we realign other rows internally, so the padding side does not matter."""
+    model = tiny_model()
+    input_ids, attention_mask, vip_mask = batch()
+    lengths = (150, 100, 37)
+    left_ids, left_mask, left_vip = (torch.zeros_like(t) for t in (input_ids, attention_mask, vip_mask))
+    for row, n in enumerate(lengths):  # the same rows, padded on the left
+        left_ids[row, 150 - n:], left_mask[row, 150 - n:], left_vip[row, 150 - n:] = (
+            input_ids[row, :n], attention_mask[row, :n], vip_mask[row, :n])
+    decoder_input_ids = torch.randint(2, 99, (3, 4))
+    with torch.no_grad():
+        right = model(input_ids, attention_mask=attention_mask, vip_mask=vip_mask, decoder_input_ids=decoder_input_ids)
+        left = model(left_ids, attention_mask=left_mask, vip_mask=left_vip, decoder_input_ids=decoder_input_ids)
+        for row, n in enumerate(lengths):
+            torch.testing.assert_close(left.encoder_last_hidden_state[row, 150 - n:],
+                                       right.encoder_last_hidden_state[row, :n], atol=1e-5, rtol=0)
+        assert torch.all(left.encoder_last_hidden_state[left_mask == 0] == 0)
+        torch.testing.assert_close(left.logits, right.logits, atol=1e-4, rtol=0)
+        generated_left = model.generate(left_ids, attention_mask=left_mask, vip_mask=left_vip, max_new_tokens=5)
+        generated_right = model.generate(input_ids, attention_mask=attention_mask, vip_mask=vip_mask, max_new_tokens=5)
+    assert torch.equal(generated_left, generated_right)
+
+
 def test_default_vip_mask_and_rows_without_vip():
     model = tiny_model()
     input_ids, attention_mask, vip_mask = batch()

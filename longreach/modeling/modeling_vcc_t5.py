@@ -319,11 +319,12 @@ class VCCT5Encoder(nn.Module):
         **kwargs,
     ) -> VCCT5EncoderOutput:
         r"""
-        input_ids (`torch.LongTensor` of shape `(batch, length)`): the input, right-padded; any length.
+        input_ids (`torch.LongTensor` of shape `(batch, length)`): the input; any length, padded on either side.
         attention_mask (`torch.Tensor` of shape `(batch, length)`): 1 for real tokens, 0 for padding.
         vip_mask (`torch.Tensor` of shape `(batch, length)`): 1 for VIP tokens (the original's
             `encoder_input_important_mask`). Default and rows without VIP: see [`VCCT5Encoder.resolve_vip_mask`].
-        output_compression_info (`bool`): also return [`VCCT5CompressionInfo`].
+        output_compression_info (`bool`): also return [`VCCT5CompressionInfo`] (for rows that were not right-padded,
+            its positions refer to the row with its real tokens moved first).
         """
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Pass exactly one of `input_ids` and `inputs_embeds` to the VCC-T5 encoder.")
@@ -341,6 +342,18 @@ class VCCT5Encoder(nn.Module):
             attention_mask = torch.ones(batch, length, dtype=torch.long, device=device)
         attention_mask = (attention_mask > 0).long()
         vip = self.resolve_vip_mask(vip_mask, attention_mask) if self.config.num_vcc_layers else attention_mask * 0
+
+        # The algorithm (the original's) assumes right padding: positions count from the row start, and internal
+        # padding goes at the end. Rows padded elsewhere (left padding) are realigned with their real tokens first, in
+        # order, and restored at the end, so that every row computes what it computes alone.
+        realign = None
+        if bool((attention_mask[:, 1:] > attention_mask[:, :-1]).any()):
+            realign = torch.sort(attention_mask, dim=1, descending=True, stable=True).indices
+            attention_mask, vip = attention_mask.gather(1, realign), vip.gather(1, realign)
+            if inputs_embeds is None:
+                input_ids = input_ids.gather(1, realign)
+            else:
+                inputs_embeds = inputs_embeds.gather(1, realign[..., None].expand_as(inputs_embeds))
 
         # Pad to the smallest length the original accepts (spec §2); real outputs do not depend on it.
         padded_length = self.config.padded_length(length)
@@ -366,6 +379,11 @@ class VCCT5Encoder(nn.Module):
         hidden_states = hidden_states[:, :length] * attention_mask[..., None].to(hidden_states.dtype)
         if all_hidden is not None:
             all_hidden[-1] = hidden_states
+        if realign is not None:  # back to the caller's layout
+            restore = torch.argsort(realign, dim=1)[..., None].expand_as(hidden_states)
+            hidden_states = hidden_states.gather(1, restore)
+            if all_hidden is not None:
+                all_hidden = [states.gather(1, restore) for states in all_hidden]
         output = VCCT5EncoderOutput(
             last_hidden_state=hidden_states,
             hidden_states=tuple(all_hidden) if all_hidden is not None else None,
@@ -779,7 +797,7 @@ class VCCT5ForConditionalGeneration(_VCCT5Seq2Seq, GenerationMixin):
         **kwargs,
     ) -> VCCT5Seq2SeqLMOutput:
         r"""
-        input_ids (`torch.LongTensor` of shape `(batch, length)`): the input, right-padded; any length.
+        input_ids (`torch.LongTensor` of shape `(batch, length)`): the input; any length, padded on either side.
         attention_mask (`torch.Tensor` of shape `(batch, length)`): 1 for real tokens, 0 for padding.
         vip_mask (`torch.Tensor` of shape `(batch, length)`): 1 for VIP tokens (the query, a task prefix; the
             original's `encoder_input_important_mask`); pass it to `generate()` too. When omitted, and for rows
