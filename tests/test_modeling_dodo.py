@@ -672,6 +672,181 @@ def test_trainer_updates_only_adapters_scorer_and_soft_prompt(tmp_path):
 
 
 # --------------------------------------------------------------------------------------------------------------------
+# Activation checkpointing
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def checkpointing_batch(mode: str) -> dict[str, torch.Tensor]:
+    """A compressor-mode batch (two contexts of different lengths: padded nugget slots; a prompt without loss) or an
+    autoregressive-mode text (a left-padded row; several compressions and θ recomputations)."""
+    torch.manual_seed(1)
+    if mode == "compressor":
+        return DodoDataCollator()(
+            [
+                {"context_input_ids": ids(1, 20)[0].tolist(), "input_ids": ids(1, 8)[0].tolist()},
+                {"context_input_ids": ids(1, 14)[0].tolist(), "input_ids": ids(1, 5)[0].tolist(), "prompt_length": 2},
+            ]
+        )
+    text, mask = ids(2, 27), torch.ones(2, 27, dtype=torch.long)
+    mask[1, :3] = 0
+    return {"input_ids": text, "attention_mask": mask, "labels": text.masked_fill(mask == 0, -100)}
+
+
+#: A base weight used by the φ, scorer and θ passes; trained in some tests (the scorer pass then needs autograd).
+BASE_WEIGHT = "model.layers.0.mlp.down_proj.weight"
+
+
+def checkpointing_model(
+    mode: str, attention: str, enable=None, train_base_weight: bool = False
+) -> DodoLlamaForCausalLM:
+    overrides = {"lora_dropout": 0.1} if mode == "compressor" else {"recent_window": 4, "compression_stride": 6}
+    model = tiny_model(**overrides).train()
+    model.set_attn_implementation(attention)
+    model.get_parameter(BASE_WEIGHT).requires_grad_(train_base_weight)
+    if enable is not None:
+        enable(model)
+    return model
+
+
+def loss_and_gradients(model, batch) -> tuple[torch.Tensor, dict[str, torch.Tensor | None]]:
+    torch.manual_seed(0)  # the LoRA dropout masks
+    loss = model(**batch).loss
+    loss.backward()
+    return loss.detach(), {name: param.grad for name, param in model.named_parameters() if param.requires_grad}
+
+
+CHECKPOINTING = {
+    "default": lambda model: model.activation_checkpointing_enable(),  # transformers 5.23: use_reentrant=False
+    "reentrant": lambda model: model.gradient_checkpointing_enable(  # the deprecated name, the other variant
+        gradient_checkpointing_kwargs={"use_reentrant": True}
+    ),
+}
+
+
+@pytest.mark.filterwarnings("ignore:`gradient_checkpointing_enable` is deprecated:FutureWarning")
+@pytest.mark.parametrize("attention", ["eager", "sdpa"])
+@pytest.mark.parametrize("mode", ["compressor", "autoregressive"])
+def test_activation_checkpointing_gives_the_same_loss_and_gradients(mode, attention):
+    """φ's keys/values leave its checkpointed layers through the cache and the nuggets enter θ's through it; every
+    trainable tensor (both adapters, scorer, soft prompt; in compressor mode also a base weight, which makes the
+    adapter-free scorer pass checkpointed too) gets the gradient of the run without checkpointing."""
+    batch = checkpointing_batch(mode)
+    train_base_weight = mode == "compressor"
+    reference_loss, reference = loss_and_gradients(checkpointing_model(mode, attention, None, train_base_weight), batch)
+    for role in ("encoder", "decoder"):
+        assert any(g is not None and g.abs().sum() > 0 for n, g in reference.items() if f".lora_B.{role}." in n)
+    assert reference["nugget_scorer.0.weight"].abs().sum() > 0 and reference["soft_prompt.weight"].abs().sum() > 0
+    assert (BASE_WEIGHT in reference) == train_base_weight
+    for variant, enable in CHECKPOINTING.items():
+        model = checkpointing_model(mode, attention, enable, train_base_weight)
+        assert model.is_activation_checkpointing
+        loss, gradients = loss_and_gradients(model, batch)
+        assert loss == reference_loss, variant
+        for name, expected in reference.items():
+            got = gradients[name]
+            if expected is None:  # φ's q/o LoRA of the last layer: nothing reads that layer's φ output
+                # the reentrant variant backpropagates a zero gradient through the unused output
+                assert got is None or (variant == "reentrant" and not got.any()), (variant, name)
+                continue
+            relative = max_diff(got, expected) / expected.abs().max().item()
+            assert relative <= 1e-6, (variant, name, relative)
+
+
+def count_calls(modules: list[torch.nn.Module]) -> list[int]:
+    """Live counts of each module's calls (module hooks run again when a checkpointed layer is replayed)."""
+    calls = [0] * len(modules)
+    for index, module in enumerate(modules):
+        module.register_forward_hook(lambda *_, index=index: calls.__setitem__(index, calls[index] + 1))
+    return calls
+
+
+def test_checkpointed_layers_are_replayed_in_the_backward_pass():
+    """Counts each decoder layer's attention calls: the compressor step runs every layer in the φ and θ passes and the
+    first ι = 2 in the scorer pass; checkpointed layers replay their φ and θ calls during backward, others nothing (the
+    scorer pass of a frozen base runs without autograd: nothing to replay)."""
+    batch = checkpointing_batch("compressor")
+    expected_forward = [3, 3, 2]
+    for enable, replayed in (
+        (None, [0, 0, 0]),
+        (lambda model: model.activation_checkpointing_enable(), [2, 2, 2]),
+        (lambda model: model.activation_checkpointing_enable(every_n_layers=2), [2, 0, 2]),
+    ):
+        model = checkpointing_model("compressor", "sdpa", enable)
+        calls = count_calls([layer.self_attn for layer in model.model.layers])
+        loss = model(**batch).loss
+        assert calls == expected_forward
+        loss.backward()
+        assert [total - forward for total, forward in zip(calls, expected_forward)] == replayed
+    model.activation_checkpointing_disable()
+    assert not model.is_activation_checkpointing
+    assert not any(layer._can_checkpoint_with_cache for layer in model.model.layers)
+
+
+def test_scorer_pass_uses_autograd_only_when_a_base_weight_it_reads_trains():
+    context = ids(1, 20)
+    for train_base_weight in (False, True):
+        enable = CHECKPOINTING["default"]  # which makes the embeddings require gradients
+        model = checkpointing_model("compressor", "sdpa", enable, train_base_weight)
+        assert model.compress(context, output_features=True).features.requires_grad == train_base_weight
+
+
+def test_activation_checkpointing_leaves_inference_and_the_cache_unchanged():
+    plain, checkpointed = tiny_model().train(), tiny_model().train()
+    checkpointed.activation_checkpointing_enable()
+    context, tokens = ids(2, 20), ids(2, 6)
+    # training step: the decoder's cache ends the same (nuggets, then the new keys/values, appended once)
+    caches = [m(tokens, context_input_ids=context, labels=tokens).past_key_values for m in (plain, checkpointed)]
+    assert caches[0].get_seq_length() == caches[1].get_seq_length() == caches[0].num_nugget_slots + 2 + 6
+    for a, b in zip(caches[0].layers, caches[1].layers):
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+    # no gradient (generate() on a model left in train mode) and eval mode: identical outputs, no replay machinery
+    for train in (True, False):
+        plain.train(train), checkpointed.train(train)
+        with torch.no_grad():
+            logits = [m(tokens, context_input_ids=context).logits for m in (plain, checkpointed)]
+            generated = [m.generate(tokens, context_input_ids=context, max_new_tokens=5) for m in (plain, checkpointed)]
+        assert torch.equal(logits[0], logits[1]) and torch.equal(generated[0], generated[1])
+
+
+@pytest.mark.filterwarnings("ignore:`gradient_checkpointing:FutureWarning")  # the deprecated names, on purpose
+def test_trainer_with_activation_checkpointing_takes_the_same_steps(tmp_path):
+    from datasets import Dataset
+
+    torch.manual_seed(2)
+    rows = [
+        {"context_input_ids": ids(1, 16 + i)[0].tolist(), "input_ids": ids(1, 6)[0].tolist(), "prompt_length": 2}
+        for i in range(4)
+    ]
+    parameters = []
+    for index, options in enumerate(
+        (
+            {},
+            {"activation_checkpointing": True},
+            {"gradient_checkpointing": True, "gradient_checkpointing_kwargs": {"use_reentrant": True}},
+        )
+    ):
+        model = tiny_model().train()
+        args = TrainingArguments(
+            output_dir=str(tmp_path / f"run{index}"),
+            per_device_train_batch_size=2,
+            max_steps=2,
+            learning_rate=1e-2,
+            use_cpu=True,
+            report_to="none",
+            save_strategy="no",
+            remove_unused_columns=False,
+            seed=0,
+            **options,
+        )
+        Trainer(model=model, args=args, train_dataset=Dataset.from_list(rows), data_collator=DodoDataCollator()).train()
+        assert model.is_activation_checkpointing == bool(options)
+        parameters.append({name: param.detach().clone() for name, param in model.named_parameters()})
+    for checkpointed in parameters[1:]:
+        for name, expected in parameters[0].items():
+            assert max_diff(checkpointed[name], expected) <= 1e-6 * max(expected.abs().max().item(), 1e-12), name
+
+
+# --------------------------------------------------------------------------------------------------------------------
 # Hub-ready saving
 # --------------------------------------------------------------------------------------------------------------------
 

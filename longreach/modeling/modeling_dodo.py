@@ -29,7 +29,9 @@ import hashlib
 import json
 import math
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -37,6 +39,7 @@ from peft import LoraConfig
 from peft.functional import inject_adapter_in_model
 from peft.tuners.tuners_utils import BaseTunerLayer
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 from transformers import initialization as init
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.generation import GenerationMixin
@@ -256,6 +259,106 @@ def _config_fingerprint(config: DodoLlamaConfig) -> str:
 
 
 # ---------------------------------------------------------------------------------------------------------------------
+# Adapter switching and activation checkpointing
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def _active_adapter(lora_layers: list[BaseTunerLayer]) -> tuple[str, ...] | None:
+    """The adapter(s) these LoRA layers run with (all Dodo's layers share one state), ``None`` if disabled."""
+    if not lora_layers or lora_layers[0].disable_adapters:
+        return None
+    return tuple(lora_layers[0].active_adapters)
+
+
+def _activate_adapter(lora_layers: list[BaseTunerLayer], adapter: str | tuple[str, ...] | None) -> None:
+    """Run ``lora_layers`` with ``adapter`` (``None``: adapters disabled), leaving every ``requires_grad`` as it was.
+
+    PEFT's ``set_adapter`` / ``enable_adapters`` also change ``requires_grad`` (they freeze the inactive adapter:
+    hf-integration §5, gotcha 3, which silently zeroes φ's gradient in a joint step), so the flags are restored."""
+    flags = [(param, param.requires_grad) for layer in lora_layers for param in layer.parameters()]
+    for layer in lora_layers:
+        if adapter is None:
+            layer.enable_adapters(False)  # gotcha 5: "adapters disabled" done inside the class
+        else:
+            layer.set_adapter(list(adapter) if isinstance(adapter, tuple) else adapter)
+            layer.enable_adapters(True)
+    for param, flag in flags:
+        param.requires_grad_(flag)
+
+
+@contextmanager
+def _adapter_activated(lora_layers: list[BaseTunerLayer], adapter: tuple[str, ...] | None):
+    previous = _active_adapter(lora_layers)
+    if previous != adapter:
+        _activate_adapter(lora_layers, adapter)
+    try:
+        yield
+    finally:  # also when a non-reentrant checkpoint stops its recomputation early (by raising)
+        if previous != adapter:
+            _activate_adapter(lora_layers, previous)
+
+
+class _LayerKeyValues:
+    """What a checkpointed decoder layer sees as its KV cache: ``update`` returns ``[cached prefix ; new]`` as a
+    ``DynamicCache`` does, but stores nothing; it keeps the new keys/values for the caller, which appends them to the
+    real cache once. Replaying the layer in the backward pass therefore writes nothing twice."""
+
+    def __init__(self, prefix_keys: torch.Tensor | None, prefix_values: torch.Tensor | None):
+        self.prefix_keys, self.prefix_values = prefix_keys, prefix_values
+        self.new_keys = self.new_values = None
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        self.new_keys, self.new_values = key_states, value_states
+        if self.prefix_keys is None:
+            return key_states, value_states
+        return (
+            torch.cat([self.prefix_keys, key_states], dim=-2),
+            torch.cat([self.prefix_values, value_states], dim=-2),
+        )
+
+
+def _checkpoint_decoder_layer(layer: nn.Module, checkpoint_function, layer_forward: partial, *args):
+    """A Dodo decoder layer's ``_gradient_checkpointing_func`` (installed by ``DodoLlamaModel``).
+
+    transformers' ``GradientCheckpointingLayer`` calls it in training as ``func(partial(forward, layer, **kwargs),
+    hidden_states)``; the cache stays in ``kwargs`` because the layers set ``_can_checkpoint_with_cache`` (otherwise it
+    would be dropped, and with it the nuggets, which enter the θ pass as the cache's first entries, and the φ keys and
+    values, which leave the φ pass through the cache). Three things make the backward replay compute what the forward
+    computed:
+
+    - the adapter the layer ran with (φ, θ or none: one training step switches between them) is activated again;
+    - the layer writes into a `_LayerKeyValues` over the cache's current entries; its new keys/values leave the
+      checkpointed region as outputs and are appended to the real cache here, once;
+    - every tensor that needs a gradient is an explicit input (the hidden states, the additive mask that carries the
+      nugget scores, the cached nuggets) or output (the new keys/values): ``use_reentrant=True`` runs the forward under
+      ``no_grad`` and returns gradients for the inputs only.
+    """
+    if not torch.is_grad_enabled():  # e.g. generate() on a model left in train mode: nothing to save memory for
+        return layer_forward(*args)
+    cache = layer_forward.keywords.get("past_key_values")
+    attention_mask = layer_forward.keywords.get("attention_mask")
+    layer_idx = layer.self_attn.layer_idx
+    lora_layers = [module for module in layer.modules() if isinstance(module, BaseTunerLayer)]
+    adapter = _active_adapter(lora_layers)
+    prefix_keys = prefix_values = None
+    if cache is not None and layer_idx < len(cache.layers) and cache.layers[layer_idx].get_seq_length() > 0:
+        prefix_keys, prefix_values = cache.layers[layer_idx].keys, cache.layers[layer_idx].values
+
+    def run(attention_mask, prefix_keys, prefix_values, *args):
+        key_values = None if cache is None else _LayerKeyValues(prefix_keys, prefix_values)
+        with _adapter_activated(lora_layers, adapter):
+            hidden_states = layer_forward(*args, attention_mask=attention_mask, past_key_values=key_values)
+        return hidden_states if key_values is None else (hidden_states, key_values.new_keys, key_values.new_values)
+
+    outputs = checkpoint_function(run, attention_mask, prefix_keys, prefix_values, *args)
+    if cache is None:
+        return outputs
+    hidden_states, keys, values = outputs
+    cache.update(keys, values, layer_idx)
+    return hidden_states
+
+
+# ---------------------------------------------------------------------------------------------------------------------
 # Models
 # ---------------------------------------------------------------------------------------------------------------------
 
@@ -264,9 +367,9 @@ class DodoLlamaPreTrainedModel(HubReadyMixin, LlamaPreTrainedModel):
     config: DodoLlamaConfig
     config_class = DodoLlamaConfig
     base_model_prefix = "model"
-    # Nuggets enter the decoder as the first entries of its KV cache, which checkpointed layers drop, and one training
-    # step switches adapters between passes of the same graph (a recomputation would use the wrong adapter).
-    supports_gradient_checkpointing = False
+    # Activation checkpointing keeps the KV cache (nuggets enter the θ pass through it, φ keys/values leave the φ pass
+    # through it) and replays each layer with the adapter it ran with: see `_checkpoint_decoder_layer`.
+    supports_gradient_checkpointing = True
     # The score term lives in an additive float mask: kernels that ignore such masks would silently drop it.
     _supports_flash_attn = False
     _supports_flex_attn = False
@@ -296,6 +399,19 @@ class DodoLlamaModel(LlamaModel):
             init.kaiming_uniform_(module.weight, a=math.sqrt(5))
         else:
             super()._init_weights(module)
+
+    def _set_gradient_checkpointing(
+        self, enable: bool = True, gradient_checkpointing_func=checkpoint, every_n_layers: int = 1
+    ) -> None:
+        """transformers' switch, then each decoder layer checkpoints through `_checkpoint_decoder_layer`, which keeps
+        the KV cache (``_can_checkpoint_with_cache``) and makes its replay write-free and adapter-aware."""
+        super()._set_gradient_checkpointing(enable, gradient_checkpointing_func, every_n_layers)
+        for layer in self.layers:
+            layer._can_checkpoint_with_cache = enable
+            if enable:
+                layer._gradient_checkpointing_func = partial(
+                    _checkpoint_decoder_layer, layer, gradient_checkpointing_func
+                )
 
 
 class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
@@ -368,9 +484,8 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
     def set_active_adapter(self, adapter_name: str | None) -> None:
         """Run the backbone with adapter ``adapter_name`` (φ or θ name), or with no adapter (``None``).
 
-        PEFT's ``set_adapter`` / ``enable_adapters`` also change ``requires_grad`` (they freeze the inactive adapter:
-        hf-integration §5, gotcha 3, which silently zeroes φ's gradient in a joint step). The trainable flags are
-        restored afterwards, so switching never changes what is trained.
+        The trainable flags PEFT changes when switching are restored (`_activate_adapter`), so switching never changes
+        what is trained.
         """
         if adapter_name is not None and adapter_name not in self.config.adapter_names:
             raise ValueError(
@@ -378,17 +493,14 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
             )
         if self._dodo_active_adapter == adapter_name:
             return
-        layers = self._lora_layers()
-        flags = [(param, param.requires_grad) for layer in layers for param in layer.parameters()]
-        for layer in layers:
-            if adapter_name is None:
-                layer.enable_adapters(False)  # gotcha 5: "adapters disabled" done inside the class
-            else:
-                layer.set_adapter(adapter_name)
-                layer.enable_adapters(True)
-        for param, flag in flags:
-            param.requires_grad_(flag)
+        _activate_adapter(self._lora_layers(), adapter_name)
         self._dodo_active_adapter = adapter_name
+
+    def _set_gradient_checkpointing(
+        self, enable: bool = True, gradient_checkpointing_func=checkpoint, every_n_layers: int = 1
+    ) -> None:
+        # every checkpointed layer lives in the backbone, which installs Dodo's cache- and adapter-aware version
+        self.model._set_gradient_checkpointing(enable, gradient_checkpointing_func, every_n_layers)
 
     def freeze_base_model(self) -> None:
         """Train only the adapters, the scorer and the soft prompt (the authors' setting).
@@ -605,7 +717,7 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
             attention_mask=attention,
             position_ids=positions,
             past_key_values=cache,
-            use_cache=True,
+            use_cache=False,  # the cache is ours and passed explicitly: `use_cache` would only make LlamaModel create one
         )
         token_key_values = [(layer.keys[:, :, -length:], layer.values[:, :, -length:]) for layer in cache.layers]
 
@@ -634,18 +746,33 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
         )
 
     def _scorer_features(self, embeds: torch.Tensor, mask: torch.Tensor, positions: torch.LongTensor) -> torch.Tensor:
-        """First ι decoder layers with the adapters disabled, then (paper setting) the final RMSNorm (spec §3.3)."""
+        """First ι decoder layers with the adapters disabled, then (paper setting) the final RMSNorm (spec §3.3).
+
+        With the base weights frozen (the authors' setting) nothing here is trained: the pass runs without autograd,
+        also when activation checkpointing makes the embeddings require gradients, so no backward pass or checkpoint
+        replay is spent on it (the scorer learns through the attention logits only, Eq. 17)."""
         self.set_active_adapter(None)
-        hidden = embeds
-        attention = self._causal_bias(mask, embeds.dtype)
-        position_embeddings = self.model.rotary_emb(hidden, position_ids=positions)
-        for layer in self.model.layers[: self.config.nugget_layer]:
-            hidden = layer(
-                hidden, attention_mask=attention, position_ids=positions, position_embeddings=position_embeddings
-            )
-        if self.config.scorer_features == "base_final_norm":
-            hidden = self.model.norm(hidden)
+        with torch.set_grad_enabled(torch.is_grad_enabled() and self._scorer_pass_is_trained()):
+            hidden = embeds
+            attention = self._causal_bias(mask, embeds.dtype)
+            position_embeddings = self.model.rotary_emb(hidden, position_ids=positions)
+            for layer in self.model.layers[: self.config.nugget_layer]:
+                hidden = layer(
+                    hidden, attention_mask=attention, position_ids=positions, position_embeddings=position_embeddings
+                )
+            if self.config.scorer_features == "base_final_norm":
+                hidden = self.model.norm(hidden)
         return hidden
+
+    def _scorer_pass_is_trained(self) -> bool:
+        """Whether a base weight of the scorer pass (embeddings, first ι layers without LoRA, final norm) is trained."""
+        modules = [self.model.embed_tokens, self.model.norm, *self.model.layers[: self.config.nugget_layer]]
+        return any(
+            param.requires_grad
+            for module in modules
+            for name, param in module.named_parameters()
+            if "lora_" not in name
+        )
 
     def _num_nuggets(self, real_tokens: torch.LongTensor) -> torch.LongTensor:
         if self.config.nugget_count_rounding == "ceil":
@@ -739,7 +866,7 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
             attention_mask=attention,
             position_ids=positions,
             past_key_values=cache,
-            use_cache=True,
+            use_cache=False,  # as in `_compress`
             **model_kwargs,
         )
         cache.decoder_mask = decoder_mask
