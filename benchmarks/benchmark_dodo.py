@@ -12,12 +12,21 @@ the machine's noise. Batch 1, float32, sdpa, ``torch.no_grad()``.
 KV bytes are measured from the cache tensors (keys + values of every layer); Dodo also keeps K float32 scores (listed
 apart). "compress" is the φ pass over the context plus the scorer's ι-layer pass.
 
+With ``--training_memory``: peak memory and time of one compressor-mode training step (φ pass + scorer, θ pass over
+``--target_length`` tokens with labels, backward into both adapters, the scorer and the soft prompt) with and without
+activation checkpointing, same model and data, sdpa, float32, batch 1. Peak memory is the most tensor memory
+allocated at once during the step above what existed before it (parameters, inputs): ``torch.cuda`` allocator
+statistics on a GPU, the CPU allocator's running total reported to the profiler (``profile_memory=True``) on a CPU.
+Times come from separate, unprofiled steps. Each row also checks that the two runs give the same loss and gradients.
+
 Usage::
 
     python benchmarks/benchmark_dodo.py                        # 1K, 4K, 16K
     python benchmarks/benchmark_dodo.py --lengths 1024 4096 --threads 2 --json out.json
+    python benchmarks/benchmark_dodo.py --training_memory --lengths 2048 4096 8192 --layers 8
 
-Prints a Markdown table with the full/Dodo ratios. Not a test: timings depend on the machine and its load.
+Prints a Markdown table with the full/Dodo ratios (or the checkpointing ratios). Not a test: timings depend on the
+machine and its load.
 """
 
 from __future__ import annotations
@@ -113,6 +122,101 @@ def run(lengths: list[int], steps: int, rounds: int, warmup: int, device: str) -
     return rows
 
 
+def peak_step_bytes(step, device: str) -> int:
+    """Peak tensor bytes allocated during ``step()`` above what was allocated before it."""
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        step()
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - before
+    from torch._C._profiler import _EventType
+    from torch.profiler import ProfilerActivity, profile
+
+    # The CPU allocator reports its running total of the memory allocated since profiling started with every
+    # allocation and free (the frees of older blocks are not counted, which can only overstate a peak).
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as profiler:
+        step()
+    nodes, totals = list(profiler.profiler.kineto_results.experimental_event_tree()), []
+    while nodes:
+        node = nodes.pop()
+        nodes.extend(node.children)
+        if node.tag == _EventType.Allocation and str(node.extra_fields.device) == "cpu":
+            totals.append(node.extra_fields.total_allocated)
+    return max(totals, default=0)
+
+
+def training_memory(lengths: list[int], target_length: int, layers: int, repeats: int, device: str) -> list[dict]:
+    import longreach  # noqa: F401
+    from longreach import DodoLlamaConfig, DodoLlamaForCausalLM
+
+    config = DodoLlamaConfig(**{**SIZES, "num_hidden_layers": layers}, attn_implementation="sdpa")
+    rows = []
+    for length in lengths:
+        torch.manual_seed(1)
+        context = torch.randint(3, SIZES["vocab_size"], (1, length), device=device)
+        target = torch.randint(3, SIZES["vocab_size"], (1, target_length), device=device)
+        row, results = {"context_tokens": length, "target_tokens": target_length, "layers": layers}, {}
+        for name in ("plain", "checkpointed"):
+            torch.manual_seed(0)
+            model = DodoLlamaForCausalLM(config).to(device).train()
+            with torch.no_grad():  # fresh LoRA B is zero, which would leave the A matrices without gradient
+                for parameter_name, parameter in model.named_parameters():
+                    if ".lora_B." in parameter_name:
+                        parameter.normal_(0.0, 0.02)
+            if name == "checkpointed":
+                model.activation_checkpointing_enable()  # transformers' default: use_reentrant=False
+
+            def step():
+                model(input_ids=target, context_input_ids=context, labels=target).loss.backward()
+
+            model.zero_grad(set_to_none=True)
+            step()  # warm-up
+            model.zero_grad(set_to_none=True)
+            row[f"peak_bytes_{name}"] = peak_step_bytes(step, device)
+            times = []
+            for _ in range(repeats):
+                model.zero_grad(set_to_none=True)
+                if device.startswith("cuda"):
+                    torch.cuda.synchronize()
+                start = time.perf_counter()
+                step()
+                if device.startswith("cuda"):
+                    torch.cuda.synchronize()
+                times.append(time.perf_counter() - start)
+            row[f"step_s_{name}"] = statistics.median(times)
+            model.zero_grad(set_to_none=True)
+            loss = model(input_ids=target, context_input_ids=context, labels=target).loss
+            loss.backward()
+            results[name] = (loss.item(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None})
+        (plain_loss, plain_grads), (loss, grads) = results["plain"], results["checkpointed"]
+        row["same_loss"] = loss == plain_loss
+        row["max_relative_grad_diff"] = max(
+            ((grads[n] - g).abs().max() / g.abs().max().clamp_min(1e-30)).item() for n, g in plain_grads.items()
+        )
+        rows.append(row)
+    return rows
+
+
+def training_markdown(rows: list[dict]) -> str:
+    lines = [
+        "| layers | context n | target m | peak plain | peak checkpointed | memory ratio | step plain | "
+        "step checkpointed | time ratio | same loss / max rel. grad diff |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        lines.append(
+            f"| {row['layers']} | {row['context_tokens']} | {row['target_tokens']} "
+            f"| {row['peak_bytes_plain'] / 2**20:,.1f} MiB | {row['peak_bytes_checkpointed'] / 2**20:,.1f} MiB "
+            f"| {row['peak_bytes_plain'] / row['peak_bytes_checkpointed']:.2f}x "
+            f"| {row['step_s_plain']:.2f} s | {row['step_s_checkpointed']:.2f} s "
+            f"| {row['step_s_checkpointed'] / row['step_s_plain']:.2f}x "
+            f"| {row['same_loss']} / {row['max_relative_grad_diff']:.1e} |"
+        )
+    return "\n".join(lines)
+
+
 def markdown(rows: list[dict]) -> str:
     lines = [
         "| context n | nuggets k | KV of context: full | KV of context: Dodo | bytes ratio "
@@ -142,12 +246,21 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--json", default=None, help="Also write the rows to this file.")
+    parser.add_argument(
+        "--training_memory", action="store_true", help="Peak memory of a training step with/without checkpointing."
+    )
+    parser.add_argument("--target_length", type=int, default=256, help="--training_memory: decoder tokens.")
+    parser.add_argument("--layers", type=int, default=SIZES["num_hidden_layers"], help="--training_memory: layers.")
+    parser.add_argument("--repeats", type=int, default=3, help="--training_memory: timed steps per setting.")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    rows = run(args.lengths, args.steps, args.rounds, args.warmup, args.device)
+    if args.training_memory:
+        rows = training_memory(args.lengths, args.target_length, args.layers, args.repeats, args.device)
+    else:
+        rows = run(args.lengths, args.steps, args.rounds, args.warmup, args.device)
     print(f"torch {torch.__version__}, device {args.device}, threads {torch.get_num_threads()}, sizes {SIZES}")
-    print(markdown(rows))
+    print(training_markdown(rows) if args.training_memory else markdown(rows))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as handle:
             json.dump(rows, handle, indent=2)
