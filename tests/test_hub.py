@@ -109,7 +109,7 @@ def test_model_card_metadata_and_sections(name, pipeline_tag, tmp_path):
 
 def test_locost_card_reports_the_measured_parity():
     text = hub.build_model_card("locost").text
-    for figure in ("2.1e-7", "3.3e-6", "4.6e-6", "1.2e-7", "identical"):
+    for figure in ("2.4e-7", "3.3e-6", "7.7e-6", "6.1e-7", "identical"):  # measured: see tests/test_convert_locost.py
         assert figure in text
     assert "PLACEHOLDER" not in text
 

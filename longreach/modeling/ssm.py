@@ -15,8 +15,8 @@ the FFT size to a power of two, which computes a different function for most len
 
 Memory and time: the authors materialise exp(ΔA·l) as [H, N/2, L] (51 GB at the released size and 16K tokens, and
 L complex exponentials per mode). We split the lags into chunks l = l0 + j and use exp(ΔA·(l0 + j)) =
-exp(ΔA·l0) · exp(ΔA·j): about 2√L exponentials per mode, one real batched matmul, and no tensor larger than
-O(H·N/2·√L) besides the [directions, H, L] kernel itself.
+exp(ΔA·l0) · exp(ΔA·j): about 2√L exponentials per mode, one real batched matmul per block of 16 channels, and
+(without autograd) no tensor larger than O(16·N/2·√L) besides the [directions, H, L] kernel itself.
 """
 
 from __future__ import annotations
@@ -26,6 +26,34 @@ import math
 import torch
 from torch import nn
 from transformers import initialization as init
+
+
+def _exp_real_imag(real: torch.Tensor, imag: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Real and imaginary parts of exp(real + i·imag), with real (vectorised) float32 operations."""
+    magnitude = torch.exp(real)
+    return magnitude * torch.cos(imag), magnitude * torch.sin(imag)  # out of place: autograd keeps `magnitude`
+
+
+#: Channels whose kernels are computed together (see `BidirectionalS4DConvolution.kernel`); measured on CPU.
+KERNEL_CHANNEL_BLOCK = 16
+
+
+def _kernel_block(dtA: torch.Tensor, C_hat: torch.Tensor, offsets: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
+    """2·Re Σ_n Ĉ_chn exp(ΔA_hn·(l0 + j)) for the channels of one block: ``[directions, h, chunks·chunk]``."""
+    channels, modes = dtA.shape
+    directions = C_hat.shape[0]
+    real, imag = dtA.real.contiguous(), dtA.imag.contiguous()
+    # P = exp(ΔA·j) as [h, N/2, chunk]; E = exp(ΔA·l0) as [h, chunks, N/2] (the layout of W's rows)
+    powers_real, powers_imag = _exp_real_imag(real[:, :, None] * offsets, imag[:, :, None] * offsets)
+    starts_real, starts_imag = _exp_real_imag(real[:, None, :] * starts[:, None], imag[:, None, :] * starts[:, None])
+    C_real, C_imag = C_hat.real[:, :, None, :], C_hat.imag[:, :, None, :]  # [directions, h, 1, N/2]
+    weights_real = C_real * starts_real - C_imag * starts_imag  # Re W  [directions, h, chunks, N/2]
+    weights_imag = C_real * starts_imag + C_imag * starts_real  # Im W
+    # 2·Re(W·P) = 2·[Re W, −Im W] @ [Re P; Im P]: one contiguous real matmul per channel.
+    left = torch.cat([weights_real, weights_imag.neg()], dim=-1).transpose(0, 1)  # [h, directions, chunks, N]
+    left = left.reshape(channels, directions * starts.shape[0], 2 * modes)
+    values = torch.bmm(left, torch.cat([powers_real, powers_imag], dim=1))  # [h, directions·chunks, chunk]
+    return 2.0 * values.view(channels, directions, -1).transpose(0, 1)
 
 
 class Float32ParametersModule(nn.Module):
@@ -103,22 +131,25 @@ class BidirectionalS4DConvolution(Float32ParametersModule):
         """``K [directions, H, length]`` (float32): K_c[h, l] = 2·Re Σ_n Ĉ_chn exp(ΔA_hn·l), computed in chunks of lags.
 
         With l = l0 + j (chunk starts l0, offsets j < chunk): exp(ΔA·l) = exp(ΔA·l0) · exp(ΔA·j). A chunk of about
-        √L lags minimises the exponentials (chunk + L/chunk per mode instead of L); the sum over modes is then
-        2·(Re W · Re P − Im W · Im P), one real batched matmul with W = Ĉ·exp(ΔA·l0) and P = exp(ΔA·j).
+        √L lags minimises the exponentials (chunk + L/chunk per mode instead of L, shared by both directions); the sum
+        over modes is then 2·(Re W · Re P − Im W · Im P), one real batched matmul with W = Ĉ·exp(ΔA·l0) and
+        P = exp(ΔA·j). The channels go in blocks of ``KERNEL_CHANNEL_BLOCK`` so that the block's exponentials stay in
+        the CPU caches, in real float32 arithmetic (torch's complex ``exp`` is several times slower on CPU): at the released size on 2
+        CPU cores, 0.5 s -> 0.1 s per layer at 1K lags and 2.4 s -> 0.85 s at 16K, against one complex pass over all
+        channels; the kernel no longer dominates the encoder's time at short lengths.
         """
         dtA, C_hat = self.discretized()
         chunk = max(1, min(self.kernel_chunk_size, math.isqrt(length - 1) + 1))
         num_chunks = -(-length // chunk)
-        device = dtA.device
-        offsets = torch.arange(chunk, device=device, dtype=torch.float32)
-        starts = torch.arange(num_chunks, device=device, dtype=torch.float32) * chunk
-        powers = torch.exp(dtA[..., None] * offsets)  # [H, N/2, chunk]
-        weights = C_hat[..., None] * torch.exp(dtA[..., None] * starts)  # [directions, H, N/2, chunks]
-        weights = weights.permute(1, 0, 3, 2).reshape(self.channels, -1, self.modes)  # [H, directions·chunks, N/2]
-        # 2·Re(W·P) = 2·[Re W, −Im W] @ [Re P; Im P]: one contiguous real matmul per channel.
-        values = torch.bmm(torch.cat([weights.real, -weights.imag], dim=-1), torch.cat([powers.real, powers.imag], dim=1))
-        values = values.view(self.channels, C_hat.shape[0], num_chunks * chunk)[..., :length]
-        return 2.0 * values.transpose(0, 1).contiguous()
+        offsets = torch.arange(chunk, device=dtA.device, dtype=torch.float32)
+        starts = torch.arange(num_chunks, device=dtA.device, dtype=torch.float32) * chunk
+        blocks = [
+            _kernel_block(dtA[first : first + KERNEL_CHANNEL_BLOCK], C_hat[:, first : first + KERNEL_CHANNEL_BLOCK],
+                          offsets, starts)
+            for first in range(0, self.channels, KERNEL_CHANNEL_BLOCK)
+        ]
+        values = blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=1)  # [directions, H, chunks·chunk]
+        return values[..., :length].contiguous()
 
     def circular_kernel(self, length: int) -> torch.Tensor:
         """The packed kernel ``[H, 2·length]`` of period 2L: causal lags at [0, L), 0 at L, anti-causal lags L−1..1 after.
