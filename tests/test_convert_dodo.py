@@ -195,6 +195,40 @@ def test_sdpa_matches_the_references_too(converted, refs):
             assert max_diff(logits, refs[f"row{row}_decoder_logits"]) <= 1e-4
 
 
+@pytest.mark.parametrize("attention", ["eager", "sdpa"])
+def test_auto_checkpoint_reproduces_the_reencoding_references(dodo_fixtures, tmp_path, refs, attention):
+    """The original's experimental ``auto=True`` encoder (spec §4; `auto_*` references, row 0 alone): a checkpoint
+    with ``auto: true`` converts to ``nugget_encoding="reencode"`` and reproduces it."""
+    auto = copy_checkpoint(dodo_fixtures, tmp_path / "auto", hparams=lambda hp: {**hp, "auto": True})
+    output = converter.convert_dodo_checkpoint(auto, tmp_path / "out", base_model_path=dodo_fixtures / "base")
+    assert json.loads((output / "config.json").read_text())["nugget_encoding"] == "reencode"
+    model = DodoLlamaForCausalLM.from_pretrained(output, attn_implementation=attention).eval()
+    context_length = int(refs["src_attention_mask"][0].sum())
+    with torch.no_grad():
+        nuggets = model.compress(refs["src_input_ids"][:1, :context_length])
+        logits = model(refs["tgt_input_ids"][:1], nuggets=nuggets).logits
+    assert torch.equal(nuggets.indices, refs["auto_nugget_index"]) and torch.equal(nuggets.mask, refs["auto_nugget_mask"])
+    assert max_diff(nuggets.scores, refs["auto_nugget_scores"]) <= 1e-5
+    assert max_diff(stacked_kv(nuggets), refs["auto_nugget_kv"]) <= 1e-5
+    assert max_diff(logits, refs["auto_decoder_logits"]) <= 1e-4
+    assert max_diff(stacked_kv(nuggets), refs["row0_nugget_kv"]) > 0.1  # not the encoder-pass nuggets
+    if attention == "eager":  # the PEFT-folder route, from the command line
+        code = converter.main([
+            "--encoder_adapter_path", str(dodo_fixtures / "adapters" / "encoder"),
+            "--decoder_adapter_path", str(dodo_fixtures / "adapters" / "decoder"),
+            "--scorer_path", str(dodo_fixtures / "scorer.pt"),
+            "--soft_prompt_path", str(dodo_fixtures / "dodo_ckpt" / "weights.ckpt"),
+            "--base_model_path", str(dodo_fixtures / "base"),
+            "--nugget_encoding", "reencode",
+            "--pytorch_dump_folder_path", str(tmp_path / "peft_route"),
+        ])
+        assert code == 0
+        peft_route = DodoLlamaForCausalLM.from_pretrained(tmp_path / "peft_route", attn_implementation="eager").eval()
+        with torch.no_grad():
+            other = peft_route.compress(refs["src_input_ids"][:1, :context_length])
+        assert max_diff(stacked_kv(other), refs["auto_nugget_kv"]) <= 1e-5
+
+
 def test_cli_with_legacy_flag_and_explicit_paths(dodo_fixtures, tmp_path, refs):
     output = tmp_path / "cli"
     code = converter.main(
@@ -334,9 +368,11 @@ def test_hyper_parameters_and_base_model_resolution(dodo_fixtures, tmp_path):
         )
     with pytest.raises(ConversionError, match="encoder_type"):
         converter.convert_dodo_checkpoint(bad, tmp_path / "o2")
-    auto = copy_checkpoint(dodo_fixtures, tmp_path / "auto", hparams=lambda hp: {**hp, "auto": True})
-    with pytest.raises(ConversionError, match="auto=True"):
-        converter.convert_dodo_checkpoint(auto, tmp_path / "o3")
+    no_ind_scorer = copy_checkpoint(
+        dodo_fixtures, tmp_path / "auto", hparams=lambda hp: {**hp, "auto": True, "ind_scorer": False}
+    )
+    with pytest.raises(ConversionError, match="auto=True needs ind_scorer=True"):
+        converter.convert_dodo_checkpoint(no_ind_scorer, tmp_path / "o3")
     nowhere = copy_checkpoint(
         dodo_fixtures, tmp_path / "nowhere", hparams=lambda hp: {**hp, "pretrained": "meta-llama/Llama-2-7b-chat-hf"}
     )

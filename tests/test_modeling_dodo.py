@@ -150,11 +150,19 @@ def test_config_round_trip_and_counts(tmp_path):
         ("encoder_adapter_name", "a b"),
         ("recent_window", -2),
         ("compression_stride", 0),
+        ("nugget_encoding", "auto"),
     ],
 )
 def test_config_rejects_bad_values(field, value):
     with pytest.raises(ValueError, match=field):
         tiny_config(**{field: value})
+
+
+def test_reencoding_needs_adapter_free_scores_and_compressor_mode():
+    with pytest.raises(ValueError, match="scorer_features"):
+        tiny_config(nugget_encoding="reencode", scorer_features="encoder_hidden", lora_layers=[2])
+    with pytest.raises(ValueError, match="recent_window"):
+        tiny_config(nugget_encoding="reencode", recent_window=4)
 
 
 def test_encoder_hidden_features_need_adapter_free_early_layers():
@@ -399,6 +407,29 @@ def test_padded_batches_equal_single_rows(model, side):
             assert max_diff(logits[row][real], row_logits) < 1e-5
             generated = model.generate(prompt, nuggets=single, max_new_tokens=5, do_sample=False)
             assert torch.equal(batch_generated[row, 6:], generated[0, prompt.shape[1] :])
+
+
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_reencoded_nuggets_in_padded_batches_equal_single_rows(side):
+    """`nugget_encoding="reencode"` (the authors' auto=True, which runs on a batch of one): padding is excluded from
+    what the re-encoded nuggets see, so a padded row gives the nuggets of the row alone. Selection is the same as with
+    the encoder pass (adapter-free scores); the keys/values are not (θ context, φ nuggets)."""
+    model = tiny_model(nugget_encoding="reencode")
+    pad = right_pad if side == "right" else left_pad
+    contexts = [ids(1, 18), ids(1, 11)]
+    context_ids, context_mask = map(torch.cat, zip(*(pad(c, 18) for c in contexts)))
+    with torch.no_grad():
+        nuggets = model.compress(context_ids, context_mask)
+        for row, context in enumerate(contexts):
+            single = model.compress(context)
+            slots = int(single.mask.sum())
+            assert torch.equal(nuggets.positions[row, :slots], single.positions[0])
+            for (k1, v1), (k2, v2) in zip(nuggets.key_values, single.key_values):
+                assert max_diff(k1[row, :, :slots], k2[0]) < 1e-5 and max_diff(v1[row, :, :slots], v2[0]) < 1e-5
+        model.config.nugget_encoding = "encoder_pass"
+        encoder_pass = model.compress(context_ids, context_mask)
+    assert torch.equal(encoder_pass.indices, nuggets.indices) and max_diff(encoder_pass.scores, nuggets.scores) == 0
+    assert max_diff(encoder_pass.key_values[-1][0], nuggets.key_values[-1][0]) > 1e-2
 
 
 def test_legacy_mask_order_only_changes_rows_with_padded_nugget_slots():
@@ -680,7 +711,7 @@ def checkpointing_batch(mode: str) -> dict[str, torch.Tensor]:
     """A compressor-mode batch (two contexts of different lengths: padded nugget slots; a prompt without loss) or an
     autoregressive-mode text (a left-padded row; several compressions and θ recomputations)."""
     torch.manual_seed(1)
-    if mode == "compressor":
+    if mode in ("compressor", "reencode"):
         return DodoDataCollator()(
             [
                 {"context_input_ids": ids(1, 20)[0].tolist(), "input_ids": ids(1, 8)[0].tolist()},
@@ -699,7 +730,11 @@ BASE_WEIGHT = "model.layers.0.mlp.down_proj.weight"
 def checkpointing_model(
     mode: str, attention: str, enable=None, train_base_weight: bool = False
 ) -> DodoLlamaForCausalLM:
-    overrides = {"lora_dropout": 0.1} if mode == "compressor" else {"recent_window": 4, "compression_stride": 6}
+    overrides = {
+        "compressor": {"lora_dropout": 0.1},
+        "reencode": {"lora_dropout": 0.1, "nugget_encoding": "reencode"},
+        "autoregressive": {"recent_window": 4, "compression_stride": 6},
+    }[mode]
     model = tiny_model(**overrides).train()
     model.set_attn_implementation(attention)
     model.get_parameter(BASE_WEIGHT).requires_grad_(train_base_weight)
@@ -725,7 +760,7 @@ CHECKPOINTING = {
 
 @pytest.mark.filterwarnings("ignore:`gradient_checkpointing_enable` is deprecated:FutureWarning")
 @pytest.mark.parametrize("attention", ["eager", "sdpa"])
-@pytest.mark.parametrize("mode", ["compressor", "autoregressive"])
+@pytest.mark.parametrize("mode", ["compressor", "reencode", "autoregressive"])
 def test_activation_checkpointing_gives_the_same_loss_and_gradients(mode, attention):
     """φ's keys/values leave its checkpointed layers through the cache and the nuggets enter θ's through it; every
     trainable tensor (both adapters, scorer, soft prompt; in compressor mode also a base weight, which makes the

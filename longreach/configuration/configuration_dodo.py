@@ -16,6 +16,7 @@ from transformers import LlamaConfig
 
 NUGGET_COUNT_ROUNDINGS = ("dodo", "ceil")
 SCORER_FEATURES = ("base_final_norm", "encoder_hidden")
+NUGGET_ENCODINGS = ("encoder_pass", "reencode")
 
 
 class DodoLlamaConfig(LlamaConfig):
@@ -42,6 +43,13 @@ class DodoLlamaConfig(LlamaConfig):
             Input of the scorer. `"base_final_norm"` (``ind_scorer=True``, the paper): the final RMSNorm applied to the
             output of the first ι layers run *with the adapters disabled*. `"encoder_hidden"` (``ind_scorer=False``):
             the raw residual stream after ι layers of the φ pass (LoRA then sits on layers >= ι only: `lora_layers`).
+        nugget_encoding (`str`, defaults to `"encoder_pass"`) [`auto`]:
+            How the nuggets' keys/values are computed. `"encoder_pass"` (``auto=False``, the paper, Eq. 5-7): one φ pass
+            over the context; the nuggets are the selected tokens' entries of its KV cache. `"reencode"` (``auto=True``,
+            the authors' experimental encoder, spec §4): the context is run with θ, then the selected tokens alone are
+            run again with φ, each attending to the θ keys/values of the context tokens strictly before it and to
+            itself; their new keys/values are the nuggets. Needs `scorer_features="base_final_norm"` and no
+            autoregressive mode. (The original only runs it on a batch of one, without padding; here padding is masked.)
         score_in_forward (`bool`, defaults to `True`):
             How the nugget scores s enter the decoder's attention logits (every layer and head, nugget columns only).
             `True`: ``+ s`` in the forward pass, what the authors' code computes and what converted checkpoints need.
@@ -98,6 +106,7 @@ class DodoLlamaConfig(LlamaConfig):
     nugget_count_rounding: str = "dodo"
     force_last_nugget: bool = True
     scorer_features: str = "base_final_norm"
+    nugget_encoding: str = "encoder_pass"
     score_in_forward: bool = True
     soft_prompt_length: int = 1
     lora_r: int = 32
@@ -180,6 +189,18 @@ class DodoLlamaConfig(LlamaConfig):
             )
         if self.scorer_features not in SCORER_FEATURES:
             raise ValueError(f"`scorer_features` must be one of {SCORER_FEATURES}, got {self.scorer_features!r}.")
+        if self.nugget_encoding not in NUGGET_ENCODINGS:
+            raise ValueError(f"`nugget_encoding` must be one of {NUGGET_ENCODINGS}, got {self.nugget_encoding!r}.")
+        if self.nugget_encoding == "reencode" and self.scorer_features != "base_final_norm":
+            raise ValueError(
+                "`nugget_encoding='reencode'` scores the tokens on adapter-free features (the original asserts "
+                f"ind_scorer): `scorer_features` must be 'base_final_norm', got {self.scorer_features!r}."
+            )
+        if self.nugget_encoding == "reencode" and self.recent_window is not None:
+            raise ValueError(
+                "`nugget_encoding='reencode'` is a compressor-mode encoder: `recent_window` (autoregressive mode) must "
+                f"be None with it, got {self.recent_window!r}."
+            )
         if not isinstance(self.soft_prompt_length, int) or self.soft_prompt_length < 0:
             raise ValueError(f"`soft_prompt_length` must be a non-negative integer, got {self.soft_prompt_length!r}.")
         if not isinstance(self.lora_r, int) or self.lora_r < 1:

@@ -208,10 +208,8 @@ def dodo_fields_from_hparams(hparams: dict, num_hidden_layers: int) -> dict:
             f"encoder_type={encoder_type!r}: only Dodo checkpoints (encoder_type 'nugget') can be converted; the "
             "'llama' and 'compress' baselines are not Dodo models."
         )
-    if hparams.get("auto"):
-        raise ConversionError(
-            "auto=True (the experimental re-encoding encoder, spec §4) is not supported by DodoLlamaForCausalLM."
-        )
+    if hparams.get("auto") and not hparams.get("ind_scorer", True):
+        raise ConversionError("auto=True needs ind_scorer=True (the original asserts it); this checkpoint has both.")
     for key in ("new_line_stop", "extractive"):
         if hparams.get(key):
             logger.warning("%s=True is a LLaMA-2-specific generation option of the original; it is not converted.", key)
@@ -223,6 +221,7 @@ def dodo_fields_from_hparams(hparams: dict, num_hidden_layers: int) -> dict:
         "nugget_count_rounding": "dodo",
         "force_last_nugget": True,
         "scorer_features": "base_final_norm" if ind_scorer else "encoder_hidden",
+        "nugget_encoding": "reencode" if hparams.get("auto") else "encoder_pass",
         "score_in_forward": True,
         "soft_prompt_length": int(hparams.get("soft") or 0),
         "lora_r": int(hparams.get("lora", 32)),
@@ -546,6 +545,7 @@ def convert_dodo_peft_folders(
     push_to_hub: str | None = None,
     allow_pickle_code_execution: bool = False,
     dtype: str | None = None,
+    nugget_encoding: str = "encoder_pass",
 ) -> Path:
     """Mode 2: PEFT adapter folders (φ and θ; θ may be omitted: the decoder then uses φ, as ``freeze_decoder=True``)
     plus a scorer file, a soft prompt file (or ``soft_prompt_length=0``) and the base Llama folder."""
@@ -610,6 +610,7 @@ def convert_dodo_peft_folders(
         nugget_ratio=nugget_ratio,
         nugget_count_rounding=nugget_count_rounding,
         scorer_features=scorer_features,
+        nugget_encoding=nugget_encoding,
         score_in_forward=score_in_forward,
         soft_prompt_length=soft_prompt_length,
         lora_r=int(r),
@@ -681,6 +682,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="Mode 2: base_final_norm (ind_scorer=True, default) or encoder_hidden.",
     )
     parser.add_argument(
+        "--nugget_encoding",
+        choices=("encoder_pass", "reencode"),
+        default="encoder_pass",
+        help="Mode 2: encoder_pass (auto=False, default) or reencode (the original's experimental auto=True).",
+    )
+    parser.add_argument(
         "--straight_through_scores",
         action="store_true",
         help="Mode 2: use s - stopgrad(s) instead of the original's + s (only for models trained so).",
@@ -750,6 +757,7 @@ def main(argv: list[str] | None = None) -> int:
                 args.push_to_hub,
                 unsafe,
                 args.dtype,
+                nugget_encoding=args.nugget_encoding,
             )
         else:
             output = export_peft_adapters(args.export_peft_from, args.pytorch_dump_folder_path)

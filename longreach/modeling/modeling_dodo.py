@@ -704,7 +704,9 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
         embeds = self.model.embed_tokens(input_ids)
 
         # φ pass (§3.1): keys/values of every token; in autoregressive mode the chunk also attends to older nuggets.
-        self.set_active_adapter(self.config.encoder_adapter_name)
+        # (`nugget_encoding="reencode"`, the authors' auto=True: this pass runs with θ, and only the nuggets get φ.)
+        reencode = self.config.nugget_encoding == "reencode"
+        self.set_active_adapter(self.config.decoder_adapter_name if reencode else self.config.encoder_adapter_name)
         cache = DynamicCache(config=self.config)
         if previous is not None and previous.num_nugget_slots:
             for layer_idx, (key, value) in enumerate(previous.nugget_key_values()):
@@ -726,14 +728,17 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
         all_scores = self.nugget_scorer(features).squeeze(-1)
 
         indices, nugget_mask = self._select(all_scores, mask, use_threshold, allow_empty)
-        gather = indices[:, None, :, None]
-        key_values = tuple(
-            (
-                key.gather(2, gather.expand(-1, key.shape[1], -1, key.shape[3])),
-                value.gather(2, gather.expand(-1, value.shape[1], -1, value.shape[3])),
+        if reencode:
+            key_values = self._reencode_nuggets(cache, embeds, mask, positions, indices)
+        else:
+            gather = indices[:, None, :, None]
+            key_values = tuple(
+                (
+                    key.gather(2, gather.expand(-1, key.shape[1], -1, key.shape[3])),
+                    value.gather(2, gather.expand(-1, value.shape[1], -1, value.shape[3])),
+                )
+                for key, value in token_key_values
             )
-            for key, value in token_key_values
-        )
         return DodoNuggets(
             key_values=key_values,
             mask=nugget_mask,
@@ -744,6 +749,36 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
             features=features if output_features else None,
             config_fingerprint=self.config_fingerprint,
         )
+
+    def _reencode_nuggets(
+        self,
+        context_cache: DynamicCache,
+        embeds: torch.Tensor,
+        mask: torch.Tensor,
+        positions: torch.LongTensor,
+        indices: torch.LongTensor,
+    ) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
+        """`nugget_encoding="reencode"` (the authors' ``auto=True``, spec §4): the selected tokens' embeddings run
+        again with φ at their own positions; nugget j attends to the θ keys/values of the context tokens strictly
+        before it (padding excluded) and to itself only. Its new keys/values, per layer, are the nugget."""
+        batch, count = indices.shape
+        length = mask.shape[1]
+        nugget_embeds = embeds.gather(1, indices[:, :, None].expand(-1, -1, embeds.shape[-1]))
+        columns = torch.arange(length, device=mask.device)
+        before = (columns[None, None, :] < indices[:, :, None]) & mask[:, None, :]  # [B, K, n]
+        itself = torch.eye(count, dtype=torch.bool, device=mask.device).expand(batch, count, count)
+        allowed = torch.cat([before, itself], dim=-1)[:, None]  # [B, 1, K, n + K]
+        bias = torch.zeros(allowed.shape, dtype=embeds.dtype, device=embeds.device)
+        bias = bias.masked_fill(~allowed, torch.finfo(embeds.dtype).min)
+        self.set_active_adapter(self.config.encoder_adapter_name)
+        self.model(
+            inputs_embeds=nugget_embeds,
+            attention_mask=bias,
+            position_ids=positions.gather(1, indices),
+            past_key_values=context_cache,
+            use_cache=False,  # as in `_compress`: the cache is ours
+        )
+        return tuple((layer.keys[:, :, -count:], layer.values[:, :, -count:]) for layer in context_cache.layers)
 
     def _scorer_features(self, embeds: torch.Tensor, mask: torch.Tensor, positions: torch.LongTensor) -> torch.Tensor:
         """First ι decoder layers with the adapters disabled, then (paper setting) the final RMSNorm (spec §3.3).
