@@ -143,13 +143,11 @@ class BidirectionalS4DConvolution(Float32ParametersModule):
         num_chunks = -(-length // chunk)
         offsets = torch.arange(chunk, device=dtA.device, dtype=torch.float32)
         starts = torch.arange(num_chunks, device=dtA.device, dtype=torch.float32) * chunk
-        blocks = [
-            _kernel_block(dtA[first : first + KERNEL_CHANNEL_BLOCK], C_hat[:, first : first + KERNEL_CHANNEL_BLOCK],
-                          offsets, starts)
-            for first in range(0, self.channels, KERNEL_CHANNEL_BLOCK)
-        ]
-        values = blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=1)  # [directions, H, chunks·chunk]
-        return values[..., :length].contiguous()
+        kernel = dtA.real.new_empty(C_hat.shape[0], self.channels, length)
+        for first in range(0, self.channels, KERNEL_CHANNEL_BLOCK):  # written in place: one [directions, H, L] tensor
+            last = first + KERNEL_CHANNEL_BLOCK
+            kernel[:, first:last] = _kernel_block(dtA[first:last], C_hat[:, first:last], offsets, starts)[..., :length]
+        return kernel
 
     def circular_kernel(self, length: int) -> torch.Tensor:
         """The packed kernel ``[H, 2·length]`` of period 2L: causal lags at [0, L), 0 at L, anti-causal lags L−1..1 after.
