@@ -12,6 +12,7 @@ from transformers import AutoConfig, AutoModel, AutoModelForSeq2SeqLM, Seq2SeqTr
 
 import longreach
 from longreach import LocostConfig, LocostForConditionalGeneration, LocostModel
+from longreach.modeling import ssm
 from longreach.modeling.ssm import BidirectionalS4DConvolution
 from remote_code_helpers import run_without_longreach
 from tokenizer_helpers import word_level_tokenizer
@@ -114,22 +115,29 @@ def test_kernel_chunking_does_not_change_the_kernel():
 
 
 def test_kernel_memory_is_chunked(monkeypatch):
-    """The largest complex intermediate is O(H·N/2·chunk), never O(H·N/2·L)."""
-    channels, modes, length, chunk = 8, 32, 4096, 64
+    """The exponentials are taken over O(h·N/2·chunk) values (h: a block of channels), never O(H·N/2·L)."""
+    channels, modes, length, chunk = 40, 32, 4096, 64
     conv = BidirectionalS4DConvolution(channels=channels, d_state=2 * modes, kernel_chunk_size=chunk)
-    largest = 0
+    sizes = []
     real_exp = torch.exp
 
     def recording_exp(tensor, *args, **kwargs):
-        nonlocal largest
-        if tensor.is_complex():
-            largest = max(largest, tensor.numel())
+        sizes.append(tensor.numel())
         return real_exp(tensor, *args, **kwargs)
 
     monkeypatch.setattr(torch, "exp", recording_exp)
     conv.kernel(length)
-    assert largest <= channels * modes * max(chunk, math.ceil(length / chunk))
-    assert largest < channels * modes * length // 16
+    block = ssm.KERNEL_CHANNEL_BLOCK
+    assert block < channels and max(sizes) <= block * modes * max(chunk, math.ceil(length / chunk))
+    assert max(sizes) < channels * modes * length // 64
+
+
+@pytest.mark.parametrize("block", [1, 3, 16, 1000])
+def test_kernel_channel_blocks_do_not_change_the_kernel(monkeypatch, block):
+    conv = BidirectionalS4DConvolution(channels=20, d_state=16)
+    reference = conv.kernel(129)
+    monkeypatch.setattr(ssm, "KERNEL_CHANNEL_BLOCK", block)
+    torch.testing.assert_close(conv.kernel(129), reference, atol=0, rtol=0)
 
 
 def test_unidirectional_and_ungated_variants_run():

@@ -34,7 +34,7 @@ def _exp_real_imag(real: torch.Tensor, imag: torch.Tensor) -> tuple[torch.Tensor
     return magnitude * torch.cos(imag), magnitude * torch.sin(imag)  # out of place: autograd keeps `magnitude`
 
 
-#: Channels whose kernels are computed together (see `BidirectionalS4DConvolution.kernel`); measured on CPU.
+#: Channels whose kernels are computed together on CPU (see `BidirectionalS4DConvolution.kernel`); measured.
 KERNEL_CHANNEL_BLOCK = 16
 
 
@@ -133,19 +133,20 @@ class BidirectionalS4DConvolution(Float32ParametersModule):
         With l = l0 + j (chunk starts l0, offsets j < chunk): exp(ΔA·l) = exp(ΔA·l0) · exp(ΔA·j). A chunk of about
         √L lags minimises the exponentials (chunk + L/chunk per mode instead of L, shared by both directions); the sum
         over modes is then 2·(Re W · Re P − Im W · Im P), one real batched matmul with W = Ĉ·exp(ΔA·l0) and
-        P = exp(ΔA·j). The channels go in blocks of ``KERNEL_CHANNEL_BLOCK`` so that the block's exponentials stay in
-        the CPU caches, in real float32 arithmetic (torch's complex ``exp`` is several times slower on CPU): at the released size on 2
-        CPU cores, 0.5 s -> 0.1 s per layer at 1K lags and 2.4 s -> 0.85 s at 16K, against one complex pass over all
-        channels; the kernel no longer dominates the encoder's time at short lengths.
+        P = exp(ΔA·j), all in real float32 arithmetic (torch's complex ``exp`` is several times slower on CPU). On CPU
+        the channels go in blocks of ``KERNEL_CHANNEL_BLOCK`` so that a block's exponentials stay in the caches: at the
+        released size on 2 cores, 0.5 s -> 0.1 s per layer at 1K lags and 2.4 s -> 0.85 s at 16K, against one complex
+        pass over all channels. On accelerators all channels go in one block (fewer kernel launches; not measured).
         """
         dtA, C_hat = self.discretized()
         chunk = max(1, min(self.kernel_chunk_size, math.isqrt(length - 1) + 1))
         num_chunks = -(-length // chunk)
         offsets = torch.arange(chunk, device=dtA.device, dtype=torch.float32)
         starts = torch.arange(num_chunks, device=dtA.device, dtype=torch.float32) * chunk
+        block = KERNEL_CHANNEL_BLOCK if dtA.device.type == "cpu" else self.channels
         kernel = dtA.real.new_empty(C_hat.shape[0], self.channels, length)
-        for first in range(0, self.channels, KERNEL_CHANNEL_BLOCK):  # written in place: one [directions, H, L] tensor
-            last = first + KERNEL_CHANNEL_BLOCK
+        for first in range(0, self.channels, block):  # written in place: one [directions, H, L] tensor
+            last = first + block
             kernel[:, first:last] = _kernel_block(dtA[first:last], C_hat[:, first:last], offsets, starts)[..., :length]
         return kernel
 
