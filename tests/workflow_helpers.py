@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from tokenizers import Tokenizer, models, pre_tokenizers, processors
+from tokenizer_helpers import word_level_tokenizer
 from transformers import PreTrainedTokenizerFast
 
 VOCAB_SIZE = 99
@@ -14,14 +14,7 @@ WORDS = [f"w{i}" for i in range(VOCAB_SIZE - 3)]
 
 def word_tokenizer(vocab_size: int = VOCAB_SIZE) -> PreTrainedTokenizerFast:
     """Whitespace word-level tokenizer ``<pad>`` 0, ``</s>`` 1 (appended to every sequence), ``<unk>`` 2, ``w0``..."""
-    vocab = {token: index for index, token in enumerate(["<pad>", "</s>", "<unk>"] + WORDS[: vocab_size - 3])}
-    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    backend.post_processor = processors.TemplateProcessing(
-        single="$A </s>", pair="$A </s> $B </s>", special_tokens=[("</s>", 1)]
-    )
-    return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="</s>", unk_token="<unk>",
-                                   clean_up_tokenization_spaces=False)
+    return word_level_tokenizer(WORDS[: vocab_size - 3])
 
 
 def document(num_words: int, offset: int = 0) -> str:
