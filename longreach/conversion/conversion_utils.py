@@ -89,6 +89,14 @@ def load_state_dict_from_folder(folder: str | os.PathLike) -> dict[str, torch.Te
     )
 
 
+def load_folder_checkpoint(folder: Path, config_path: Path | None = None) -> tuple[dict[str, torch.Tensor], dict]:
+    """``(state dict, config dict)`` of a ``save_pretrained`` folder; ``config_path`` replaces its config.json."""
+    config_file = config_path or folder / "config.json"
+    if not config_file.is_file():
+        raise ConversionError(f"No config.json in {folder} (pass --config_path).")
+    return load_state_dict_from_folder(folder), json.loads(config_file.read_text())
+
+
 def strip_prefix(state_dict: dict[str, torch.Tensor], prefix: str, source: str) -> dict[str, torch.Tensor]:
     """Keys of a Lightning ``state_dict`` without the LightningModule attribute prefix (e.g. ``model.``)."""
     other = [key for key in state_dict if not key.startswith(prefix)]

@@ -35,7 +35,7 @@ from .conversion_utils import (
     ConversionError,
     KeyMap,
     finish_conversion,
-    load_state_dict_from_folder,
+    load_folder_checkpoint,
     pickled_class_stand_in,
     prepare_output_folder,
     safe_torch_load,
@@ -114,12 +114,7 @@ def locost_config_from_original(original: dict) -> LocostConfig:
 def read_original_checkpoint(checkpoint_path: Path, config_path: Path | None = None) -> tuple[dict, dict]:
     """``(state dict with original names, original config as a dict)`` from a folder or a Lightning ``.ckpt``."""
     if checkpoint_path.is_dir():
-        config_file = config_path or checkpoint_path / "config.json"
-        if not config_file.is_file():
-            raise ConversionError(f"No config.json in {checkpoint_path} (pass --config_path).")
-        import json
-
-        return load_state_dict_from_folder(checkpoint_path), json.loads(config_file.read_text())
+        return load_folder_checkpoint(checkpoint_path, config_path)
     if not checkpoint_path.is_file():
         raise ConversionError(f"--checkpoint_path {checkpoint_path} does not exist.")
     stand_in = pickled_class_stand_in("models_config", "LOCOSTConfig")

@@ -41,7 +41,7 @@ from .conversion_utils import (
     ConversionError,
     KeyMap,
     finish_conversion,
-    load_state_dict_from_folder,
+    load_folder_checkpoint,
     prepare_output_folder,
     safe_torch_load,
     strip_prefix,
@@ -165,10 +165,7 @@ def vcc_config_from_sources(
 def read_checkpoint(checkpoint_path: Path, config_path: Path | None = None) -> tuple[dict, dict]:
     """``(state dict with T5 names, source config dict)`` from a folder or a Lightning ``.ckpt``."""
     if checkpoint_path.is_dir():
-        config_file = config_path or checkpoint_path / "config.json"
-        if not config_file.is_file():
-            raise ConversionError(f"No config.json in {checkpoint_path} (pass --config_path).")
-        return load_state_dict_from_folder(checkpoint_path), json.loads(config_file.read_text())
+        return load_folder_checkpoint(checkpoint_path, config_path)
     if not checkpoint_path.is_file():
         raise ConversionError(f"--checkpoint_path {checkpoint_path} does not exist.")
     if config_path is None:
