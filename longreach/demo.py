@@ -127,10 +127,12 @@ def _example(source: str, name: str, document: str, summary: str) -> dict | None
 
 
 def _site_directories() -> list[str]:
-    """Where ``pip install`` puts distributions (not the vendored copies some packages add to ``sys.path`` at run
-    time, which would make the corpus depend on what was imported before)."""
+    """Where ``pip install`` puts distributions: this environment's site-packages, the user's, and the base
+    interpreter's when a virtual environment includes them (``--system-site-packages``). Not the vendored copies some
+    packages add to ``sys.path`` at run time, which would make the corpus depend on what was imported before."""
     paths = sysconfig.get_paths()
-    directories = [paths["purelib"], paths["platlib"], site.getusersitepackages()]
+    on_path = [entry for entry in sys.path if Path(entry).name in ("site-packages", "dist-packages")]
+    directories = [paths["purelib"], paths["platlib"], site.getusersitepackages(), *on_path]
     return [d for d in dict.fromkeys(directories) if Path(d).is_dir()]
 
 
