@@ -49,3 +49,15 @@ def isolated_hf_env(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_MODULES_CACHE", str(tmp_path / "hf_modules"))
     return tmp_path
+
+
+@pytest.fixture
+def recorder(monkeypatch):
+    """``longreach.hub`` uploads through a `RecordingHubApi` (offline)."""
+    from hub_recorder import RecordingHubApi
+
+    from longreach import hub
+
+    RecordingHubApi.instances = []
+    monkeypatch.setattr(hub, "HfApi", RecordingHubApi)
+    return RecordingHubApi

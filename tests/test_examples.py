@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from huggingface_hub import ModelCard
+from hub_recorder import single_commit
 
 from longreach import hub
 
@@ -35,33 +36,14 @@ def test_finetune_summarization_smoke(tmp_path):
     assert "Fine-tuned with `examples/finetune_summarization.py`" in ModelCard.load(output_dir / "README.md").text
 
 
-def test_finetune_summarization_pushes_with_our_card(tmp_path, monkeypatch):
+def test_finetune_summarization_pushes_with_our_card(tmp_path, monkeypatch, recorder):
     """`--push_to_hub` uploads through longreach (the Trainer's own upload would replace our model card)."""
-    import importlib.util
-    from types import SimpleNamespace
-
-    uploads = []
-
-    class RecordingHubApi:
-        def __init__(self, **kwargs):
-            pass
-
-        def create_repo(self, repo_id, **kwargs):
-            return SimpleNamespace(repo_id=repo_id)
-
-        def create_commit(self, repo_id, operations, **kwargs):
-            uploads.append((repo_id, {op.path_in_repo: op.path_or_fileobj for op in operations}))
-            return SimpleNamespace(commit_url="https://hub/commit")
-
-    monkeypatch.setattr(hub, "HfApi", RecordingHubApi)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    spec = importlib.util.spec_from_file_location("finetune_summarization", EXAMPLES / "finetune_summarization.py")
-    example = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, spec.name, example)  # dataclasses look their module up there
-    spec.loader.exec_module(example)
+    example = _load_example("finetune_summarization", monkeypatch)
     example.main(["--smoke", "--output_dir", str(tmp_path / "ft"), "--push_to_hub", "--hub_model_id", "someone/ft",
                   "--max_steps", "1", "--do_eval", "false"])
-    ((repo_id, files),) = uploads
+    commit = single_commit(recorder)
+    repo_id, files = commit["repo_id"], commit["files"]
     assert repo_id == "someone/ft"
     assert {"README.md", "model.safetensors", "modeling_locost.py", "tokenizer.json"} <= set(files)
     assert "training_args.bin" not in files
@@ -151,28 +133,13 @@ def test_finetune_dodo_uses_the_authors_optimizer_and_schedule(tmp_path, monkeyp
     assert rest["lr"] == pytest.approx(3e-4 * 0.5, rel=1e-6) and lora["lr"] == pytest.approx(1e-4 * 0.5, rel=1e-6)
 
 
-def test_finetune_dodo_pushes_with_our_card(tmp_path, monkeypatch):
-    from types import SimpleNamespace
-
-    uploads = []
-
-    class RecordingHubApi:
-        def __init__(self, **kwargs):
-            pass
-
-        def create_repo(self, repo_id, **kwargs):
-            return SimpleNamespace(repo_id=repo_id)
-
-        def create_commit(self, repo_id, operations, **kwargs):
-            uploads.append((repo_id, {op.path_in_repo: op.path_or_fileobj for op in operations}))
-            return SimpleNamespace(commit_url="https://hub/commit")
-
-    monkeypatch.setattr(hub, "HfApi", RecordingHubApi)
+def test_finetune_dodo_pushes_with_our_card(tmp_path, monkeypatch, recorder):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     example = _load_example("finetune_dodo", monkeypatch)
     example.main(["--smoke", "--output_dir", str(tmp_path / "ft"), "--push_to_hub", "--hub_model_id", "someone/dodo",
                   "--max_steps", "1", "--do_eval", "false"])
-    ((repo_id, files),) = uploads
+    commit = single_commit(recorder)
+    repo_id, files = commit["repo_id"], commit["files"]
     assert repo_id == "someone/dodo"
     assert {"README.md", "model.safetensors", "modeling_dodo.py", "configuration_dodo.py", "tokenizer.json"} <= set(
         files)

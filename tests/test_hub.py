@@ -12,12 +12,12 @@ import re
 import socket
 import uuid
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 from huggingface_hub import ModelCard
 from remote_code_helpers import run_without_longreach
 from transformers import pipeline
+from hub_recorder import single_commit
 from workflow_helpers import document, save_tiny_locost, tiny_locost, word_tokenizer
 
 import longreach  # noqa: F401
@@ -40,41 +40,6 @@ LIMITATIONS = {
     "vcc_t5": ["without any VIP", "undefined", "pads internally to the smallest valid length"],
     "dodo_llama": ["mask order", "legacy_decoder_mask_order", "Batched generation", "pad token"],
 }
-
-
-class RecordingHubApi:
-    """Stands in for ``huggingface_hub.HfApi``: records repositories and commits and keeps every uploaded file."""
-
-    instances: list["RecordingHubApi"] = []
-
-    def __init__(self, token=None, **kwargs):
-        self.token, self.repos, self.commits = token, [], []
-        RecordingHubApi.instances.append(self)
-
-    def create_repo(self, repo_id, private=None, exist_ok=False, **kwargs):
-        self.repos.append({"repo_id": repo_id, "private": private, "exist_ok": exist_ok})
-        return SimpleNamespace(repo_id=repo_id)
-
-    def create_commit(self, repo_id, operations, commit_message=None, **kwargs):
-        files = {}
-        for operation in operations:
-            source = operation.path_or_fileobj
-            files[operation.path_in_repo] = source if isinstance(source, bytes) else Path(source).read_bytes()
-        self.commits.append({"repo_id": repo_id, "files": files, "message": commit_message, **kwargs})
-        return SimpleNamespace(commit_url=f"https://huggingface.co/{repo_id}/commit/0", oid="0")
-
-
-@pytest.fixture
-def recorder(monkeypatch):
-    RecordingHubApi.instances = []
-    monkeypatch.setattr(hub, "HfApi", RecordingHubApi)
-    return RecordingHubApi
-
-
-def _single_commit(recorder) -> dict:
-    commits = [commit for api in recorder.instances for commit in api.commits]
-    assert len(commits) == 1, commits
-    return commits[0]
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -152,7 +117,7 @@ def test_model_push_uploads_exactly_what_hub_users_need(recorder):
     model.push_to_hub("someone/locost-tiny", tokenizer=tokenizer, private=True, commit_message="first", tags=["demo"])
     (api,) = recorder.instances
     assert api.repos == [{"repo_id": "someone/locost-tiny", "private": True, "exist_ok": True}]
-    commit = _single_commit(recorder)
+    commit = single_commit(recorder)
     assert commit["message"] == "first"
     assert set(commit["files"]) == MODEL_FILES | TOKENIZER_FILES | {"README.md"}
     config = json.loads(commit["files"]["config.json"])
@@ -169,7 +134,7 @@ def test_model_push_uploads_exactly_what_hub_users_need(recorder):
 def test_pipeline_push_includes_the_tokenizer(recorder):
     summarizer = pipeline("long-summarization", model=tiny_locost(), tokenizer=word_tokenizer())
     summarizer.push_to_hub("someone/locost-pipeline")
-    assert set(_single_commit(recorder)["files"]) == MODEL_FILES | TOKENIZER_FILES | {"README.md"}
+    assert set(single_commit(recorder)["files"]) == MODEL_FILES | TOKENIZER_FILES | {"README.md"}
 
 
 def test_folder_push_leaves_training_leftovers_and_keeps_provenance(recorder, tmp_path):
@@ -180,7 +145,7 @@ def test_folder_push_leaves_training_leftovers_and_keeps_provenance(recorder, tm
     (folder / "checkpoint-10").mkdir()
     (folder / "checkpoint-10" / "model.safetensors").write_bytes(b"x")
     hub.push_folder_to_hub(folder, "someone/locost-run")
-    commit = _single_commit(recorder)
+    commit = single_commit(recorder)
     assert set(commit["files"]) == MODEL_FILES | TOKENIZER_FILES | {"README.md"}
     readme = commit["files"]["README.md"].decode()
     assert "`/data/locost-gsg`" in readme and 'model="someone/locost-run"' in readme  # re-rendered for the repo
@@ -192,7 +157,7 @@ def test_hand_edited_card_is_uploaded_unchanged(recorder, tmp_path):
     card_path = hub.write_model_card(folder, "locost")
     card_path.write_text(card_path.read_text() + "\nMy own evaluation notes.\n")
     hub.push_folder_to_hub(folder, "someone/edited")
-    assert _single_commit(recorder)["files"]["README.md"].decode() == card_path.read_text()
+    assert single_commit(recorder)["files"]["README.md"].decode() == card_path.read_text()
 
 
 def test_model_loaded_from_a_converted_folder_pushes_its_card(recorder, tmp_path):
@@ -201,7 +166,7 @@ def test_model_loaded_from_a_converted_folder_pushes_its_card(recorder, tmp_path
     from longreach import LocostForConditionalGeneration
 
     LocostForConditionalGeneration.from_pretrained(folder).push_to_hub("someone/converted")
-    readme = _single_commit(recorder)["files"]["README.md"].decode()
+    readme = single_commit(recorder)["files"]["README.md"].decode()
     assert "`flbbb/locost-gsg-pretrained`" in readme and 'model="someone/converted"' in readme
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from longreach import cli, hub
-from test_hub import RecordingHubApi
+from hub_recorder import RecordingHubApi
 from tokenizer_helpers import word_level_tokenizer
 
 REPO_ROOT = Path(__file__).resolve().parents[1]

@@ -20,7 +20,7 @@ from huggingface_hub import ModelCard
 from remote_code_helpers import run_without_longreach
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import load_file
-from test_hub import RecordingHubApi
+from hub_recorder import RecordingHubApi
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast, pipeline
 from workflow_helpers import WORDS, document, word_tokenizer

@@ -1,0 +1,35 @@
+"""A stand-in for ``huggingface_hub.HfApi`` that records uploads, for the offline Hub tests (spec §6)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+
+class RecordingHubApi:
+    """Stands in for ``huggingface_hub.HfApi``: records repositories and commits and keeps every uploaded file."""
+
+    instances: list["RecordingHubApi"] = []
+
+    def __init__(self, token=None, **kwargs):
+        self.token, self.repos, self.commits = token, [], []
+        RecordingHubApi.instances.append(self)
+
+    def create_repo(self, repo_id, private=None, exist_ok=False, **kwargs):
+        self.repos.append({"repo_id": repo_id, "private": private, "exist_ok": exist_ok})
+        return SimpleNamespace(repo_id=repo_id)
+
+    def create_commit(self, repo_id, operations, commit_message=None, **kwargs):
+        files = {}
+        for operation in operations:
+            source = operation.path_or_fileobj
+            files[operation.path_in_repo] = source if isinstance(source, bytes) else Path(source).read_bytes()
+        self.commits.append({"repo_id": repo_id, "files": files, "message": commit_message, **kwargs})
+        return SimpleNamespace(commit_url=f"https://huggingface.co/{repo_id}/commit/0", oid="0")
+
+
+def single_commit(recorder: type[RecordingHubApi]) -> dict:
+    """The one commit recorded since the recorder was installed."""
+    commits = [commit for api in recorder.instances for commit in api.commits]
+    assert len(commits) == 1, commits
+    return commits[0]
