@@ -1,4 +1,5 @@
-"""Clear ``ValueError`` messages for bad model input, shared by the three models.
+"""Model input handling shared by the three models: clear ``ValueError`` messages for bad input, and the batching of
+tokenized documents that each model's ``prepare_summarization_inputs`` does.
 
 Each message names the argument, what was given and what was expected, so that a user can fix the call without
 reading our source. This module is copied into saved checkpoints (remote code); it only imports torch.
@@ -52,3 +53,27 @@ def check_rows_not_empty(name: str, mask: torch.Tensor | None) -> None:
         raise ValueError(
             f"`{name}` has rows with no real token (rows {empty}); every sequence needs at least one token."
         )
+
+
+def cut_to_length(ids: list[int], max_length: int | None, eos_token_id: int | None) -> tuple[list[int], int]:
+    """``(ids cut from the end to at most max_length tokens, how many were dropped)``; a final EOS stays the final
+    token. ``max_length=None`` keeps everything."""
+    ids = list(ids)
+    if max_length is None or len(ids) <= max_length:
+        return ids, 0
+    dropped = len(ids) - max_length
+    if eos_token_id is not None and ids[-1] == eos_token_id:
+        return ids[: max_length - 1] + ids[-1:], dropped
+    return ids[:max_length], dropped
+
+
+def pad_right(rows: list[list[int]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(input_ids, attention_mask)`` of shape ``[len(rows), longest row]``: the rows (token lists or 1-D tensors)
+    padded on the right."""
+    width = max(len(ids) for ids in rows)
+    input_ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for row, ids in enumerate(rows):
+        input_ids[row, : len(ids)] = torch.as_tensor(ids, dtype=torch.long)
+        attention_mask[row, : len(ids)] = 1
+    return input_ids, attention_mask

@@ -48,7 +48,7 @@ from transformers.models.llama.modeling_llama import LlamaModel, LlamaPreTrained
 from transformers.utils import ModelOutput
 
 from ..configuration.configuration_dodo import DodoLlamaConfig
-from .input_checks import check_mask, check_rows_not_empty, check_token_ids, describe
+from .input_checks import check_mask, check_rows_not_empty, check_token_ids, describe, pad_right
 from .remote_code import HubReadyMixin
 
 #: The paper's summarization prompt (Appendix D.3): ``[INST]\n$DOCUMENT\nPlease summarize the above document in one
@@ -1234,12 +1234,7 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
             dropped.append(len(ids) - keep)
             contexts.append(prefix + ids[:keep])
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-        width = max(len(ids) for ids in contexts)
-        context_ids = torch.full((len(contexts), width), pad, dtype=torch.long)
-        context_mask = torch.zeros((len(contexts), width), dtype=torch.long)
-        for row, ids in enumerate(contexts):  # right padding, the authors' layout
-            context_ids[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
-            context_mask[row, : len(ids)] = 1
+        context_ids, context_mask = pad_right(contexts, pad)  # right padding, the authors' layout
         prompt_ids = torch.tensor([prompt] * len(contexts), dtype=torch.long)
         inputs = {
             "input_ids": prompt_ids,
@@ -1313,15 +1308,6 @@ class DodoDataCollator:
         self.pad_token_id = pad_token_id
         self.label_pad_token_id = label_pad_token_id
 
-    def _pad(self, sequences: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-        width = max(len(sequence) for sequence in sequences)
-        ids = torch.full((len(sequences), width), self.pad_token_id, dtype=torch.long)
-        mask = torch.zeros((len(sequences), width), dtype=torch.long)
-        for row, sequence in enumerate(sequences):
-            ids[row, : len(sequence)] = torch.as_tensor(sequence, dtype=torch.long)
-            mask[row, : len(sequence)] = 1
-        return ids, mask
-
     def __call__(self, features: list[dict]) -> dict[str, torch.Tensor]:
         if not features:
             raise ValueError("DodoDataCollator got an empty batch.")
@@ -1334,8 +1320,8 @@ class DodoDataCollator:
             contexts.append(context)
             targets.append(target)
             prompt_lengths.append(int(feature.get("prompt_length", 0)))
-        context_ids, context_mask = self._pad(contexts)
-        input_ids, attention_mask = self._pad(targets)
+        context_ids, context_mask = pad_right(contexts, self.pad_token_id)
+        input_ids, attention_mask = pad_right(targets, self.pad_token_id)
         labels = input_ids.masked_fill(attention_mask == 0, self.label_pad_token_id)
         for row, skip in enumerate(prompt_lengths):
             labels[row, :skip] = self.label_pad_token_id

@@ -41,7 +41,7 @@ from transformers.modeling_utils import PreTrainedModel
 from transformers.utils import ModelOutput, logging
 
 from ..configuration.configuration_vcc_t5 import VCCT5Config
-from .input_checks import check_mask, check_token_ids, describe
+from .input_checks import check_mask, check_token_ids, cut_to_length, describe, pad_right
 from .remote_code import HubReadyMixin
 from .t5_blocks import (
     T5Block,
@@ -556,26 +556,14 @@ def _encode_queries_and_contexts(tokenizer, queries, contexts, max_length=None, 
     # The original marks the first len(tokenizer(query).input_ids) positions, i.e. the query's tokens including its
     # EOS: one context token beyond the query (spec §2). We keep that convention.
     vip_counts = [len(ids) for ids in tokenizer(queries, add_special_tokens=True)["input_ids"]]
-    rows, dropped = [], []
-    for ids in encoded:
-        if max_length is not None and len(ids) > max_length:
-            dropped.append(len(ids) - max_length)
-            keep_last = tokenizer.eos_token_id is not None and ids[-1] == tokenizer.eos_token_id
-            ids = ids[: max_length - 1] + [ids[-1]] if keep_last else ids[:max_length]
-        else:
-            dropped.append(0)
-        rows.append(ids)
+    rows, dropped = zip(*(cut_to_length(ids, max_length, tokenizer.eos_token_id) for ids in encoded))
     if pad_token_id is None:
         pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    width = max(len(ids) for ids in rows)
-    input_ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
-    attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
-    vip_mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for row, (ids, vip_count) in enumerate(zip(rows, vip_counts)):
-        input_ids[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
-        attention_mask[row, : len(ids)] = 1
-        vip_mask[row, : min(vip_count, len(ids))] = 1
-    return {"input_ids": input_ids, "attention_mask": attention_mask, "vip_mask": vip_mask}, dropped
+    input_ids, attention_mask = pad_right(list(rows), pad_token_id)
+    vip_mask = torch.zeros_like(attention_mask)
+    for row, vip_count in enumerate(vip_counts):
+        vip_mask[row, :vip_count] = attention_mask[row, :vip_count]
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "vip_mask": vip_mask}, list(dropped)
 
 
 def prepare_vip_inputs(

@@ -31,6 +31,8 @@ from transformers.modeling_outputs import (
 )
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from .input_checks import cut_to_length, pad_right
+
 # ---------------------------------------------------------------------------------------------------------------------
 # Norm and feed-forward
 # ---------------------------------------------------------------------------------------------------------------------
@@ -599,25 +601,10 @@ class T5Seq2SeqLMMixin:
         encoder handles any length). Truncation keeps the tokenizer's final special token (``</s>``).
         """
         encoded = tokenizer(list(documents), add_special_tokens=True)["input_ids"]
-        dropped = []
-        rows = []
-        for ids in encoded:
-            if max_input_length is not None and len(ids) > max_input_length:
-                dropped.append(len(ids) - max_input_length)
-                keep_last = ids[-1] == tokenizer.eos_token_id
-                ids = ids[: max_input_length - 1] + [ids[-1]] if keep_last else ids[:max_input_length]
-            else:
-                dropped.append(0)
-            rows.append(ids)
+        rows, dropped = zip(*(cut_to_length(ids, max_input_length, tokenizer.eos_token_id) for ids in encoded))
         pad = self.config.pad_token_id if self.config.pad_token_id is not None else 0
-        length = max(len(ids) for ids in rows)
-        input_ids = torch.full((len(rows), length), pad, dtype=torch.long)
-        attention_mask = torch.zeros((len(rows), length), dtype=torch.long)
-        for row, ids in enumerate(rows):
-            input_ids[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
-            attention_mask[row, : len(ids)] = 1
-        device = self.device
-        return {"input_ids": input_ids.to(device), "attention_mask": attention_mask.to(device)}, dropped
+        input_ids, attention_mask = pad_right(list(rows), pad)
+        return {"input_ids": input_ids.to(self.device), "attention_mask": attention_mask.to(self.device)}, list(dropped)
 
     def _decode(
         self,

@@ -184,7 +184,8 @@ class LongSummarizationPipeline(Pipeline):
     def _plain_inputs(self, documents: list[str], max_input_length: int | None):
         """Fallback for models without ``prepare_summarization_inputs``: ``config.prefix`` + document, tokenized,
         cut (from the end, keeping a final EOS) to ``max_input_length`` or the model's position limit, padded on the
-        right for encoder-decoders and on the left for decoder-only models."""
+        right for encoder-decoders and on the left for decoder-only models. (The models' own helpers in
+        ``input_checks`` are not imported: this file also serves models that ship without them.)"""
         config = self.model.config
         prefix = getattr(config, "prefix", None) or ""
         if max_input_length is None:
