@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import copy
 import json
-import re
 import sys
 import tempfile
 from dataclasses import dataclass, field
@@ -44,6 +43,7 @@ from pathlib import Path
 
 import longreach  # noqa: F401  (registers LOCOST / VCC-T5 with the Auto classes)
 from longreach.hub import push_folder_to_hub, write_model_card
+from longreach.metrics import rouge_scores
 from transformers import (
     AutoConfig,
     AutoModelForSeq2SeqLM,
@@ -131,16 +131,8 @@ class SummarizationCollator:
         return self.seq2seq(features)
 
 
-def _sentences(text: str) -> str:
-    # rouge_score's Lsum convention: one sentence per line (regex splitter; NLTK's punkt would need a download).
-    return "\n".join(s for s in re.split(r"(?<=[.!?])\s+", text.strip()) if s)
-
-
 def build_compute_metrics(tokenizer):
     import numpy as np
-    from rouge_score import rouge_scorer
-
-    scorer = rouge_scorer.RougeScorer(["rouge1", "rouge2", "rougeLsum"], use_stemmer=True)
 
     def compute_metrics(eval_prediction) -> dict[str, float]:
         predictions, labels = eval_prediction.predictions, eval_prediction.label_ids
@@ -148,12 +140,7 @@ def build_compute_metrics(tokenizer):
         labels = np.where(labels >= 0, labels, tokenizer.pad_token_id)
         summaries = tokenizer.batch_decode(predictions, skip_special_tokens=True)
         references = tokenizer.batch_decode(labels, skip_special_tokens=True)
-        totals = {"rouge1": 0.0, "rouge2": 0.0, "rougeLsum": 0.0}
-        for summary, reference in zip(summaries, references):
-            scores = scorer.score(_sentences(reference), _sentences(summary))
-            for key in totals:
-                totals[key] += scores[key].fmeasure
-        metrics = {key: round(100 * value / len(summaries), 4) for key, value in totals.items()}
+        metrics = rouge_scores(summaries, references, digits=4)
         metrics["gen_len"] = float(np.mean([np.count_nonzero(row != tokenizer.pad_token_id) for row in predictions]))
         return metrics
 

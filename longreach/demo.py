@@ -48,6 +48,8 @@ from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
+from .metrics import rouge_scores
+
 #: Documents shorter than this many words are not "long documents" and are left out.
 MIN_DOCUMENT_WORDS = 80
 #: Corpus documents keep at most this many words (the corpus is built here; the model itself reads any length).
@@ -245,24 +247,6 @@ def train_tokenizer(texts: list[str], vocab_size: int):
         tokenizer_object=backend, pad_token="<pad>", eos_token="</s>", unk_token="<unk>",
         clean_up_tokenization_spaces=False, model_max_length=1_000_000,
     )
-
-
-def _sentences(text: str) -> str:
-    # rouge_score's Lsum convention: one sentence per line (a regex splitter: NLTK's punkt would need a download).
-    return "\n".join(s for s in re.split(r"(?<=[.!?])\s+", text.strip()) if s)
-
-
-def rouge_scores(predictions: list[str], references: list[str]) -> dict[str, float]:
-    """Mean ROUGE-1/2/Lsum F1 (x100) with stemming, as in the summarization literature."""
-    from rouge_score import rouge_scorer
-
-    scorer = rouge_scorer.RougeScorer(["rouge1", "rouge2", "rougeLsum"], use_stemmer=True)
-    totals = {"rouge1": 0.0, "rouge2": 0.0, "rougeLsum": 0.0}
-    for prediction, reference in zip(predictions, references):
-        scores = scorer.score(_sentences(reference), _sentences(prediction))
-        for key in totals:
-            totals[key] += scores[key].fmeasure
-    return {key: round(100 * value / max(len(predictions), 1), 2) for key, value in totals.items()}
 
 
 def lead_baseline(document: str, num_words: int = 12) -> str:

@@ -9,7 +9,8 @@ from huggingface_hub import ModelCard
 
 from longreach import hub
 from longreach.cli import main
-from longreach.demo import build_corpus, lead_baseline, rouge_scores
+from longreach.demo import build_corpus, lead_baseline
+from longreach.metrics import rouge_scores
 
 
 def test_corpus_is_real_local_text_split_deterministically():
