@@ -30,6 +30,7 @@ from importlib import metadata, resources
 from pathlib import Path
 
 from huggingface_hub import CommitOperationAdd, HfApi, ModelCard, ModelCardData
+from transformers.dynamic_module_utils import get_relative_imports
 
 logger = logging.getLogger(__name__)
 
@@ -195,7 +196,8 @@ def read_card_state(readme: str | Path) -> dict | None:
 
 
 def _code_files(folder: Path, config: dict) -> set[str]:
-    """The ``.py`` files the config points to, and (recursively) the sibling modules they import."""
+    """The ``.py`` files the config points to, and (recursively) the sibling modules they import, as transformers'
+    remote-code loader finds them; a missing one is named in a ValueError."""
     entry_points = list((config.get("auto_map") or {}).values())
     entry_points += [task["impl"] for task in (config.get("custom_pipelines") or {}).values() if "impl" in task]
     pending = [reference.split("--")[-1].rsplit(".", 1)[0] + ".py" for reference in entry_points]
@@ -208,8 +210,7 @@ def _code_files(folder: Path, config: dict) -> set[str]:
         if not path.is_file():
             raise ValueError(f"{folder} lacks the code file {name!r} that config.json or another code file needs.")
         found.add(name)
-        source = path.read_text(encoding="utf-8")
-        pending += [f"{module}.py" for module in re.findall(r"^\s*from\s+\.(\w+)\s+import\b", source, re.M)]
+        pending += [f"{module}.py" for module in get_relative_imports(path)]  # what the remote-code loader follows
     return found
 
 
