@@ -1,8 +1,9 @@
 """Shared pytest fixtures.
 
-The parity fixtures written by the authors' original code live in ``shared/fixtures`` beside (or inside) the
-checkout. Their absence is an error, never a skip: a parity test that does not run proves nothing.
-Set ``LONGREACH_FIXTURES`` to point elsewhere.
+The parity fixtures written by the authors' original code ship inside the repository, in ``tests/fixtures``
+(a copy of the steering project's ``shared/fixtures``, about 10 MB), so a fresh clone runs every parity test.
+Their absence is an error, never a skip: a parity test that does not run proves nothing.
+``LONGREACH_FIXTURES`` points elsewhere (it is looked at first).
 """
 
 from __future__ import annotations
@@ -22,13 +23,14 @@ def locate_fixtures() -> Path:
     candidates = []
     if os.environ.get("LONGREACH_FIXTURES"):
         candidates.append(Path(os.environ["LONGREACH_FIXTURES"]))
-    candidates += [REPO_ROOT / "shared" / "fixtures", REPO_ROOT.parent / "shared" / "fixtures"]
+    candidates += [REPO_ROOT / "tests" / "fixtures", REPO_ROOT / "shared" / "fixtures",
+                   REPO_ROOT.parent / "shared" / "fixtures"]
     for candidate in candidates:
         if (candidate / "locost").is_dir():
             return candidate
     raise FileNotFoundError(
         "Parity fixtures not found (looked in: " + ", ".join(str(c) for c in candidates) + "). "
-        "Set LONGREACH_FIXTURES to the shared/fixtures folder."
+        "They ship in tests/fixtures: restore that folder from git, or set LONGREACH_FIXTURES."
     )
 
 
