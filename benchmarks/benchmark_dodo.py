@@ -38,6 +38,8 @@ import time
 
 import torch
 
+from longreach.modeling.input_checks import cache_of
+
 SIZES = dict(
     vocab_size=1024,
     hidden_size=256,
@@ -78,12 +80,12 @@ def run(lengths: list[int], steps: int, rounds: int, warmup: int, device: str) -
         token = torch.randint(3, SIZES["vocab_size"], (1, 1), device=device)
         with torch.no_grad():
             start = time.perf_counter()
-            full = model(torch.cat([context, prompt], 1), use_cache=True, logits_to_keep=1).past_key_values
+            full = cache_of(model(torch.cat([context, prompt], 1), use_cache=True, logits_to_keep=1))
             full_prefill = time.perf_counter() - start
             start = time.perf_counter()
             nuggets = model.compress(context)
             compress_time = time.perf_counter() - start
-            dodo = model(prompt, nuggets=nuggets, use_cache=True, logits_to_keep=1).past_key_values
+            dodo = cache_of(model(prompt, nuggets=nuggets, use_cache=True, logits_to_keep=1))
             k = nuggets.mask.shape[1]
             full_mask = torch.ones(1, length + PROMPT_LENGTH + 1, dtype=torch.long, device=device)
             dodo_mask = torch.ones(1, PROMPT_LENGTH + 1, dtype=torch.long, device=device)

@@ -7,6 +7,7 @@ from torch import nn
 from transformers import GenerationMixin, PreTrainedModel, T5Config
 from transformers import initialization as init
 
+from longreach.modeling.input_checks import take_cache_argument
 from longreach.modeling.t5_blocks import T5DecoderStack, T5EncoderStack, T5Seq2SeqLMMixin, init_t5_module
 
 
@@ -35,6 +36,7 @@ class BlocksT5ForConditionalGeneration(T5Seq2SeqLMMixin, PreTrainedModel, Genera
     def forward(self, input_ids=None, attention_mask=None, decoder_input_ids=None, decoder_attention_mask=None,
                 encoder_outputs=None, past_key_values=None, labels=None, use_cache=None, output_attentions=None,
                 output_hidden_states=None, return_dict=None, **kwargs):
+        past_key_values = take_cache_argument(past_key_values, kwargs)
         if encoder_outputs is None:
             encoder_outputs = self.encoder(input_ids=input_ids, attention_mask=attention_mask)
         return self._lm_head_output(

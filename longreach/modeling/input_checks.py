@@ -77,3 +77,19 @@ def pad_right(rows: list[list[int]], pad_token_id: int) -> tuple[torch.Tensor, t
         input_ids[row, : len(ids)] = torch.as_tensor(ids, dtype=torch.long)
         attention_mask[row, : len(ids)] = 1
     return input_ids, attention_mask
+
+
+def take_cache_argument(past_key_values, kwargs: dict):
+    """The key/value cache a model's ``forward`` was given: transformers >= 5.24 passes it as ``cache`` (its
+    ``generate()`` uses that name), earlier 5.x releases as ``past_key_values`` (accepted until transformers 5.40).
+    ``cache`` is removed from ``kwargs``."""
+    cache = kwargs.pop("cache", None)
+    if cache is not None and past_key_values is not None:
+        raise ValueError("Pass the key/value cache once, as `cache` (or the older name `past_key_values`), not both.")
+    return cache if cache is not None else past_key_values
+
+
+def cache_of(output) -> object:
+    """The cache held by a transformers model output: ``output.cache`` from transformers 5.24 on,
+    ``output.past_key_values`` before (read without the deprecation warning of the old name)."""
+    return output.get("cache", output.get("past_key_values"))

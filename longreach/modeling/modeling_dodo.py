@@ -26,6 +26,7 @@ the chunk, top-k by ratio or threshold Λ) and the θ states of the remaining τ
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 import math
 import os
@@ -48,8 +49,12 @@ from transformers.models.llama.modeling_llama import LlamaModel, LlamaPreTrained
 from transformers.utils import ModelOutput
 
 from ..configuration.configuration_dodo import DodoLlamaConfig
-from .input_checks import check_mask, check_rows_not_empty, check_token_ids, describe, pad_right
+from .input_checks import check_mask, check_rows_not_empty, check_token_ids, describe, pad_right, take_cache_argument
 from .remote_code import HubReadyMixin
+
+#: The name of ``LlamaModel.forward``'s key/value cache argument: ``cache`` from transformers 5.24 on (which deprecates
+#: the old name), ``past_key_values`` before.
+LLAMA_CACHE_ARGUMENT = "cache" if "cache" in inspect.signature(LlamaModel.forward).parameters else "past_key_values"
 
 #: The paper's summarization prompt (Appendix D.3): ``[INST]\n$DOCUMENT\nPlease summarize the above document in one
 #: sentence.\n[/INST]``. The part before the document is compressed with it; the rest is the decoder prompt.
@@ -335,7 +340,10 @@ def _checkpoint_decoder_layer(layer: nn.Module, checkpoint_function, layer_forwa
     """
     if not torch.is_grad_enabled():  # e.g. generate() on a model left in train mode: nothing to save memory for
         return layer_forward(*args)
-    cache = layer_forward.keywords.get("past_key_values")
+    # transformers >= 5.24 hands the layers the cache as `cache`, earlier 5.x as `past_key_values`
+    cache_keyword = next((name for name in ("cache", "past_key_values") if name in layer_forward.keywords),
+                         LLAMA_CACHE_ARGUMENT)
+    cache = layer_forward.keywords.get(cache_keyword)
     attention_mask = layer_forward.keywords.get("attention_mask")
     layer_idx = layer.self_attn.layer_idx
     lora_layers = [module for module in layer.modules() if isinstance(module, BaseTunerLayer)]
@@ -347,7 +355,7 @@ def _checkpoint_decoder_layer(layer: nn.Module, checkpoint_function, layer_forwa
     def run(attention_mask, prefix_keys, prefix_values, *args):
         key_values = None if cache is None else _LayerKeyValues(prefix_keys, prefix_values)
         with _adapter_activated(lora_layers, adapter):
-            hidden_states = layer_forward(*args, attention_mask=attention_mask, past_key_values=key_values)
+            hidden_states = layer_forward(*args, attention_mask=attention_mask, **{cache_keyword: key_values})
         return hidden_states if key_values is None else (hidden_states, key_values.new_keys, key_values.new_values)
 
     outputs = checkpoint_function(run, attention_mask, prefix_keys, prefix_values, *args)
@@ -718,7 +726,7 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
             inputs_embeds=embeds,
             attention_mask=attention,
             position_ids=positions,
-            past_key_values=cache,
+            **{LLAMA_CACHE_ARGUMENT: cache},
             use_cache=False,  # the cache is ours and passed explicitly: `use_cache` would only make LlamaModel create one
         )
         token_key_values = [(layer.keys[:, :, -length:], layer.values[:, :, -length:]) for layer in cache.layers]
@@ -775,7 +783,7 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
             inputs_embeds=nugget_embeds,
             attention_mask=bias,
             position_ids=positions.gather(1, indices),
-            past_key_values=context_cache,
+            **{LLAMA_CACHE_ARGUMENT: context_cache},
             use_cache=False,  # as in `_compress`: the cache is ours
         )
         return tuple((layer.keys[:, :, -count:], layer.values[:, :, -count:]) for layer in context_cache.layers)
@@ -900,7 +908,7 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
             inputs_embeds=embeds,
             attention_mask=attention,
             position_ids=positions,
-            past_key_values=cache,
+            **{LLAMA_CACHE_ARGUMENT: cache},
             use_cache=False,  # as in `_compress`
             **model_kwargs,
         )
@@ -1028,6 +1036,7 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
         In autoregressive mode the tokens are processed in blocks between compressions and no `hidden_states` or
         `attentions` are returned.
         """
+        past_key_values = take_cache_argument(past_key_values, kwargs)
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Pass exactly one of `input_ids` and `inputs_embeds` (the decoder tokens).")
         check_token_ids("input_ids", input_ids)
@@ -1151,6 +1160,7 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
     ):
         """Slice by the tokens the cache has *seen* (not by its length, which counts nugget and soft-prompt slots) and
         pass explicit decoder positions ``k_b + soft + index among real tokens`` (hf-integration §1.4)."""
+        past_key_values = take_cache_argument(past_key_values, kwargs)
         batch = input_ids.shape[0]
         if attention_mask is None:  # generate drops an all-ones mask
             attention_mask = torch.ones_like(input_ids)

@@ -24,7 +24,7 @@ from transformers.modeling_outputs import BaseModelOutput, Seq2SeqLMOutput, Seq2
 from transformers.modeling_utils import PreTrainedModel
 
 from ..configuration.configuration_locost import LocostConfig
-from .input_checks import check_mask, check_token_ids
+from .input_checks import check_mask, check_token_ids, take_cache_argument
 from .remote_code import HubReadyMixin
 from .ssm import BidirectionalS4DConvolution
 from .t5_blocks import (
@@ -227,6 +227,7 @@ class LocostModel(_LocostSeq2Seq):
         return_dict: bool | None = None,
         **kwargs,
     ) -> Seq2SeqModelOutput:
+        past_key_values = take_cache_argument(past_key_values, kwargs)
         output_hidden_states = bool(output_hidden_states if output_hidden_states is not None
                                     else self.config.output_hidden_states)
         check_token_ids("decoder_input_ids", decoder_input_ids)
@@ -290,6 +291,7 @@ class LocostForConditionalGeneration(_LocostSeq2Seq, GenerationMixin):
         labels (`torch.LongTensor` of shape `(batch, target_length)`): target ids, -100 where ignored; the decoder
             inputs are derived from them (shift right) when `decoder_input_ids` is not given.
         """
+        past_key_values = take_cache_argument(past_key_values, kwargs)
         output_hidden_states = bool(output_hidden_states if output_hidden_states is not None
                                     else self.config.output_hidden_states)
         if use_cache is None:

@@ -31,7 +31,7 @@ from transformers.modeling_outputs import (
 )
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from .input_checks import cut_to_length, pad_right
+from .input_checks import cache_of, cut_to_length, pad_right
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Norm and feed-forward
@@ -656,7 +656,7 @@ class T5Seq2SeqLMMixin:
         )
         return output_class(
             last_hidden_state=decoder_outputs.last_hidden_state,
-            past_key_values=decoder_outputs.past_key_values,
+            past_key_values=cache_of(decoder_outputs),
             decoder_hidden_states=decoder_outputs.hidden_states,
             decoder_attentions=decoder_outputs.attentions,
             cross_attentions=decoder_outputs.cross_attentions,
@@ -706,7 +706,7 @@ class T5Seq2SeqLMMixin:
         return output_class(
             loss=loss,
             logits=logits,
-            past_key_values=decoder_outputs.past_key_values,
+            past_key_values=cache_of(decoder_outputs),
             decoder_hidden_states=decoder_outputs.hidden_states,
             decoder_attentions=decoder_outputs.attentions,
             cross_attentions=decoder_outputs.cross_attentions,
