@@ -59,6 +59,16 @@ class LocostConfig(PreTrainedConfig):
         ssm_kernel_chunk_size (`int`, defaults to 256):
             Largest number of lags per chunk when computing the SSM kernel (chunks of about √L lags are used below
             it). Bounds the kernel's intermediate memory, O(d_model · d_state/2 · chunk), whatever the input length.
+        ssm_kernel_cache_lengths (`int`, defaults to 2), ssm_kernel_cache_bytes (`int`, defaults to 33554432):
+            Inference kernel cache of each encoder layer (eval mode, no gradient through the SSM parameters): the FFT
+            of the SSM kernel of up to `ssm_kernel_cache_lengths` most recent input lengths, at most
+            `ssm_kernel_cache_bytes` per layer (32 MiB: lengths up to about 5.4K tokens at d_model 768, 384 MiB over
+            the 12 released layers). Any parameter change or `.train()` invalidates it. 0 turns it off.
+        encoder_chunk_length (`int`, *optional*, defaults to 65536):
+            Without autograd, inputs longer than this are encoded in pieces: projections, gate and feed-forward over
+            chunks of this many positions and the FFT convolution over groups of channels, writing the residual stream
+            in place (about two [batch, length, d_model] float tensors at a time, the released model encodes 1M
+            tokens). Same function as the one-piece path up to float rounding. `None` never chunks.
         ssm_authors_fft_size (`bool`, defaults to `False`):
             Reproduce the authors' CUDA fast path (`use_fast_fft_conv=True` in their configs): an FFT size rounded to
             a power of two, which is a *different function* whenever the (even-padded) length is not a power of two
@@ -112,6 +122,9 @@ class LocostConfig(PreTrainedConfig):
     ssm_dt_min: float = 1e-3
     ssm_dt_max: float = 1e-1
     ssm_kernel_chunk_size: int = 256
+    ssm_kernel_cache_lengths: int = 2
+    ssm_kernel_cache_bytes: int = 32 * 2**20
+    encoder_chunk_length: int | None = 65536
     ssm_authors_fft_size: bool = False
     is_encoder_decoder: bool = True
     use_cache: bool = True
@@ -142,6 +155,13 @@ class LocostConfig(PreTrainedConfig):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"`{name}` must be a positive integer, got {value!r}.")
+        for name in ("ssm_kernel_cache_lengths", "ssm_kernel_cache_bytes"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 0:
+                raise ValueError(f"`{name}` must be a non-negative integer (0 turns the kernel cache off), got {value!r}.")
+        chunk = self.encoder_chunk_length
+        if chunk is not None and (not isinstance(chunk, int) or chunk < 1):
+            raise ValueError(f"`encoder_chunk_length` must be a positive integer or None, got {chunk!r}.")
         if not 0 < self.ssm_dt_min <= self.ssm_dt_max:
             raise ValueError(
                 f"`ssm_dt_min` and `ssm_dt_max` must satisfy 0 < min <= max, got {self.ssm_dt_min} and {self.ssm_dt_max}."

@@ -59,6 +59,8 @@ class LocostGatedSSM(nn.Module):
             dt_max=config.ssm_dt_max,
             kernel_chunk_size=config.ssm_kernel_chunk_size,
             authors_fft_size=config.ssm_authors_fft_size,
+            kernel_cache_lengths=config.ssm_kernel_cache_lengths,
+            kernel_cache_bytes=config.ssm_kernel_cache_bytes,
         )
         self.out_proj = nn.Linear(config.d_model, config.d_model)
         for linear in (self.k_proj, self.out_proj, getattr(self, "q_proj", None)):

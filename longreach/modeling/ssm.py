@@ -13,6 +13,13 @@ The two kernels are packed into one circular kernel of period 2L (K_0 at lags 0.
 applied with a real FFT of exactly 2L points: this is the authors' exact path (``fftconv_ref``). Their CUDA path rounds
 the FFT size to a power of two, which computes a different function for most lengths; we do not reproduce it.
 
+Kernel cache: in inference (``eval()`` and no gradient wanted for the SSM parameters) the kernel spectra of the
+last lengths used are kept per layer, so a batch of documents or repeated ``generate()`` calls at one padded length
+compute them once. The cache is a small LRU bounded by ``kernel_cache_lengths`` entries and ``kernel_cache_bytes``
+bytes (a spectrum larger than the byte cap is never kept); it is keyed on each parameter's storage, in-place version
+counter, dtype and device, so any parameter edit (in-place, ``load_state_dict``, ``.to()``) misses it, and it is
+emptied by ``.train()``.
+
 Memory and time: the authors materialise exp(ΔA·l) as [H, N/2, L] (51 GB at the released size and 16K tokens, and
 L complex exponentials per mode). We split the lags into chunks l = l0 + j and use exp(ΔA·(l0 + j)) =
 exp(ΔA·l0) · exp(ΔA·j): about 2√L exponentials per mode, one real batched matmul per block of 16 channels, and
@@ -22,6 +29,7 @@ exp(ΔA·l0) · exp(ΔA·j): about 2√L exponentials per mode, one real batched
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 
 import torch
 from torch import nn
@@ -81,7 +89,8 @@ class BidirectionalS4DConvolution(Float32ParametersModule):
     """
 
     def __init__(self, channels: int, d_state: int, bidirectional: bool = True, dt_min: float = 1e-3,
-                 dt_max: float = 1e-1, kernel_chunk_size: int = 256, authors_fft_size: bool = False):
+                 dt_max: float = 1e-1, kernel_chunk_size: int = 256, authors_fft_size: bool = False,
+                 kernel_cache_lengths: int = 2, kernel_cache_bytes: int = 32 * 2**20):
         super().__init__()
         if d_state < 2 or d_state % 2:
             raise ValueError(f"`d_state` must be a positive even number (N/2 complex modes are stored), got {d_state}.")
@@ -91,6 +100,8 @@ class BidirectionalS4DConvolution(Float32ParametersModule):
         self.dt_min, self.dt_max = dt_min, dt_max
         self.kernel_chunk_size = kernel_chunk_size
         self.authors_fft_size = authors_fft_size
+        self.kernel_cache_lengths, self.kernel_cache_bytes = kernel_cache_lengths, kernel_cache_bytes
+        self._kernel_cache: OrderedDict[tuple, torch.Tensor] = OrderedDict()  # (length, FFT size, params) -> rfft
         self.C = nn.Parameter(torch.empty(directions, channels, modes, 2))
         self.B = nn.Parameter(torch.empty(channels, modes, 2))
         self.inv_A_real = nn.Parameter(torch.empty(channels, modes))
@@ -126,6 +137,52 @@ class BidirectionalS4DConvolution(Float32ParametersModule):
         dtA = dt[:, None] * A
         C_hat = C * (B * (torch.exp(dtA) - 1.0) / A)
         return dtA, C_hat
+
+    def _apply(self, fn, recurse=True):
+        self._kernel_cache.clear()  # device or dtype moves
+        return super()._apply(fn, recurse)
+
+    def train(self, mode: bool = True):
+        self._kernel_cache.clear()  # a training step changes the parameters
+        return super().train(mode)
+
+    def _kernel_parameters(self) -> tuple[torch.Tensor, ...]:
+        return self.C, self.B, self.inv_A_real, self.A_imag, self.log_dt
+
+    def _cacheable(self) -> bool:
+        """Inference only: eval mode, and no autograd graph wanted through the kernel."""
+        if self.training or self.kernel_cache_lengths < 1 or self.kernel_cache_bytes < 1:
+            return False
+        return not (torch.is_grad_enabled() and any(p.requires_grad for p in self._kernel_parameters()))
+
+    def kernel_spectrum(self, length: int, fft_size: int) -> torch.Tensor:
+        """``rfft(circular_kernel(length), n=fft_size)`` [H, fft_size//2 + 1], from the kernel cache when allowed."""
+        if not self._cacheable():
+            return torch.fft.rfft(self.circular_kernel(length), n=fft_size)
+        parameters = tuple(
+            (p.data_ptr(), p._version, p.dtype, p.device) for p in self._kernel_parameters()
+        )
+        key = (length, fft_size, parameters)
+        spectrum = self._kernel_cache.get(key)
+        # an inference-mode tensor cannot be saved for backward: recompute it when autograd records
+        if spectrum is not None and not (spectrum.is_inference() and torch.is_grad_enabled()
+                                         and not torch.is_inference_mode_enabled()):
+            self._kernel_cache.move_to_end(key)
+            return spectrum
+        spectrum = torch.fft.rfft(self.circular_kernel(length), n=fft_size)
+        self._kernel_cache.pop(key, None)
+        for stale in [k for k in self._kernel_cache if k[2] != parameters]:
+            del self._kernel_cache[stale]  # parameters changed: the old spectra are wrong now
+        size = spectrum.numel() * spectrum.element_size()
+        if size <= self.kernel_cache_bytes:
+            self._kernel_cache[key] = spectrum
+            while len(self._kernel_cache) > self.kernel_cache_lengths or self.kernel_cache_nbytes() > self.kernel_cache_bytes:
+                self._kernel_cache.popitem(last=False)
+        return spectrum
+
+    def kernel_cache_nbytes(self) -> int:
+        """Bytes held by the kernel cache of this layer."""
+        return sum(t.numel() * t.element_size() for t in self._kernel_cache.values())
 
     def kernel(self, length: int) -> torch.Tensor:
         """``K [directions, H, length]`` (float32): K_c[h, l] = 2·Re Σ_n Ĉ_chn exp(ΔA_hn·l), computed in chunks of lags.
@@ -172,7 +229,7 @@ class BidirectionalS4DConvolution(Float32ParametersModule):
         if self.authors_fft_size:
             return self._authors_fft_size_forward(signal).transpose(1, 2).to(x.dtype)
         fft_size = 2 * length  # the period of the packed kernel: exactly the bidirectional convolution
-        kernel_f = torch.fft.rfft(self.circular_kernel(length), n=fft_size)
+        kernel_f = self.kernel_spectrum(length, fft_size)
         y = torch.fft.irfft(torch.fft.rfft(signal, n=fft_size) * kernel_f, n=fft_size)[..., :length]
         y = y + signal * self.D.float()[:, None]
         return y.transpose(1, 2).to(x.dtype)
@@ -187,6 +244,6 @@ class BidirectionalS4DConvolution(Float32ParametersModule):
         length = signal.shape[-1]
         even_length = length + length % 2
         fft_size = max(2 * 2 ** math.ceil(math.log2(even_length)), 16)
-        kernel_f = torch.fft.rfft(self.circular_kernel(even_length), n=fft_size)
+        kernel_f = self.kernel_spectrum(even_length, fft_size)
         y = torch.fft.irfft(torch.fft.rfft(signal, n=fft_size) * kernel_f, n=fft_size)[..., :length]
         return y + signal * self.D.float()[:, None]

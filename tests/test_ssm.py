@@ -1,0 +1,90 @@
+"""The S4D convolution's inference kernel cache: reuse, invalidation, bounds, and unchanged outputs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from longreach.modeling.ssm import BidirectionalS4DConvolution
+
+
+def counting_conv(**kwargs) -> tuple[BidirectionalS4DConvolution, list[int]]:
+    torch.manual_seed(0)
+    conv = BidirectionalS4DConvolution(8, 8, **kwargs).eval()
+    calls = []
+    compute = conv.kernel
+
+    def kernel(length):
+        calls.append(length)
+        return compute(length)
+
+    conv.kernel = kernel
+    return conv, calls
+
+
+def test_repeated_forwards_compute_the_kernel_once_and_match_the_uncached_path():
+    conv, calls = counting_conv()
+    x = torch.randn(2, 12, 8)
+    with torch.no_grad():
+        first = conv(x)
+        second = conv(x)
+        conv.kernel_cache_lengths = 0  # off: the reference path
+        reference = conv(x)
+    assert calls == [12, 12]
+    assert torch.equal(first, reference) and torch.equal(second, reference)
+
+
+def test_other_lengths_recompute_and_the_lru_keeps_the_most_recent():
+    conv, calls = counting_conv(kernel_cache_lengths=2)
+    with torch.no_grad():
+        for length in (5, 6, 5, 7, 6, 5):
+            conv(torch.randn(1, length, 8))
+    # 5, 6 computed; 5 hit; 7 evicts 6; 6 evicts 5; 5 recomputed
+    assert calls == [5, 6, 7, 6, 5]
+    assert sorted(key[0] for key in conv._kernel_cache) == [5, 6]
+
+
+def test_byte_cap_bounds_the_cache():
+    one_spectrum = 8 * (2 * 16 // 2 + 1) * 8  # H · (L+1) complex64 at L = 16
+    conv, calls = counting_conv(kernel_cache_lengths=10, kernel_cache_bytes=one_spectrum)
+    with torch.no_grad():
+        conv(torch.randn(1, 16, 8))
+        conv(torch.randn(1, 15, 8))
+        assert conv.kernel_cache_nbytes() <= one_spectrum and len(conv._kernel_cache) == 1
+        conv(torch.randn(1, 40, 8))  # larger than the cap: never kept
+        conv(torch.randn(1, 40, 8))
+    assert calls == [16, 15, 40, 40]
+    assert conv.kernel_cache_nbytes() <= one_spectrum
+
+
+@pytest.mark.parametrize("edit", ["in_place", "load_state_dict", "train", "grad_enabled"])
+def test_parameter_changes_and_training_invalidate(edit):
+    conv, calls = counting_conv()
+    x = torch.randn(1, 10, 8)
+    with torch.no_grad():
+        conv(x)
+    if edit == "in_place":
+        with torch.no_grad():
+            conv.log_dt.add_(0.1)
+    elif edit == "load_state_dict":
+        state = {name: value.clone() for name, value in conv.state_dict().items()}
+        state["A_imag"] += 0.5
+        conv.load_state_dict(state)
+    elif edit == "train":
+        conv.train()
+    if edit == "grad_enabled":  # eval, but autograd needs the kernel's graph: computed, not cached
+        out = conv(x)
+        out.sum().backward()
+        assert conv.log_dt.grad is not None
+        with torch.no_grad():
+            conv(x)
+        assert calls == [10, 10]
+        return
+    with torch.no_grad():
+        out = conv(x)
+    assert calls == [10, 10]
+    conv.kernel_cache_lengths = 0
+    with torch.no_grad():
+        assert torch.equal(out, conv(x))  # the fresh kernel, not the stale one
+    if edit == "train":
+        assert conv._cacheable() is False
