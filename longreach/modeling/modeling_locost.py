@@ -98,6 +98,32 @@ class LocostEncoderBlock(GradientCheckpointingLayer):
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         return self.layer[1](self.layer[0](hidden_states, attention_mask))
 
+    @torch.no_grad()
+    def forward_in_pieces_(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor, piece_length: int) -> None:
+        """``forward`` for long inputs without autograd, updating ``hidden_states`` in place.
+
+        Norms, projections, gate and feed-forward run over ``piece_length`` positions at a time, the convolution over
+        groups of channels of about the same number of elements; one extra [B, L, H] buffer holds k, then the
+        convolution's output.
+        """
+        ssm_layer, ff_layer = self.layer
+        ssm = ssm_layer.ssm
+        batch, length, width = hidden_states.shape
+        pieces = [slice(start, start + piece_length) for start in range(0, length, piece_length)]
+        mask = attention_mask[:, :, None].to(hidden_states.dtype)
+        k = torch.empty_like(hidden_states)
+        for piece in pieces:
+            k[:, piece] = ssm.k_proj(ssm_layer.layer_norm(hidden_states[:, piece])) * mask[:, piece]
+        ssm.conv.convolve_in_channel_groups_(k, group=max(1, piece_length * width // (batch * length)))
+        for piece in pieces:
+            y = k[:, piece]
+            if ssm.gating:
+                y = ssm.q_proj(ssm_layer.layer_norm(hidden_states[:, piece])) * y
+            hidden_states[:, piece] += ssm_layer.dropout(ssm.out_proj(y))
+        del k
+        for piece in pieces:
+            hidden_states[:, piece] = ff_layer(hidden_states[:, piece])
+
 
 class LocostEncoder(nn.Module):
     """embedding -> dropout -> SSM blocks -> RMSNorm -> dropout. The attention mask is applied in every block."""
@@ -110,6 +136,7 @@ class LocostEncoder(nn.Module):
         self.block = nn.ModuleList([LocostEncoderBlock(config) for _ in range(config.num_layers)])
         self.final_layer_norm = T5LayerNorm(config.d_model, eps=config.layer_norm_epsilon)
         self.dropout = nn.Dropout(config.dropout_rate)
+        self.chunk_length = config.encoder_chunk_length
 
     def forward(
         self,
@@ -126,6 +153,7 @@ class LocostEncoder(nn.Module):
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Pass exactly one of `input_ids` and `inputs_embeds` to the LOCOST encoder.")
         check_token_ids("input_ids", input_ids)
+        callers_embeddings = inputs_embeds is not None
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
         elif inputs_embeds.dim() != 3 or inputs_embeds.shape[1] == 0:
@@ -138,11 +166,24 @@ class LocostEncoder(nn.Module):
 
         hidden_states = self.dropout(inputs_embeds)
         all_hidden = [] if output_hidden_states else None
-        for block in self.block:
-            if all_hidden is not None:
-                all_hidden.append(hidden_states)
-            hidden_states = block(hidden_states, attention_mask)
-        hidden_states = self.dropout(self.final_layer_norm(hidden_states))
+        length = hidden_states.shape[1]
+        if self.chunk_length is not None and length > self.chunk_length and not torch.is_grad_enabled():
+            # long input: pieces written in place (see LocostConfig.encoder_chunk_length)
+            if callers_embeddings and hidden_states is inputs_embeds:
+                hidden_states = hidden_states.clone()  # never write into the caller's tensor
+            for block in self.block:
+                if all_hidden is not None:
+                    all_hidden.append(hidden_states.clone())
+                block.forward_in_pieces_(hidden_states, attention_mask, self.chunk_length)
+            for start in range(0, length, self.chunk_length):
+                piece = slice(start, start + self.chunk_length)
+                hidden_states[:, piece] = self.dropout(self.final_layer_norm(hidden_states[:, piece]))
+        else:
+            for block in self.block:
+                if all_hidden is not None:
+                    all_hidden.append(hidden_states)
+                hidden_states = block(hidden_states, attention_mask)
+            hidden_states = self.dropout(self.final_layer_norm(hidden_states))
         if all_hidden is not None:
             all_hidden.append(hidden_states)
         output = BaseModelOutput(

@@ -184,7 +184,7 @@ class BidirectionalS4DConvolution(Float32ParametersModule):
         """Bytes held by the kernel cache of this layer."""
         return sum(t.numel() * t.element_size() for t in self._kernel_cache.values())
 
-    def kernel(self, length: int) -> torch.Tensor:
+    def kernel(self, length: int, channels: slice = slice(None)) -> torch.Tensor:
         """``K [directions, H, length]`` (float32): K_c[h, l] = 2·Re Σ_n Ĉ_chn exp(ΔA_hn·l), computed in chunks of lags.
 
         With l = l0 + j (chunk starts l0, offsets j < chunk): exp(ΔA·l) = exp(ΔA·l0) · exp(ΔA·j). A chunk of about
@@ -196,54 +196,65 @@ class BidirectionalS4DConvolution(Float32ParametersModule):
         pass over all channels. On accelerators all channels go in one block (fewer kernel launches; not measured).
         """
         dtA, C_hat = self.discretized()
+        dtA, C_hat = dtA[channels], C_hat[:, channels]
         chunk = max(1, min(self.kernel_chunk_size, math.isqrt(length - 1) + 1))
         num_chunks = -(-length // chunk)
         offsets = torch.arange(chunk, device=dtA.device, dtype=torch.float32)
         starts = torch.arange(num_chunks, device=dtA.device, dtype=torch.float32) * chunk
-        block = KERNEL_CHANNEL_BLOCK if dtA.device.type == "cpu" else self.channels
-        kernel = dtA.real.new_empty(C_hat.shape[0], self.channels, length)
-        for first in range(0, self.channels, block):  # written in place: one [directions, H, L] tensor
+        width = dtA.shape[0]
+        block = KERNEL_CHANNEL_BLOCK if dtA.device.type == "cpu" else width
+        kernel = dtA.real.new_empty(C_hat.shape[0], width, length)
+        for first in range(0, width, block):  # written in place: one [directions, H, L] tensor
             last = first + block
             kernel[:, first:last] = _kernel_block(dtA[first:last], C_hat[:, first:last], offsets, starts)[..., :length]
         return kernel
 
-    def circular_kernel(self, length: int) -> torch.Tensor:
+    def circular_kernel(self, length: int, channels: slice = slice(None)) -> torch.Tensor:
         """The packed kernel ``[H, 2·length]`` of period 2L: causal lags at [0, L), 0 at L, anti-causal lags L−1..1 after.
 
         Column 0 holds K_0[0] + K_1[0] (the authors' ``make_bidirectional``). Unidirectional: K_0 zero-padded.
         """
-        kernels = self.kernel(length)
+        kernels = self.kernel(length, channels)
         causal = kernels[0]
         if not self.bidirectional:
             return nn.functional.pad(causal, (0, length))
         anti_causal = kernels[1]
-        zero = causal.new_zeros(self.channels, 1)
+        zero = causal.new_zeros(causal.shape[0], 1)
         return torch.cat(
             [causal[:, :1] + anti_causal[:, :1], causal[:, 1:], zero, anti_causal[:, 1:].flip(-1)], dim=-1
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x [B, L, H]`` (any float dtype) -> ``y [B, L, H]`` in x's dtype; FFT and kernel in float32."""
-        length = x.shape[1]
-        signal = x.float().transpose(1, 2)  # [B, H, L]
-        if self.authors_fft_size:
-            return self._authors_fft_size_forward(signal).transpose(1, 2).to(x.dtype)
-        fft_size = 2 * length  # the period of the packed kernel: exactly the bidirectional convolution
-        kernel_f = self.kernel_spectrum(length, fft_size)
-        y = torch.fft.irfft(torch.fft.rfft(signal, n=fft_size) * kernel_f, n=fft_size)[..., :length]
-        y = y + signal * self.D.float()[:, None]
-        return y.transpose(1, 2).to(x.dtype)
+        return self._convolve(x.float().transpose(1, 2)).transpose(1, 2).to(x.dtype)
 
-    def _authors_fft_size_forward(self, signal: torch.Tensor) -> torch.Tensor:
-        """The authors' CUDA ``fftconv`` path (``use_fast_fft_conv=True``), reproduced for bit-compatibility only.
+    @torch.no_grad()
+    def convolve_in_channel_groups_(self, x: torch.Tensor, group: int) -> torch.Tensor:
+        """``forward`` without autograd, ``group`` channels at a time, written over ``x [B, L, H]`` in place.
 
-        It pads an odd L by one zero step, then convolves with an FFT of ``max(2·2^⌈log2 L⌉, 16)`` points although
-        the packed kernel has period 2L: whenever that size differs from 2L, anti-causal lags land in the wrong place
-        or vanish. Not the architecture's function; see LocostConfig.ssm_authors_fft_size.
+        The FFT buffers then hold ``group`` channels instead of H (the long-input path of the LOCOST encoder).
         """
+        for first in range(0, self.channels, group):
+            channels = slice(first, first + group)
+            y = self._convolve(x[:, :, channels].float().transpose(1, 2), channels)
+            x[:, :, channels] = y.transpose(1, 2).to(x.dtype)
+        return x
+
+    def _convolve(self, signal: torch.Tensor, channels: slice = slice(None)) -> torch.Tensor:
+        """``signal [B, h, L]`` float32 of the given channels -> ``[B, h, L]``."""
         length = signal.shape[-1]
-        even_length = length + length % 2
-        fft_size = max(2 * 2 ** math.ceil(math.log2(even_length)), 16)
-        kernel_f = self.kernel_spectrum(even_length, fft_size)
+        if self.authors_fft_size:
+            # The authors' CUDA fftconv path (use_fast_fft_conv=True), for bit-compatibility only: an odd L is padded
+            # by one zero step, then the FFT has max(2·2^⌈log2 L⌉, 16) points although the packed kernel has period
+            # 2L, so anti-causal lags land in the wrong place or vanish whenever the two differ (see
+            # LocostConfig.ssm_authors_fft_size). Not the architecture's function.
+            kernel_length = length + length % 2
+            fft_size = max(2 * 2 ** math.ceil(math.log2(kernel_length)), 16)
+        else:
+            kernel_length, fft_size = length, 2 * length  # the period of the packed kernel: exact convolution
+        if channels == slice(None):
+            kernel_f = self.kernel_spectrum(kernel_length, fft_size)
+        else:  # a group of channels (long inputs): not cached
+            kernel_f = torch.fft.rfft(self.circular_kernel(kernel_length, channels), n=fft_size)
         y = torch.fft.irfft(torch.fft.rfft(signal, n=fft_size) * kernel_f, n=fft_size)[..., :length]
-        return y + signal * self.D.float()[:, None]
+        return y + signal * self.D.float()[channels, None]

@@ -1,0 +1,67 @@
+"""LOCOST's long-input encoder path (config.encoder_chunk_length): pieces along the sequence and channel groups for
+the convolution, in place, without autograd; it must compute the same function as the one-piece path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from longreach import LocostConfig
+from longreach.modeling.modeling_locost import LocostEncoder, LocostEncoderBlock
+
+TINY = dict(d_model=16, d_state=8, d_kv=4, d_ff=24, num_layers=2, num_heads=4, vocab_size=50)
+
+
+def tiny_encoder(**overrides) -> LocostEncoder:
+    torch.manual_seed(0)
+    config = LocostConfig(**TINY, **overrides)
+    return LocostEncoder(config, torch.nn.Embedding(config.vocab_size, config.d_model)).eval()
+
+
+@pytest.mark.parametrize("overrides", [{}, {"bidirectional": False, "gating": False}, {"ssm_authors_fft_size": True}])
+def test_chunked_path_equals_the_one_piece_path(monkeypatch, overrides):
+    encoder = tiny_encoder(encoder_chunk_length=None, **overrides)
+    input_ids = torch.randint(2, 50, (2, 29))
+    attention_mask = torch.ones(2, 29, dtype=torch.long)
+    attention_mask[0, 20:] = 0  # right padding
+    attention_mask[1, :3] = 0  # left padding
+    with torch.no_grad():
+        reference = encoder(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True)
+
+    pieces_calls = []
+    forward_in_pieces = LocostEncoderBlock.forward_in_pieces_
+
+    def spy(self, hidden_states, mask, piece_length):
+        pieces_calls.append(piece_length)
+        return forward_in_pieces(self, hidden_states, mask, piece_length)
+
+    monkeypatch.setattr(LocostEncoderBlock, "forward_in_pieces_", spy)
+    encoder.chunk_length = 6  # 5 pieces; convolution in groups of 6·16 // (2·29) = 1 channel
+    embeds = encoder.embed_tokens(input_ids).detach()
+    embeds_before = embeds.clone()
+    with torch.no_grad():
+        chunked = encoder(inputs_embeds=embeds, attention_mask=attention_mask, output_hidden_states=True)
+    assert pieces_calls == [6, 6]
+    torch.testing.assert_close(chunked.last_hidden_state, reference.last_hidden_state, atol=1e-4, rtol=0)
+    assert len(chunked.hidden_states) == len(reference.hidden_states) == 3
+    for got, expected in zip(chunked.hidden_states, reference.hidden_states):
+        torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)
+    assert torch.equal(embeds, embeds_before)  # the caller's tensor is not written
+
+
+def test_chunked_path_only_without_autograd_and_above_the_threshold(monkeypatch):
+    encoder = tiny_encoder(encoder_chunk_length=8)
+    calls = []
+    monkeypatch.setattr(LocostEncoderBlock, "forward_in_pieces_", lambda *args: calls.append(args[-1]))
+    encoder(input_ids=torch.randint(2, 50, (1, 9)))  # autograd on: one piece
+    with torch.no_grad():
+        encoder(input_ids=torch.randint(2, 50, (1, 8)))  # not longer than the threshold
+    assert calls == []
+    with torch.no_grad():
+        encoder(input_ids=torch.randint(2, 50, (1, 9)))
+    assert calls == [8, 8]
+
+
+def test_encoder_chunk_length_is_validated():
+    with pytest.raises(ValueError, match="encoder_chunk_length.*got 0"):
+        LocostConfig(**TINY, encoder_chunk_length=0)
