@@ -57,8 +57,8 @@ class LocostConfig(PreTrainedConfig):
         ssm_dt_min (`float`, defaults to 1e-3), ssm_dt_max (`float`, defaults to 1e-1):
             Range of the log-uniform initialisation of the step size Δ (training from scratch only).
         ssm_kernel_chunk_size (`int`, defaults to 256):
-            Largest number of lags per chunk when computing the SSM kernel (chunks of about √L lags are used below
-            it). Bounds the kernel's intermediate memory, O(d_model · d_state/2 · chunk), whatever the input length.
+            Largest number of lags per chunk when computing the SSM kernel (below it, a power of two near
+            √(2L) lags for the bidirectional kernel). Bounds the kernel's intermediate memory, O(d_model · d_state/2 · chunk), whatever the input length.
         ssm_kernel_cache_lengths (`int`, defaults to 2), ssm_kernel_cache_bytes (`int`, defaults to 33554432):
             Inference kernel cache of each encoder layer (eval mode, no gradient through the SSM parameters): the FFT
             of the SSM kernel of up to `ssm_kernel_cache_lengths` most recent input lengths, at most

@@ -21,9 +21,12 @@ counter, dtype and device, so any parameter edit (in-place, ``load_state_dict``,
 emptied by ``.train()``.
 
 Memory and time: the authors materialise exp(ΔA·l) as [H, N/2, L] (51 GB at the released size and 16K tokens, and
-L complex exponentials per mode). We split the lags into chunks l = l0 + j and use exp(ΔA·(l0 + j)) =
-exp(ΔA·l0) · exp(ΔA·j): about 2√L exponentials per mode, one real batched matmul per block of 16 channels, and
-(without autograd) no tensor larger than O(16·N/2·√L) besides the [directions, H, L] kernel itself.
+L complex exponentials per mode). We split the lags into chunks l = l0 + j and use z^(l0 + j) = z^l0 · z^j with
+z = exp(ΔA): two exponentials per mode, the powers by doubling (one complex multiplication each, about
+(1 + directions)·√L per mode), one real batched matmul per block of 16 channels, and (without autograd) no tensor
+larger than O(16·N/2·√L) besides the [directions, H, L] kernel itself. At the released size on one CPU thread the
+kernel took 57 ms at 1K lags and 436 ms at 16K against 19 ms and 295 ms for a plain matmul of its multiply-adds
+(busy shared machine: noisy; ``benchmarks/run_all.py`` measures the ratio).
 """
 
 from __future__ import annotations
@@ -36,32 +39,48 @@ from torch import nn
 from transformers import initialization as init
 
 
-def _exp_real_imag(real: torch.Tensor, imag: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Real and imaginary parts of exp(real + i·imag), with real (vectorised) float32 operations."""
+def _exp_complex128(exponent: torch.Tensor) -> torch.Tensor:
+    """exp(exponent) in complex128 from real float64 exp/cos/sin (torch's complex ``exp`` is slow on CPU)."""
+    real, imag = exponent.real.double(), exponent.imag.double()
     magnitude = torch.exp(real)
-    return magnitude * torch.cos(imag), magnitude * torch.sin(imag)  # out of place: autograd keeps `magnitude`
+    return torch.complex(magnitude * torch.cos(imag), magnitude * torch.sin(imag))
 
 
-#: Channels whose kernels are computed together on CPU (see `BidirectionalS4DConvolution.kernel`); measured.
+def _square_powers(base: torch.Tensor, count: int) -> list[torch.Tensor]:
+    """``[base, base², base⁴, …]`` (count of them) by repeated squaring in complex128, returned in complex64."""
+    powers = [base]
+    for _ in range(count - 1):
+        powers.append(powers[-1] * powers[-1])
+    return [power.to(torch.complex64) for power in powers]
+
+
+def _geometric(first: torch.Tensor, ratio_powers: list[torch.Tensor], count: int, in_place: bool) -> torch.Tensor:
+    """``first · r^k`` for k < count along dim −2 (``first`` has size 1 there), ``ratio_powers[i] = r^(2^i)``.
+
+    Doubling: the first m terms times r^m give the next m, so every term is a product of at most log2(count) + 1
+    factors (relative error O(log(count)·ε)) and costs one complex multiplication. ``in_place`` fills one
+    preallocated tensor (no autograd); otherwise the pieces are concatenated.
+    """
+    if in_place:
+        terms = first.new_empty(*first.shape[:-2], count, first.shape[-1])
+        terms[..., :1, :] = first
+    else:
+        terms = first
+    filled = 1
+    for ratio in ratio_powers:
+        if filled >= count:
+            break
+        size = min(filled, count - filled)
+        if in_place:
+            torch.mul(terms[..., :size, :], ratio, out=terms[..., filled:filled + size, :])
+        else:
+            terms = torch.cat([terms, terms[..., :size, :] * ratio], dim=-2)
+        filled += size
+    return terms
+
+
+#: Channels whose kernels are computed together on CPU (see `BidirectionalS4DConvolution.kernel`).
 KERNEL_CHANNEL_BLOCK = 16
-
-
-def _kernel_block(dtA: torch.Tensor, C_hat: torch.Tensor, offsets: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
-    """2·Re Σ_n Ĉ_chn exp(ΔA_hn·(l0 + j)) for the channels of one block: ``[directions, h, chunks·chunk]``."""
-    channels, modes = dtA.shape
-    directions = C_hat.shape[0]
-    real, imag = dtA.real.contiguous(), dtA.imag.contiguous()
-    # P = exp(ΔA·j) as [h, N/2, chunk]; E = exp(ΔA·l0) as [h, chunks, N/2] (the layout of W's rows)
-    powers_real, powers_imag = _exp_real_imag(real[:, :, None] * offsets, imag[:, :, None] * offsets)
-    starts_real, starts_imag = _exp_real_imag(real[:, None, :] * starts[:, None], imag[:, None, :] * starts[:, None])
-    C_real, C_imag = C_hat.real[:, :, None, :], C_hat.imag[:, :, None, :]  # [directions, h, 1, N/2]
-    weights_real = C_real * starts_real - C_imag * starts_imag  # Re W  [directions, h, chunks, N/2]
-    weights_imag = C_real * starts_imag + C_imag * starts_real  # Im W
-    # 2·Re(W·P) = 2·[Re W, −Im W] @ [Re P; Im P]: one contiguous real matmul per channel.
-    left = torch.cat([weights_real, weights_imag.neg()], dim=-1).transpose(0, 1)  # [h, directions, chunks, N]
-    left = left.reshape(channels, directions * starts.shape[0], 2 * modes)
-    values = torch.bmm(left, torch.cat([powers_real, powers_imag], dim=1))  # [h, directions·chunks, chunk]
-    return 2.0 * values.view(channels, directions, -1).transpose(0, 1)
 
 
 class Float32ParametersModule(nn.Module):
@@ -130,13 +149,19 @@ class BidirectionalS4DConvolution(Float32ParametersModule):
 
     def discretized(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(ΔA [H, N/2], Ĉ [directions, H, N/2])`` in complex64."""
+        dtA, _, C_hat = self._discretized()
+        return dtA, C_hat
+
+    def _discretized(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """ΔA and Ĉ (complex64) and z = exp(ΔA) (complex128)."""
         dt = torch.exp(self.log_dt.float())
         A = torch.complex(-torch.exp(self.inv_A_real.float()), self.A_imag.float())
         B = torch.view_as_complex(self.B.float().contiguous())
         C = torch.view_as_complex(self.C.float().contiguous())
         dtA = dt[:, None] * A
-        C_hat = C * (B * (torch.exp(dtA) - 1.0) / A)
-        return dtA, C_hat
+        z = _exp_complex128(dtA)
+        C_hat = C * (B * (z.to(torch.complex64) - 1.0) / A)
+        return dtA, z, C_hat
 
     def _apply(self, fn, recurse=True):
         self._kernel_cache.clear()  # device or dtype moves
@@ -185,29 +210,46 @@ class BidirectionalS4DConvolution(Float32ParametersModule):
         return sum(t.numel() * t.element_size() for t in self._kernel_cache.values())
 
     def kernel(self, length: int, channels: slice = slice(None)) -> torch.Tensor:
-        """``K [directions, H, length]`` (float32): K_c[h, l] = 2·Re Σ_n Ĉ_chn exp(ΔA_hn·l), computed in chunks of lags.
+        """``K [directions, H, length]`` (float32): K_c[h, l] = 2·Re Σ_n Ĉ_chn z_hn^l with z = exp(ΔA), in chunks of lags.
 
-        With l = l0 + j (chunk starts l0, offsets j < chunk): exp(ΔA·l) = exp(ΔA·l0) · exp(ΔA·j). A chunk of about
-        √L lags minimises the exponentials (chunk + L/chunk per mode instead of L, shared by both directions); the sum
-        over modes is then 2·(Re W · Re P − Im W · Im P), one real batched matmul with W = Ĉ·exp(ΔA·l0) and
-        P = exp(ΔA·j), all in real float32 arithmetic (torch's complex ``exp`` is several times slower on CPU). On CPU
-        the channels go in blocks of ``KERNEL_CHANNEL_BLOCK`` so that a block's exponentials stay in the caches: at the
-        released size on 2 cores, 0.5 s -> 0.1 s per layer at 1K lags and 2.4 s -> 0.85 s at 16K, against one complex
-        pass over all channels. On accelerators all channels go in one block (fewer kernel launches; not measured).
+        With l = l0 + j (chunk starts l0 = c·chunk, offsets j < chunk): K_c[h, l0 + j] = 2·Re Σ_n W_chn[c] P_hn[j],
+        W = Ĉ·z^l0 and P = z^j, one real batched matmul per channel over the interleaved (real, imaginary) parts
+        (2·Re(W·P) = Re W·Re P + Im W·Im P̄ twice). W and P are geometric sequences, built by doubling
+        (``_geometric``): one complex multiplication per term and no transcendental beyond exp(ΔA) and
+        exp(ΔA·chunk) per mode (in float64, their power-of-two powers by squaring). A chunk of √(directions·L) lags
+        balances P (chunk terms per mode) and W (directions·L/chunk terms); the work besides the matmul is then
+        O(H·N/2·√L) against its O(H·N·L) multiply-adds. Without autograd the terms are written in place and, on
+        CPU, channels go in blocks of ``KERNEL_CHANNEL_BLOCK`` (a block's terms stay in the caches); on accelerators
+        all channels go in one block.
         """
-        dtA, C_hat = self.discretized()
-        dtA, C_hat = dtA[channels], C_hat[:, channels]
-        chunk = max(1, min(self.kernel_chunk_size, math.isqrt(length - 1) + 1))
+        dtA, z, C_hat = self._discretized()
+        dtA, z, C_hat = dtA[channels], z[channels], C_hat[:, channels]
+        directions, width = C_hat.shape[0], dtA.shape[0]
+        # a power of two near √(directions·L): the matmul's shapes matter as much as the balance (measured on CPU)
+        balanced = 2 ** round(math.log2(math.sqrt(directions * length)))
+        chunk = max(1, min(self.kernel_chunk_size, balanced, length))
         num_chunks = -(-length // chunk)
-        offsets = torch.arange(chunk, device=dtA.device, dtype=torch.float32)
-        starts = torch.arange(num_chunks, device=dtA.device, dtype=torch.float32) * chunk
-        width = dtA.shape[0]
-        block = KERNEL_CHANNEL_BLOCK if dtA.device.type == "cpu" else width
-        kernel = dtA.real.new_empty(C_hat.shape[0], width, length)
-        for first in range(0, width, block):  # written in place: one [directions, H, L] tensor
-            last = first + block
-            kernel[:, first:last] = _kernel_block(dtA[first:last], C_hat[:, first:last], offsets, starts)[..., :length]
-        return kernel
+        step = _square_powers(torch.conj_physical(z), max(1, (chunk - 1).bit_length()))  # z̄^(2^i), for P̄
+        stride = _square_powers(_exp_complex128(dtA * chunk), max(1, (num_chunks - 1).bit_length()))  # z^(chunk·2^i)
+        in_place = not (torch.is_grad_enabled() and (dtA.requires_grad or C_hat.requires_grad))
+        block = KERNEL_CHANNEL_BLOCK if dtA.device.type == "cpu" and in_place else width
+        values = dtA.real.new_empty(width, directions * num_chunks, chunk) if in_place else []
+        ones = torch.ones(1, dtype=C_hat.dtype, device=C_hat.device)
+        for first in range(0, width, block):
+            rows = slice(first, first + block)
+            # P̄ [h, chunk, N/2] (conjugate, so that the matmul gives Re W·Re P − Im W·Im P); W [h, dirs, chunks, N/2]
+            powers = _geometric(ones.expand(dtA[rows].shape[0], 1, self.modes),
+                                [ratio[rows, None, :] for ratio in step], chunk, in_place)
+            weights = _geometric(2.0 * C_hat[:, rows].transpose(0, 1)[:, :, None, :],
+                                 [ratio[rows, None, None, :] for ratio in stride], num_chunks, in_place)
+            left = torch.view_as_real(weights).reshape(powers.shape[0], directions * num_chunks, 2 * self.modes)
+            right = torch.view_as_real(powers).reshape(powers.shape[0], chunk, 2 * self.modes).transpose(1, 2)
+            if in_place:
+                torch.bmm(left, right, out=values[rows])
+            else:
+                values.append(torch.bmm(left, right))
+        values = values if in_place else torch.cat(values)
+        return values.view(width, directions, num_chunks * chunk)[..., :length].transpose(0, 1)
 
     def circular_kernel(self, length: int, channels: slice = slice(None)) -> torch.Tensor:
         """The packed kernel ``[H, 2·length]`` of period 2L: causal lags at [0, L), 0 at L, anti-causal lags L−1..1 after.
