@@ -164,11 +164,11 @@ class BidirectionalS4DConvolution(Float32ParametersModule):
         return dtA, z, C_hat
 
     def _apply(self, fn, recurse=True):
-        self._kernel_cache.clear()  # device or dtype moves
+        self.clear_kernel_cache()  # device or dtype moves
         return super()._apply(fn, recurse)
 
     def train(self, mode: bool = True):
-        self._kernel_cache.clear()  # a training step changes the parameters
+        self.clear_kernel_cache()  # a training step changes the parameters
         return super().train(mode)
 
     def _kernel_parameters(self) -> tuple[torch.Tensor, ...]:
@@ -204,6 +204,10 @@ class BidirectionalS4DConvolution(Float32ParametersModule):
             while len(self._kernel_cache) > self.kernel_cache_lengths or self.kernel_cache_nbytes() > self.kernel_cache_bytes:
                 self._kernel_cache.popitem(last=False)
         return spectrum
+
+    def clear_kernel_cache(self) -> None:
+        """Forget the cached kernel spectra (e.g. to time a cold forward)."""
+        self._kernel_cache.clear()
 
     def kernel_cache_nbytes(self) -> int:
         """Bytes held by the kernel cache of this layer."""

@@ -1,0 +1,485 @@
+"""All speed and memory benchmarks in one command: a Markdown report and PNG plots in ``benchmarks/results/``.
+
+LOCOST suite (issue 10): LOCOST beside transformers' LongT5 (local and transient-global attention), LED and T5, all at
+the released LOCOST size (d_model 768, d_ff 2048, 12 + 12 layers, 12 heads of 64, gated-GELU for the T5 family;
+LED with the same widths and a 512-token window), random weights (cost does not depend on the values), batch 1:
+
+* ``encode``: encoder forward under ``torch.no_grad()``. LOCOST's kernel cache is emptied before every run, so each
+  run pays for its kernels (a new length); repeated calls at one length would not.
+* ``train`` / ``train_ckpt``: one training step (forward + backward of the LM loss on ``--summary_length`` labels),
+  without / with gradient checkpointing.
+* ``generate``: ``generate()`` end to end, greedy, exactly ``--summary_length`` new tokens.
+* ``scale``: LOCOST alone, encode at ``--scale_lengths`` (default 100K to 1M tokens, the long-input path).
+
+Each cell runs in its own Python process. It reports the median time of ``--repeats`` runs after one counted warm-up
+run, the peak memory *above the weights* (CUDA: peak allocated minus allocated before the first run; CPU: the peak
+RSS of the process since just before the first run, Linux ``VmHWM`` reset through ``/proc/self/clear_refs``, minus
+the RSS then), the matmul FLOPs of one run (``torch.utils.flop_counter``: matmuls, convolutions and attention; FFTs
+and elementwise work not counted), the achieved GFLOP/s and, measured in the same process, the GFLOP/s of plain square
+matmuls of the same FLOPs (the roofline). LOCOST cells also time the layer-0 SSM kernel against the matmul of its own
+multiply-adds. Ratios in the report come from cells of the same run.
+
+The VCC-T5 and Dodo suites run ``benchmark_vcc_t5.py`` (VCC-T5 vs T5) and ``benchmark_dodo.py`` (Dodo vs Llama with the
+full cache, and the training-memory comparison) and include their tables.
+
+Results are appended to ``cells.jsonl`` as each cell finishes; a rerun skips the cells already there (delete the file,
+or pass ``--fresh``, to measure again). ``--quick`` uses tiny models and lengths (a smoke run, not a measurement).
+
+Usage::
+
+    python benchmarks/run_all.py                                   # everything, CPU, 1K..64K (hours)
+    python benchmarks/run_all.py --suites locost --tasks encode --lengths 1024 4096 16384
+    python benchmarks/run_all.py --device cuda --dtype bfloat16 --out benchmarks/results/cuda-bf16
+    python benchmarks/run_all.py --quick                           # tiny smoke run (about a minute)
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+RELEASED = dict(vocab_size=32100, d_model=768, d_ff=2048, num_layers=12, num_heads=12, d_kv=64, d_state=512,
+                summary_length=256, local_radius=127, global_block_size=16, attention_window=512)
+TINY = dict(vocab_size=128, d_model=32, d_ff=64, num_layers=2, num_heads=4, d_kv=8, d_state=16,
+            summary_length=8, local_radius=8, global_block_size=4, attention_window=16)
+MODELS = ["locost", "longt5-local", "longt5-tglobal", "led", "t5"]
+TASKS = ["encode", "train", "train_ckpt", "generate"]
+DEFAULT_LENGTHS = [1024, 4096, 16384, 65536]
+QUICK_LENGTHS = [64, 128]
+DEFAULT_SCALE_LENGTHS = [100_000, 250_000, 500_000, 1_000_000]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# One cell (runs in its own process)
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def build_model(name: str, sizes: dict, length: int):
+    """A seq2seq model with the given sizes and random weights (dropout off)."""
+    import transformers
+
+    t5_sizes = dict(vocab_size=sizes["vocab_size"], d_model=sizes["d_model"], d_ff=sizes["d_ff"],
+                    num_layers=sizes["num_layers"], num_heads=sizes["num_heads"], d_kv=sizes["d_kv"],
+                    feed_forward_proj="gated-gelu", dropout_rate=0.0, pad_token_id=0, eos_token_id=1,
+                    decoder_start_token_id=0)
+    if name == "locost":
+        from longreach import LocostConfig, LocostForConditionalGeneration
+
+        return LocostForConditionalGeneration(LocostConfig(**t5_sizes, d_state=sizes["d_state"]))
+    if name == "t5":
+        return transformers.T5ForConditionalGeneration(transformers.T5Config(**t5_sizes))
+    if name in ("longt5-local", "longt5-tglobal"):
+        attention = "local" if name == "longt5-local" else "transient-global"
+        config = transformers.LongT5Config(**t5_sizes, encoder_attention_type=attention,
+                                           local_radius=sizes["local_radius"],
+                                           global_block_size=sizes["global_block_size"])
+        return transformers.LongT5ForConditionalGeneration(config)
+    if name == "led":
+        config = transformers.LEDConfig(
+            vocab_size=sizes["vocab_size"], d_model=sizes["d_model"], encoder_layers=sizes["num_layers"],
+            decoder_layers=sizes["num_layers"], encoder_attention_heads=sizes["num_heads"],
+            decoder_attention_heads=sizes["num_heads"], encoder_ffn_dim=sizes["d_ff"], decoder_ffn_dim=sizes["d_ff"],
+            attention_window=sizes["attention_window"], dropout=0.0, attention_dropout=0.0,
+            max_encoder_position_embeddings=max(length + sizes["attention_window"], 1024),
+            max_decoder_position_embeddings=max(sizes["summary_length"] + 2, 1024),
+        )
+        return transformers.LEDForConditionalGeneration(config)
+    raise ValueError(f"`model` must be one of {MODELS}, got {name!r}.")
+
+
+def rss_bytes(field: str = "VmRSS") -> int | None:
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def reset_peak_rss() -> bool:
+    """Reset the process's peak RSS (Linux ≥ 4.0); False where that is not possible."""
+    try:
+        with open("/proc/self/clear_refs", "w") as handle:
+            handle.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def matmul_seconds(flops: float, dtype, device, size: int = 1024) -> float:
+    """Time of plain [size, size] @ [size, size] matmuls, scaled to ``flops``."""
+    import torch
+
+    a = torch.randn(size, size, dtype=dtype, device=device)
+    b = torch.randn(size, size, dtype=dtype, device=device)
+    repeats = max(2, min(200, round(flops / (2 * size**3))))
+    a @ b  # warm-up
+    synchronize(device)
+    start = time.perf_counter()
+    for _ in range(repeats):
+        a @ b
+    synchronize(device)
+    return (time.perf_counter() - start) * flops / (repeats * 2 * size**3)
+
+
+def synchronize(device) -> None:
+    import torch
+
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def kernel_versus_matmul(model, length: int, dtype, device) -> dict:
+    """Layer-0 SSM kernel time against a plain matmul of its multiply-adds (2·directions·H·N·L FLOPs)."""
+    import torch
+
+    conv = model.get_encoder().block[0].layer[0].ssm.conv
+    with torch.no_grad():
+        conv.kernel(length)
+        synchronize(device)
+        times = []
+        for _ in range(3):
+            start = time.perf_counter()
+            conv.kernel(length)
+            synchronize(device)
+            times.append(time.perf_counter() - start)
+    directions = 2 if conv.bidirectional else 1
+    flops = 2 * directions * conv.channels * 2 * conv.modes * length
+    matmul = matmul_seconds(flops, torch.float32, device)
+    return {"kernel_seconds": min(times), "kernel_matmul_seconds": matmul, "kernel_over_matmul": min(times) / matmul}
+
+
+def run_cell(cell: dict) -> dict:
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    if cell.get("threads"):
+        torch.set_num_threads(cell["threads"])
+    torch.manual_seed(0)
+    sizes = TINY if cell["quick"] else RELEASED
+    device, dtype = torch.device(cell["device"]), getattr(torch, cell["dtype"])
+    task, length = cell["task"], cell["length"]
+    model = build_model(cell["model"], sizes, length).to(device=device, dtype=dtype)
+    input_ids = torch.randint(3, sizes["vocab_size"], (1, length), device=device)
+    labels = torch.randint(3, sizes["vocab_size"], (1, sizes["summary_length"]), device=device)
+    ssm_layers = [module for module in model.modules() if hasattr(module, "clear_kernel_cache")]
+
+    if task in ("encode", "scale"):
+        model.eval()
+        encoder = model.get_encoder()
+
+        def run():
+            for layer in ssm_layers:
+                layer.clear_kernel_cache()
+            with torch.no_grad():
+                output = encoder(input_ids=input_ids).last_hidden_state
+            if not torch.isfinite(output).all():
+                raise RuntimeError("non-finite encoder output")
+    elif task in ("train", "train_ckpt"):
+        model.train()
+        model.config.use_cache = False
+        if task == "train_ckpt":
+            model.gradient_checkpointing_enable()
+
+        def run():
+            model.zero_grad(set_to_none=True)
+            model(input_ids=input_ids, labels=labels).loss.backward()
+    elif task == "generate":
+        model.eval()
+
+        def run():
+            output = model.generate(input_ids, max_new_tokens=sizes["summary_length"],
+                                    min_new_tokens=sizes["summary_length"], do_sample=False, num_beams=1)
+            if output.shape[1] < sizes["summary_length"]:
+                raise RuntimeError(f"generated {output.shape[1]} tokens")
+    else:
+        raise ValueError(f"`task` must be one of {TASKS + ['scale']}, got {task!r}.")
+
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        baseline = torch.cuda.memory_allocated()
+    else:
+        peak_reset = reset_peak_rss()
+        baseline = rss_bytes()
+    counter = FlopCounterMode(display=False)
+    with counter:  # the warm-up run: also the memory and FLOP count run
+        run()
+    synchronize(device)
+    if device.type == "cuda":
+        peak_above = torch.cuda.max_memory_allocated() - baseline
+        memory_method = "cuda max_memory_allocated"
+    else:
+        peak_above = (rss_bytes("VmHWM") - baseline) if peak_reset and baseline is not None else None
+        memory_method = "VmHWM after clear_refs" if peak_above is not None else "unavailable"
+    flops = counter.get_total_flops()
+    times = []
+    for _ in range(cell["repeats"]):
+        start = time.perf_counter()
+        run()
+        synchronize(device)
+        times.append(time.perf_counter() - start)
+    seconds = statistics.median(times)
+    result = {
+        **cell,
+        "seconds": seconds,
+        "seconds_all": times,
+        "peak_memory_above_weights_bytes": peak_above,
+        "memory_method": memory_method,
+        "parameter_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
+        "flops": flops,
+        "threads_used": torch.get_num_threads(),
+    }
+    if flops:
+        matmul = matmul_seconds(flops, dtype, device)
+        result.update(gflops=flops / seconds / 1e9, matmul_gflops=flops / matmul / 1e9,
+                      fraction_of_matmul=matmul / seconds)
+    if cell["model"] == "locost" and task == "encode":
+        result.update(kernel_versus_matmul(model, length, device=device, dtype=dtype))
+    return result
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Driver
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def cell_key(cell: dict) -> tuple:
+    return tuple(cell[name] for name in ("suite", "model", "task", "length", "device", "dtype", "quick"))
+
+
+def load_cells(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    with path.open(encoding="utf-8") as handle:
+        return [json.loads(line) for line in handle if line.strip()]
+
+
+def append_cell(path: Path, cell: dict) -> None:
+    with path.open("a", encoding="utf-8") as handle:
+        handle.write(json.dumps(cell) + "\n")
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+def run_in_subprocess(cell: dict, timeout: int) -> dict:
+    command = [sys.executable, os.path.abspath(__file__), "--cell", json.dumps(cell)]
+    try:
+        result = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {**cell, "error": f"timeout after {timeout} s"}
+    if result.returncode != 0:
+        lines = (result.stderr or result.stdout).strip().splitlines()
+        return {**cell, "error": f"exit {result.returncode}: {lines[-1] if lines else 'killed (out of memory?)'}"}
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def locost_cells(args) -> list[dict]:
+    common = dict(suite="locost", device=args.device, dtype=args.dtype, quick=args.quick, repeats=args.repeats,
+                  threads=args.threads)
+    cells = [dict(common, model=model, task=task, length=length)
+             for task in args.tasks if task != "scale" for length in args.lengths for model in args.models]
+    if "scale" in args.tasks and "locost" in args.models:
+        cells += [dict(common, model="locost", task="scale", length=length, repeats=1)
+                  for length in args.scale_lengths]
+    return cells
+
+
+def script_suite(name: str, command: list[str], out: Path, timeout: int) -> str:
+    """Run one of the existing benchmark scripts once; its printed table is kept in ``name.md`` (reused if there)."""
+    report = out / f"{name}.md"
+    if report.exists():
+        return report.read_text(encoding="utf-8")
+    try:
+        result = subprocess.run([sys.executable, *command], capture_output=True, text=True, timeout=timeout)
+        if result.returncode == 0:  # the tables, without the per-cell JSON lines the scripts print as they go
+            text = "\n".join(line for line in result.stdout.splitlines() if not line.startswith("{"))
+        else:
+            text = f"failed (exit {result.returncode}): {result.stderr[-500:]}"
+    except subprocess.TimeoutExpired:
+        text = f"timeout after {timeout} s"
+    if not text.startswith(("failed", "timeout")):
+        temporary = report.with_suffix(".md.tmp")
+        temporary.write_text(text, encoding="utf-8")
+        temporary.replace(report)
+    return text
+
+
+def fmt_bytes(value) -> str:
+    return "-" if value is None else f"{value / 2**20:.0f}"
+
+
+def markdown(cells: list[dict]) -> str:
+    """One table per task: time, memory above weights, GFLOP/s (and share of the matmul roofline) per model, and
+    the peer/LOCOST time and memory ratios (> 1: LOCOST faster / smaller)."""
+    lines = []
+    by_key = {(c["model"], c["task"], c["length"]): c for c in cells}
+    for task in [t for t in TASKS + ["scale"] if any(c["task"] == t for c in cells)]:
+        models = [m for m in MODELS if any(c["model"] == m and c["task"] == task for c in cells)]
+        lines += [f"### {task}", "",
+                  "| tokens | model | time (s) | peak above weights (MiB) | GFLOP/s | matmul GFLOP/s | "
+                  "time / LOCOST | memory / LOCOST |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+        for length in sorted({c["length"] for c in cells if c["task"] == task}):
+            locost = by_key.get(("locost", task, length))
+            for model in models:
+                cell = by_key.get((model, task, length))
+                if cell is None:
+                    continue
+                if "error" in cell:
+                    lines.append(f"| {length} | {model} | {cell['error']} | | | | | |")
+                    continue
+                ratio_time = ratio_memory = "-"
+                if model != "locost" and locost and "error" not in locost:
+                    ratio_time = f"{cell['seconds'] / locost['seconds']:.2f}"
+                    memory, locost_memory = (c["peak_memory_above_weights_bytes"] for c in (cell, locost))
+                    if memory and locost_memory:
+                        ratio_memory = f"{memory / locost_memory:.2f}"
+                gflops = f"{cell['gflops']:.1f}" if "gflops" in cell else "-"
+                roofline = f"{cell['matmul_gflops']:.1f}" if "matmul_gflops" in cell else "-"
+                lines.append(f"| {length} | {model} | {cell['seconds']:.3f} | "
+                             f"{fmt_bytes(cell['peak_memory_above_weights_bytes'])} | {gflops} | {roofline} | "
+                             f"{ratio_time} | {ratio_memory} |")
+        lines.append("")
+    kernel_cells = [c for c in cells if "kernel_over_matmul" in c]
+    if kernel_cells:
+        lines += ["### LOCOST SSM kernel (layer 0) against a plain matmul of its multiply-adds", "",
+                  "| lags | kernel (ms) | matmul (ms) | kernel / matmul |", "| --- | --- | --- | --- |"]
+        for cell in sorted(kernel_cells, key=lambda c: c["length"]):
+            lines.append(f"| {cell['length']} | {cell['kernel_seconds'] * 1e3:.1f} | "
+                         f"{cell['kernel_matmul_seconds'] * 1e3:.1f} | {cell['kernel_over_matmul']:.2f} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def plot(cells: list[dict], out: Path) -> list[Path]:
+    """time and memory against length, one PNG per task (log-log)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+    for task in sorted({c["task"] for c in cells}):
+        figure, (time_axis, memory_axis) = plt.subplots(1, 2, figsize=(10, 4))
+        for model in MODELS:
+            points = sorted((c["length"], c) for c in cells
+                            if c["task"] == task and c["model"] == model and "error" not in c)
+            if not points:
+                continue
+            lengths = [length for length, _ in points]
+            time_axis.plot(lengths, [c["seconds"] for _, c in points], marker="o", label=model)
+            memory = [(length, c["peak_memory_above_weights_bytes"] / 2**20) for length, c in points
+                      if c["peak_memory_above_weights_bytes"]]
+            if memory:
+                memory_axis.plot(*zip(*memory), marker="o", label=model)
+        for axis, label in ((time_axis, "seconds"), (memory_axis, "peak above weights (MiB)")):
+            axis.set_xscale("log", base=2)
+            axis.set_yscale("log")
+            axis.set_xlabel("input tokens")
+            axis.set_ylabel(label)
+            axis.grid(True, which="both", alpha=0.3)
+            if axis.get_legend_handles_labels()[0]:
+                axis.legend()
+        figure.suptitle(task)
+        figure.tight_layout()
+        path = out / f"{task}.png"
+        figure.savefig(path, dpi=100)
+        plt.close(figure)
+        written.append(path)
+    return written
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--suites", nargs="+", choices=["locost", "vcc", "dodo"], default=["locost", "vcc", "dodo"])
+    parser.add_argument("--models", nargs="+", choices=MODELS, default=MODELS)
+    parser.add_argument("--tasks", nargs="+", choices=TASKS + ["scale"], default=TASKS + ["scale"])
+    parser.add_argument("--lengths", type=int, nargs="+", default=None, help="Input tokens (default 1K-64K).")
+    parser.add_argument("--scale_lengths", type=int, nargs="+", default=None,
+                        help="LOCOST-only encode lengths (default 100K, 250K, 500K, 1M).")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--threads", type=int, default=None, help="torch threads per cell (default: torch's).")
+    parser.add_argument("--repeats", type=int, default=None, help="Timed runs per cell after the warm-up (default 2).")
+    parser.add_argument("--timeout", type=int, default=3600, help="Seconds per cell.")
+    parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    parser.add_argument("--quick", action="store_true", help="Tiny models and lengths: a smoke run.")
+    parser.add_argument("--fresh", action="store_true", help="Forget earlier cells in --out.")
+    parser.add_argument("--cell", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    args.lengths = args.lengths or (QUICK_LENGTHS if args.quick else DEFAULT_LENGTHS)
+    args.scale_lengths = args.scale_lengths or ([256] if args.quick else DEFAULT_SCALE_LENGTHS)
+    args.repeats = args.repeats or (1 if args.quick else 2)
+    for name in ("lengths", "scale_lengths"):
+        bad = [value for value in getattr(args, name) if value < 1]
+        if bad:
+            parser.error(f"--{name} must be positive token counts, got {bad}")
+    return args
+
+
+def main(argv=None) -> Path:
+    args = parse_args(argv)
+    if args.cell:
+        print(json.dumps(run_cell(json.loads(args.cell))))
+        return Path(".")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    results = out / "cells.jsonl"
+    if args.fresh:
+        results.unlink(missing_ok=True)
+        for report in out.glob("*.md"):
+            report.unlink()
+    done = {cell_key(cell) for cell in load_cells(results) if "error" not in cell}
+    if "locost" in args.suites:
+        for cell in locost_cells(args):
+            if cell_key(cell) in done:
+                continue
+            result = run_in_subprocess(cell, args.timeout)
+            append_cell(results, result)
+            print(json.dumps(result), flush=True)
+    sections = [f"# Benchmarks\n\n{platform.platform()}, {platform.processor() or platform.machine()}, "
+                f"{os.cpu_count()} CPUs; device {args.device}, {args.dtype}{', quick (tiny models)' if args.quick else ''}."
+                " Regenerate: `python benchmarks/run_all.py " + " ".join(sys.argv[1:] if argv is None else argv) + "`.\n"]
+    keys = {cell_key(cell) for cell in locost_cells(args)}
+    cells = [cell for cell in load_cells(results) if cell_key(cell) in keys]
+    if cells:
+        sections.append("## LOCOST vs LongT5, LED, T5\n\n" + markdown(cells))
+        plot(cells, out)
+    here = Path(__file__).parent
+    threads = ["--threads", str(args.threads)] if args.threads else []
+    if "vcc" in args.suites:
+        lengths = ["1024"] if args.quick else ["8192", "16384", "65536", "131072"]
+        command = [str(here / "benchmark_vcc_t5.py"), "--vcc_lengths", *lengths, "--t5_lengths", *lengths[:2],
+                   "--repeats", "1" if args.quick else "3", "--timeout", str(args.timeout), *threads]
+        sections.append("## VCC-T5 vs T5\n\n" + script_suite("vcc_t5", command, out, args.timeout))
+    if "dodo" in args.suites:
+        quick = ["--lengths", "256", "--steps", "2", "--rounds", "1", "--warmup", "1"] if args.quick else []
+        command = [str(here / "benchmark_dodo.py"), "--device", args.device, *threads, *quick]
+        sections.append("## Dodo vs Llama (full cache)\n\n" + script_suite("dodo", command, out, args.timeout))
+        training = ["--lengths", "256", "--repeats", "1", "--target_length", "16"] if args.quick else []
+        command = [str(here / "benchmark_dodo.py"), "--training_memory", "--device", args.device, *threads,
+                   *training]
+        sections.append("## Dodo training step, activation checkpointing\n\n"
+                        + script_suite("dodo_training", command, out, args.timeout))
+    report = out / "README.md"
+    temporary = out / "README.md.tmp"
+    temporary.write_text("\n\n".join(sections), encoding="utf-8")
+    temporary.replace(report)
+    print(f"wrote {report}")
+    return report
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,51 @@
+"""benchmarks/run_all.py: a tiny --quick run writes its cells, report and plot, and a rerun resumes (asserts no
+timings)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+RUN_ALL = Path(__file__).resolve().parents[1] / "benchmarks" / "run_all.py"
+
+
+@pytest.fixture(scope="module")
+def run_all():
+    spec = importlib.util.spec_from_file_location("run_all", RUN_ALL)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_quick_run_writes_cells_report_and_plot_and_resumes(run_all, tmp_path, monkeypatch):
+    argv = ["--quick", "--suites", "locost", "--models", "locost", "t5", "--tasks", "encode", "--lengths", "32",
+            "--threads", "1", "--out", str(tmp_path)]
+    # cells in this process (a subprocess per cell costs seconds of imports; the command itself uses them)
+    monkeypatch.setattr(run_all, "run_in_subprocess", lambda cell, timeout: run_all.run_cell(cell))
+    report = run_all.main(argv)
+
+    cells = [json.loads(line) for line in (tmp_path / "cells.jsonl").read_text().splitlines()]
+    assert [(cell["model"], cell["task"], cell["length"]) for cell in cells] == [("locost", "encode", 32),
+                                                                                   ("t5", "encode", 32)]
+    for cell in cells:
+        assert "error" not in cell, cell
+        assert cell["seconds"] > 0 and cell["flops"] > 0 and cell["matmul_gflops"] > 0
+    assert cells[0]["kernel_seconds"] > 0 and cells[0]["kernel_over_matmul"] > 0
+    text = report.read_text()
+    assert "| 32 | locost |" in text and "| 32 | t5 |" in text and "kernel / matmul" in text
+    assert (tmp_path / "encode.png").stat().st_size > 0
+
+    def no_new_cells(cell, timeout):
+        raise AssertionError(f"finished cell run again: {cell}")
+
+    monkeypatch.setattr(run_all, "run_in_subprocess", no_new_cells)
+    run_all.main(argv)
+    assert len((tmp_path / "cells.jsonl").read_text().splitlines()) == 2
+
+
+def test_bad_lengths_are_refused(run_all):
+    with pytest.raises(SystemExit):
+        run_all.parse_args(["--lengths", "0"])
