@@ -13,8 +13,9 @@ What it does, end to end, with no network and no argument:
 4. **Training.** ``Seq2SeqTrainer`` with ``DataCollatorForSeq2Seq`` (progress bar and loss on the way).
 5. **Evaluation.** Summaries of the held-out documents with ``generate()``, scored with ROUGE-1/2/Lsum
    (``rouge_score``), next to a lead baseline (the document's first words).
-6. **Hub-ready save** to ``--output_dir`` (a temporary folder by default): weights (safetensors), code files,
-   ``auto_map``, ``custom_pipelines``, tokenizer and model card.
+6. **Hub-ready save** to ``--output_dir`` (``./longreach-demo`` by default, kept): weights (safetensors), code files,
+   ``auto_map``, ``custom_pipelines``, tokenizer and model card, written beside the folder and renamed into place. A
+   rerun replaces a model an earlier demo left there; any other non-empty folder is refused before training.
 7. **Reload** through ``pipeline("summarization", model=DIR, trust_remote_code=True)`` and summary of the longest
    held-out document, read whole.
 
@@ -33,12 +34,15 @@ from __future__ import annotations
 
 import argparse
 import ast
+import contextlib
 import copy
 import hashlib
 import importlib.machinery
 import importlib.util
 import json
+import os
 import re
+import shutil
 import site
 import sys
 import sysconfig
@@ -57,11 +61,54 @@ MAX_DOCUMENT_WORDS = 2500
 #: One document in HELD_OUT_EVERY goes to the held-out set (by hash of its name).
 HELD_OUT_EVERY = 10
 
-_KEEP_UNTIL_EXIT: list = []  # temporary folders that must outlive run_demo (removed when the process exits)
+#: Where the demo keeps its model when no --output_dir is given (relative to the current directory).
+DEFAULT_OUTPUT_DIR = "longreach-demo"
+#: The model card of a folder written by the demo contains this; only such folders are replaced by a rerun.
+_DEMO_CARD_MARK = "Trained from scratch by `longreach demo`"
 
 
 class DemoError(RuntimeError):
     """The demo cannot run on this machine (missing extras, too little local text)."""
+
+
+class OutputDirError(DemoError):
+    """The output folder holds something the demo did not write (a usage error: pick another folder)."""
+
+
+def _written_by_demo(folder: Path) -> bool:
+    card = folder / "README.md"
+    return card.is_file() and _DEMO_CARD_MARK in card.read_text(encoding="utf-8", errors="replace")
+
+
+def check_output_dir(output_dir: Path) -> None:
+    """The demo may write ``output_dir``: it does not exist, is empty, or holds an earlier demo model."""
+    if output_dir.exists() and not output_dir.is_dir():
+        raise OutputDirError(f"--output_dir {str(output_dir)!r} is a file; pass a folder path (it is created).")
+    if output_dir.is_dir() and any(output_dir.iterdir()) and not _written_by_demo(output_dir):
+        raise OutputDirError(f"--output_dir {str(output_dir)!r} is not empty and was not written by the demo; pass an "
+                             "empty or new folder (e.g. --output_dir longreach-demo-2).")
+
+
+@contextlib.contextmanager
+def _replaced_atomically(output_dir: Path):
+    """Yield a staging folder beside ``output_dir``; on success it takes the place of ``output_dir`` by renames, so
+    the folder is never half-written (an earlier demo model there is removed only once the new one is in place)."""
+    output_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{output_dir.name}.partial-", dir=output_dir.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    staging.chmod(0o777 & ~umask)  # mkdtemp makes it private; the kept folder gets the usual permissions
+    try:
+        yield staging
+        previous = None
+        if output_dir.exists():
+            previous = Path(tempfile.mkdtemp(prefix=f".{output_dir.name}.old-", dir=output_dir.parent))
+            os.replace(output_dir, previous / output_dir.name)
+        os.replace(staging, output_dir)
+        if previous is not None:
+            shutil.rmtree(previous)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
 
 
 @dataclass(frozen=True)
@@ -271,7 +318,7 @@ class _Stage:
         print(f"[{self.index}/{self.total}] {message}  ({time.perf_counter() - self.start:.0f}s)", flush=True)
 
 
-def run_demo(output_dir: str | Path | None = None, settings: DemoSettings = DemoSettings(), seed: int = 0) -> dict:
+def run_demo(output_dir: str | Path = DEFAULT_OUTPUT_DIR, settings: DemoSettings = DemoSettings(), seed: int = 0) -> dict:
     """Run the demo; returns ``{"rouge", "lead_rouge", "output_dir", "summary", ...}`` (also printed)."""
     import torch
     from transformers import (
@@ -286,11 +333,12 @@ def run_demo(output_dir: str | Path | None = None, settings: DemoSettings = Demo
     missing = [name for name in ("accelerate", "rouge_score") if importlib.util.find_spec(name) is None]
     if missing:
         raise DemoError(f"The demo needs {', '.join(missing)} (training and ROUGE): pip install 'longreach[train]'.")
+    output_dir = Path(output_dir)
+    check_output_dir(output_dir)  # before minutes of training, not after
     stage = _Stage(7)
     set_seed(seed)
     hf_logging.set_verbosity_error()
-    workdir = tempfile.TemporaryDirectory(prefix="longreach-demo-")
-    output_dir = Path(output_dir) if output_dir is not None else Path(workdir.name) / "locost-demo"
+    workdir = tempfile.TemporaryDirectory(prefix="longreach-demo-")  # Trainer's scratch folder only
 
     train, held_out = build_corpus()
     if settings.max_train_documents is not None:
@@ -358,11 +406,11 @@ def run_demo(output_dir: str | Path | None = None, settings: DemoSettings = Demo
           + ", ".join(f"{k.upper().replace('ROUGE', 'ROUGE-')} {v:.2f}" for k, v in rouge.items())
           + "  |  lead baseline: " + ", ".join(f"{v:.2f}" for v in lead.values()))
 
-    output_dir.mkdir(parents=True, exist_ok=True)
     model.generation_config = generation_config  # Seq2SeqTrainer filled in every default (max_length=20, ...)
-    trainer.save_model(str(output_dir))  # weights, code files, auto_map, custom_pipelines, tokenizer
-    (output_dir / "training_args.bin").unlink(missing_ok=True)
-    write_model_card(output_dir, "locost", repo_id=None, training_note=_training_note(settings, train, held_out, rouge))
+    with _replaced_atomically(output_dir) as staging:
+        trainer.save_model(str(staging))  # weights, code files, auto_map, custom_pipelines, tokenizer
+        (staging / "training_args.bin").unlink(missing_ok=True)
+        write_model_card(staging, "locost", repo_id=None, training_note=_training_note(settings, train, held_out, rouge))
     stage(f"Saved Hub-ready to {output_dir}: {', '.join(hub_files(output_dir))}, README.md")
 
     summarizer = pipeline("summarization", model=str(output_dir), trust_remote_code=True)
@@ -377,11 +425,7 @@ def run_demo(output_dir: str | Path | None = None, settings: DemoSettings = Demo
               "reference": longest["summary"], "document_name": longest["name"], "document_tokens": num_tokens,
               "train_documents": len(train), "held_out_documents": len(held_out),
               "training_loss": train_result.training_loss, "seconds": round(time.perf_counter() - stage.start, 1)}
-    if output_dir.parent == Path(workdir.name):
-        print("    (the folder is temporary and is removed on exit; pass --output_dir DIR to keep it)", flush=True)
-        _KEEP_UNTIL_EXIT.append(workdir)
-    else:
-        workdir.cleanup()
+    workdir.cleanup()
     return result
 
 
@@ -402,7 +446,9 @@ def main(argv: list[str] | None = None) -> int:
         description="Train a small LOCOST summarizer from scratch on local text, evaluate ROUGE, save it Hub-ready "
         "and summarize a long document through pipeline('summarization'). Offline; a few minutes on 2 CPU cores.",
     )
-    parser.add_argument("--output_dir", default=None, help="Where to save the model (default: a temporary folder).")
+    parser.add_argument("--output_dir", default=DEFAULT_OUTPUT_DIR,
+                        help=f"Where to keep the model (default: ./{DEFAULT_OUTPUT_DIR}; a rerun replaces the model an "
+                        "earlier demo run left there, and refuses any other non-empty folder).")
     parser.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--max_steps", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--smoke", action="store_true", help=argparse.SUPPRESS)  # tiny run for the test suite
@@ -417,8 +463,11 @@ def main(argv: list[str] | None = None) -> int:
         result = run_demo(args.output_dir, settings, seed=args.seed)
     except DemoError as error:
         print(f"error: {error}", file=sys.stderr)
-        return 1
-    print(f"Done in {result['seconds']:.0f}s.", flush=True)
+        return 2 if isinstance(error, OutputDirError) else 1
+    folder = result["output_dir"]
+    print(f"Done in {result['seconds']:.0f}s. The model is kept in {folder} (delete the folder when done). Use it with:\n"
+          f"    longreach summarize --model {folder} FILE.txt\n"
+          f"    pipeline('summarization', model={folder!r}, trust_remote_code=True)  # from transformers", flush=True)
     if args.json:
         print(json.dumps(result))
     return 0

@@ -4,12 +4,15 @@ and the data set it builds."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
+
+import pytest
 
 from huggingface_hub import ModelCard
 
 from longreach import hub
 from longreach.cli import main
-from longreach.demo import build_corpus, lead_baseline
+from longreach.demo import _DEMO_CARD_MARK, _replaced_atomically, build_corpus, check_output_dir, lead_baseline
 from longreach.metrics import rouge_scores
 
 
@@ -33,10 +36,13 @@ def test_rouge_and_baseline_helpers():
     assert lead_baseline("First sentence here. Second one.") == "First sentence here."
 
 
-def test_demo_smoke_run(tmp_path, capsys):
-    output_dir = tmp_path / "demo-model"
-    assert main(["demo", "--smoke", "--output_dir", str(output_dir), "--json"]) == 0
+def test_demo_smoke_run(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the model is kept in ./longreach-demo by default
+    output_dir = Path("longreach-demo")
+    assert main(["demo", "--smoke", "--json"]) == 0
     out = capsys.readouterr().out
+    assert "The model is kept in longreach-demo" in out and "longreach summarize --model longreach-demo" in out
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["longreach-demo"]  # no staging folder left beside it
     for stage in range(1, 8):
         assert f"[{stage}/7]" in out  # progress: data, tokenizer, model, training, ROUGE, save, reload
     result = json.loads(out.strip().splitlines()[-1])
@@ -66,3 +72,29 @@ def test_models_trained_from_scratch_get_t5_initialisation():
                 attention.k: 128**-0.5, attention.o: 128**-0.5, attention.relative_attention_bias: 128**-0.5}
     for module, std in expected.items():
         assert abs(module.weight.std().item() / std - 1) < 0.15
+
+
+def test_demo_refuses_a_foreign_folder_before_training(tmp_path, capsys):
+    foreign = tmp_path / "notes"
+    foreign.mkdir()
+    (foreign / "thesis.txt").write_text("mine")
+    assert main(["demo", "--output_dir", str(foreign)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "is not empty and was not written by the demo" in err
+    assert [p.name for p in foreign.iterdir()] == ["thesis.txt"]
+
+
+def test_demo_save_replaces_an_earlier_demo_model_atomically(tmp_path):
+    folder = tmp_path / "longreach-demo"
+    folder.mkdir()
+    (folder / "README.md").write_text(f"{_DEMO_CARD_MARK} (an earlier run)")
+    check_output_dir(folder)  # an earlier demo model may be replaced
+    with pytest.raises(OSError), _replaced_atomically(folder) as staging:
+        (staging / "model.safetensors").write_text("half")
+        raise OSError("disk full")  # a failed save leaves the earlier model untouched and no staging folder
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["longreach-demo"]
+    assert [p.name for p in folder.iterdir()] == ["README.md"]
+    with _replaced_atomically(folder) as staging:
+        (staging / "model.safetensors").write_text("new")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["longreach-demo"]
+    assert [p.name for p in folder.iterdir()] == ["model.safetensors"]
