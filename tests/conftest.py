@@ -41,8 +41,13 @@ def fixtures_dir() -> Path:
 
 @pytest.fixture(autouse=True)
 def _deterministic():
+    # every test starts from the same seed and thread count: a test that changes torch's thread count (the
+    # benchmark's --threads) must not change the reduction order of the tests after it, some of which compare
+    # bit for bit with a subprocess running at the default thread count
     torch.manual_seed(0)
+    threads = torch.get_num_threads()
     yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture
