@@ -18,7 +18,8 @@ def tiny_encoder(**overrides) -> LocostEncoder:
     return LocostEncoder(config, torch.nn.Embedding(config.vocab_size, config.d_model)).eval()
 
 
-@pytest.mark.parametrize("overrides", [{}, {"bidirectional": False, "gating": False}, {"ssm_authors_fft_size": True}])
+@pytest.mark.parametrize("overrides", [{}, {"bidirectional": False, "gating": False}, {"ssm_authors_fft_size": True},
+                                       {"ssm_kernel_cache_bytes": 0}])
 def test_chunked_path_equals_the_one_piece_path(monkeypatch, overrides):
     encoder = tiny_encoder(encoder_chunk_length=None, **overrides)
     input_ids = torch.randint(2, 50, (2, 29))

@@ -34,6 +34,20 @@ def test_repeated_forwards_compute_the_kernel_once_and_match_the_uncached_path()
     assert torch.equal(first, reference) and torch.equal(second, reference)
 
 
+def test_channel_groups_of_a_long_input_share_the_cached_kernel():
+    conv, calls = counting_conv()
+    x = torch.randn(2, 12, 8)
+    with torch.no_grad():
+        reference = conv(x)  # computes and caches the spectrum of all channels
+        grouped = conv.convolve_in_channel_groups_(x.clone(), group=3)
+        conv.clear_kernel_cache()
+        conv.kernel_cache_bytes = 0  # off: each group computes its own channels' kernel
+        uncached = conv.convolve_in_channel_groups_(x.clone(), group=3)
+    assert calls == [12, 12, 12, 12]  # 1 for the cached spectrum, then 3 groups of 3, 3, 2 channels
+    torch.testing.assert_close(grouped, reference, atol=1e-6, rtol=0)
+    torch.testing.assert_close(uncached, reference, atol=1e-6, rtol=0)
+
+
 def test_other_lengths_recompute_and_the_lru_keeps_the_most_recent():
     conv, calls = counting_conv(kernel_cache_lengths=2)
     with torch.no_grad():

@@ -64,11 +64,14 @@ class LocostConfig(PreTrainedConfig):
             of the SSM kernel of up to `ssm_kernel_cache_lengths` most recent input lengths, at most
             `ssm_kernel_cache_bytes` per layer (32 MiB: lengths up to about 5.4K tokens at d_model 768, 384 MiB over
             the 12 released layers). Any parameter change or `.train()` invalidates it. 0 turns it off.
-        encoder_chunk_length (`int`, *optional*, defaults to 65536):
+        encoder_chunk_length (`int`, *optional*, defaults to 2048):
             Without autograd, inputs longer than this are encoded in pieces: projections, gate and feed-forward over
             chunks of this many positions and the FFT convolution over groups of channels, writing the residual stream
             in place (about two [batch, length, d_model] float tensors at a time, the released model encodes 1M
-            tokens). Same function as the one-piece path up to float rounding. `None` never chunks.
+            tokens). Same function as the one-piece path up to float rounding, and faster on CPU as well as smaller
+            (pieces stay in the caches: at the released size and 16K tokens, 2 threads, one encoder block took 1.86 s
+            against 2.45 s in one piece, the whole encoder 389 MiB above the weights against 873 MiB). `None` never
+            chunks.
         ssm_authors_fft_size (`bool`, defaults to `False`):
             Reproduce the authors' CUDA fast path (`use_fast_fft_conv=True` in their configs): an FFT size rounded to
             a power of two, which is a *different function* whenever the (even-padded) length is not a power of two
@@ -124,7 +127,7 @@ class LocostConfig(PreTrainedConfig):
     ssm_kernel_chunk_size: int = 256
     ssm_kernel_cache_lengths: int = 2
     ssm_kernel_cache_bytes: int = 32 * 2**20
-    encoder_chunk_length: int | None = 65536
+    encoder_chunk_length: int | None = 2048
     ssm_authors_fft_size: bool = False
     is_encoder_decoder: bool = True
     use_cache: bool = True

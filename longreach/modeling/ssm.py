@@ -298,9 +298,10 @@ class BidirectionalS4DConvolution(Float32ParametersModule):
             fft_size = max(2 * 2 ** math.ceil(math.log2(kernel_length)), 16)
         else:
             kernel_length, fft_size = length, 2 * length  # the period of the packed kernel: exact convolution
-        if channels == slice(None):
-            kernel_f = self.kernel_spectrum(kernel_length, fft_size)
-        else:  # a group of channels (long inputs): not cached
+        spectrum_bytes = self.channels * (fft_size // 2 + 1) * 8  # complex64
+        if channels == slice(None) or (self._cacheable() and spectrum_bytes <= self.kernel_cache_bytes):
+            kernel_f = self.kernel_spectrum(kernel_length, fft_size)[channels]  # all channels, cached when allowed
+        else:  # a group of channels of a long input: computed for this group only
             kernel_f = torch.fft.rfft(self.circular_kernel(kernel_length, channels), n=fft_size)
         y = torch.fft.irfft(torch.fft.rfft(signal, n=fft_size) * kernel_f, n=fft_size)[..., :length]
         return y + signal * self.D.float()[channels, None]
