@@ -416,11 +416,13 @@ def build_smoke_tokenizer(texts: list[str], vocab_size: int = 320):
 
 
 def smoke_arguments(output_dir: str) -> tuple[list[str], Path]:
-    """A tiny random Llama with its tokenizer and a JSON-lines (context, prompt, target) dataset in a temporary folder,
+    """A tiny random Llama with its tokenizer and a JSON-lines (context, prompt, target) dataset beside the output folder,
     and the arguments that train Dodo around it."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    workdir = Path(tempfile.mkdtemp(prefix="finetune-dodo-smoke-"))
+    # beside the output folder (not in the system's temporary folder, where nobody would remove it)
+    workdir = Path(output_dir).parent / f"{Path(output_dir).name}-smoke-inputs"
+    workdir.mkdir(parents=True, exist_ok=True)
     places = ["harbour", "library", "orchard", "station", "market", "observatory"]
     rows = []
     for index in range(24):
@@ -454,7 +456,8 @@ def main(argv: list[str] | None = None) -> dict:
     argv = list(sys.argv[1:] if argv is None else argv)
     smoke_inputs = None
     if "--smoke" in argv:
-        output_dir = argv[argv.index("--output_dir") + 1] if "--output_dir" in argv else tempfile.mkdtemp()
+        output_dir = (argv[argv.index("--output_dir") + 1] if "--output_dir" in argv
+                      else tempfile.mkdtemp(prefix="finetune-dodo-smoke-"))
         smoke_argv, smoke_inputs = smoke_arguments(output_dir)
         argv = smoke_argv + [a for i, a in enumerate(argv) if a != "--output_dir"
                              and (i == 0 or argv[i - 1] != "--output_dir")]

@@ -255,13 +255,15 @@ def run(model_args: ModelArguments, data_args: DataArguments, training_args: Seq
 
 
 def smoke_arguments(output_dir: str) -> list[str]:
-    """A tiny LOCOST checkpoint and JSON-lines dataset in a temporary folder, and the arguments that train it."""
+    """A tiny LOCOST checkpoint and JSON-lines dataset beside the output folder, and the arguments that train it."""
     import torch
 
     from longreach import LocostConfig, LocostForConditionalGeneration
     from longreach.demo import train_tokenizer
 
-    workdir = Path(tempfile.mkdtemp(prefix="finetune-smoke-"))
+    # beside the output folder (not in the system's temporary folder, where nobody would remove it)
+    workdir = Path(output_dir).parent / f"{Path(output_dir).name}-smoke-inputs"
+    workdir.mkdir(parents=True, exist_ok=True)
     topics = ["state space models", "token compression", "context nuggets", "relative position buckets"]
     rows = []
     for index in range(24):
@@ -294,7 +296,8 @@ def smoke_arguments(output_dir: str) -> list[str]:
 def main(argv: list[str] | None = None) -> dict:
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--smoke" in argv:
-        output_dir = argv[argv.index("--output_dir") + 1] if "--output_dir" in argv else tempfile.mkdtemp()
+        output_dir = (argv[argv.index("--output_dir") + 1] if "--output_dir" in argv
+                      else tempfile.mkdtemp(prefix="finetune-smoke-"))
         argv = smoke_arguments(output_dir) + [a for i, a in enumerate(argv) if a != "--output_dir"
                                               and (i == 0 or argv[i - 1] != "--output_dir")]
     parser = HfArgumentParser((ModelArguments, DataArguments, Seq2SeqTrainingArguments))

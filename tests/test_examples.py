@@ -30,6 +30,7 @@ def test_finetune_summarization_smoke(tmp_path):
     for key in ("eval_rouge1", "eval_rouge2", "eval_rougeLsum"):  # generation during evaluation, scored offline
         assert 0.0 <= metrics[key] <= 100.0
     assert metrics["eval_gen_len"] > 0
+    assert (tmp_path / "finetuned-smoke-inputs" / "tiny-locost").is_dir()  # beside the output, not left in /tmp
     assert "summary of the first validation document:" in result.stdout  # reloaded through pipeline("summarization")
     assert {"model.safetensors", "modeling_locost.py", "pipeline_summarization.py", "tokenizer.json"} <= set(
         hub.hub_files(output_dir))
@@ -81,6 +82,7 @@ def test_finetune_dodo_smoke_trains_adapters_scorer_and_soft_prompt_only(tmp_pat
                                              "scorer": True, "soft_prompt": True}
     assert "generated for the first validation example:" in result.stdout  # reloaded with trust_remote_code
     # the saved checkpoint, checked independently: base tensors equal the base Llama's, LoRA B (zero at start) moved
+    assert Path(metrics["smoke_inputs"]).parent == tmp_path  # the smoke inputs live beside the output, not in /tmp
     base = load_file(str(Path(metrics["smoke_inputs"]) / "tiny-llama" / "model.safetensors"))
     saved = load_file(str(output_dir / "model.safetensors"))
     for key, tensor in base.items():
