@@ -23,7 +23,9 @@ from __future__ import annotations
 import fnmatch
 import json
 import logging
+import os
 import re
+import socket
 import tempfile
 from dataclasses import dataclass
 from importlib import metadata, resources
@@ -268,6 +270,75 @@ def _card_for_upload(folder: Path, config: dict, repo_id: str, tags: list[str] |
         logger.warning("Replacing %s, which is not a longreach model card, with the %s card.", readme,
                        config.get("model_type"))
     return str(build_model_card(config.get("model_type", ""), repo_id, tags=tags))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Where a name points: a local folder or the Hub (checked before transformers retries the network)
+# ---------------------------------------------------------------------------------------------------------------------
+
+#: ``name`` or ``owner/name``: what the Hub accepts as a repository id.
+_REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?$")
+
+
+class HubAccessError(ValueError):
+    """A model, tokenizer or upload target cannot be reached; the message is one line that says what to do."""
+
+
+def looks_like_local_path(name: str) -> bool:
+    """True for anything that is clearly a path, never a Hub repository id: it exists, starts with ``.``, ``/`` or
+    ``~``, contains a backslash or more than one ``/``, or is not a valid repository id."""
+    return (Path(name).expanduser().exists() or name.startswith((".", "/", "~")) or "\\" in name
+            or not _REPO_ID.match(name))
+
+
+def hub_is_offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().upper() in ("1", "ON", "YES", "TRUE")
+
+
+def hub_reachable(timeout: float = 3.0) -> bool:
+    """One TCP connection to the Hub's endpoint (``HF_ENDPOINT``): seconds, where a failing download retries for half a
+    minute."""
+    from urllib.parse import urlparse
+
+    from huggingface_hub import constants
+
+    endpoint = urlparse(constants.ENDPOINT)
+    try:
+        socket.create_connection((endpoint.hostname, endpoint.port or (443 if endpoint.scheme == "https" else 80)),
+                                 timeout=timeout).close()
+        return True
+    except OSError:
+        return False
+
+
+def _in_hub_cache(repo_id: str) -> bool:
+    from huggingface_hub import try_to_load_from_cache
+
+    return any(isinstance(try_to_load_from_cache(repo_id, name), str)
+               for name in ("config.json", "tokenizer_config.json", "tokenizer.json"))
+
+
+def pretrained_location(name_or_path: str, what: str = "model") -> dict:
+    """Check ``name_or_path`` before ``from_pretrained`` looks for it, and return the extra ``from_pretrained``
+    keyword arguments (``{"local_files_only": True}`` for a Hub id found only in the local cache).
+
+    A local path is never sent to the Hub: if it does not exist, the error says so at once. A Hub id is looked up
+    offline (``HF_HUB_OFFLINE=1``) or when the Hub cannot be reached in the local cache; if it is not there, the
+    error says so at once instead of after the download's retries. Raises :class:`HubAccessError`.
+    """
+    path = Path(name_or_path).expanduser()
+    if looks_like_local_path(name_or_path):
+        if not path.exists():
+            raise HubAccessError(f"{what} {name_or_path!r}: no such file or folder (a local path, so the Hub was not "
+                                 "asked); check the path.")
+        return {}
+    if hub_is_offline() or not hub_reachable():
+        if _in_hub_cache(name_or_path):
+            return {"local_files_only": True}
+        reason = "HF_HUB_OFFLINE is set" if hub_is_offline() else "the Hub cannot be reached"
+        raise HubAccessError(f"{what} {name_or_path!r} is not a local folder, {reason} and it is not in the local "
+                             "cache: pass a local folder, or connect and retry.")
+    return {}
 
 
 def push_folder_to_hub(

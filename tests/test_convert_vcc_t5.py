@@ -86,8 +86,12 @@ def test_generation_matches_the_original(converted_model, refs):
     with torch.no_grad():
         generated = converted_model.generate(**fixture_inputs(refs), max_length=11)
         assert torch.equal(generated, refs["generated_ids"])
-        # max_length = the original's max_decoder_length is the converted generation default.
+        # the original's max_decoder_length (counting the start token) is the converted generation default, as
+        # max_new_tokens: no max_length is left in the folder's generation config
         assert torch.equal(converted_model.generate(**fixture_inputs(refs)), refs["generated_ids"])
+        assert converted_model.generation_config.max_new_tokens == 10
+        saved = json.loads((Path(converted_model.name_or_path) / "generation_config.json").read_text())
+        assert "max_length" not in saved
 
 
 def test_refined_blocks_and_compression_steps_match_the_original(converted_model, refs):

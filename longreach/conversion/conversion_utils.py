@@ -8,8 +8,9 @@ Rules every converter follows:
   source lacks, stops the conversion with a message naming them. Tied duplicates are dropped only after checking
   that they equal their source tensor.
 * The output folder must be new or empty and must not overlap the input; the input is never written to.
-* After saving, the output is reloaded and every tensor is compared bit for bit with the source before success is
-  reported.
+* Everything is written into a hidden sibling folder (``.NAME.incomplete-PID-*``), reloaded from there and every
+  tensor compared bit for bit with the source; only then is that folder renamed to the output. A conversion that
+  fails or is killed never leaves a folder under the output's name, and a rerun into the same path works.
 """
 
 from __future__ import annotations
@@ -18,7 +19,10 @@ import json
 import logging
 import os
 import re
-from collections.abc import Iterable
+import shutil
+import tempfile
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -49,21 +53,42 @@ def pickled_class_stand_in(module: str, name: str) -> type:
 
 
 def safe_torch_load(path: str | os.PathLike, allowed_classes: Iterable[type] = ()) -> object:
-    """``torch.load`` with ``weights_only=True`` on CPU, with extra allow-listed classes."""
+    """``torch.load`` with ``weights_only=True`` on CPU, with extra allow-listed classes.
+
+    Failures become one-line :class:`ConversionError` s that name the cause: a truncated or corrupt file, a file that
+    is not a ``torch.save`` checkpoint, or a pickled object outside the allow-list (never loaded: unpickling arbitrary
+    objects can run code).
+    """
+    import pickle
+
     with torch.serialization.safe_globals(list(allowed_classes)):
         try:
             return torch.load(path, map_location="cpu", weights_only=True)
-        except Exception as error:  # torch raises UnpicklingError with a long explanation
-            raise ConversionError(
-                f"Could not read {path} with torch.load(weights_only=True): {error}\n"
-                "The file holds objects we do not allow-list, so it is not loaded (loading arbitrary pickles can run "
-                "code)."
-            ) from error
+        except pickle.UnpicklingError as error:
+            unsupported = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(error))
+            if unsupported:
+                raise ConversionError(
+                    f"{path} holds a pickled {unsupported.group(1)}, which torch.load(weights_only=True) does not load: "
+                    "it is not on our allow-list of tensors and containers (unpickling arbitrary objects can run code)."
+                ) from None
+            raise ConversionError(f"{path} is not a PyTorch checkpoint, or it is corrupt: "
+                                  f"{str(error).splitlines()[-1][:200]}") from None
+        except (OSError, RuntimeError, EOFError) as error:
+            with open(path, "rb") as handle:
+                zip_archive = handle.read(2) == b"PK"  # torch.save's format; truncated, it is no valid zip any more
+            kind = ("truncated or corrupt (its zip archive cannot be read)" if zip_archive
+                    else "truncated, corrupt or not a PyTorch checkpoint")
+            raise ConversionError(f"{path} is {kind}: {str(error).splitlines()[0][:200]}") from None
 
 
 def load_weights_file(path: Path) -> dict[str, torch.Tensor]:
     if path.suffix == ".safetensors":
-        return load_safetensors(str(path))
+        from safetensors import SafetensorError
+
+        try:
+            return load_safetensors(str(path))
+        except SafetensorError as error:
+            raise ConversionError(f"{path} is truncated or corrupt (safetensors: {error}).") from None
     state_dict = safe_torch_load(path)
     if not isinstance(state_dict, dict):
         raise ConversionError(f"{path} does not hold a state dict (got {type(state_dict).__name__}).")
@@ -173,8 +198,11 @@ class KeyMap:
 
 
 def prepare_output_folder(output: str | os.PathLike, inputs: Iterable[str | os.PathLike | None]) -> Path:
-    """Create ``output``: it must be absent or empty, must not contain any input and must not lie inside an input
-    folder."""
+    """Check ``output`` (absent or an empty folder, not overlapping any input) and return it resolved.
+
+    Nothing is created under its name: converters write through :func:`staged_output`. Staging folders left by a
+    killed conversion into the same output are removed.
+    """
     output = Path(output).resolve()
     for source in inputs:
         if source is None:
@@ -194,8 +222,49 @@ def prepare_output_folder(output: str | os.PathLike, inputs: Iterable[str | os.P
             raise ConversionError(
                 f"--pytorch_dump_folder_path {output} is not empty; refusing to overwrite. Pass a new or empty folder."
             )
-    output.mkdir(parents=True, exist_ok=True)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    for stale in output.parent.glob(f".{output.name}.incomplete-*"):
+        pid = stale.name.split("-")[-2] if stale.name.count("-") >= 2 else ""
+        if stale.is_dir() and not (pid.isdigit() and _process_alive(int(pid))):
+            shutil.rmtree(stale, ignore_errors=True)
     return output
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+@contextmanager
+def staged_output(output: Path) -> Iterator[Path]:
+    """Yield a hidden sibling folder of ``output`` to write into; when the block succeeds, rename it to ``output``
+    (an empty ``output`` folder is replaced), and when it fails remove it."""
+    staging = Path(tempfile.mkdtemp(prefix=f".{output.name}.incomplete-{os.getpid()}-", dir=output.parent))
+    try:
+        yield staging
+        if output.is_dir():
+            output.rmdir()  # empty (checked by prepare_output_folder); rmdir refuses anything else
+        os.rename(staging, output)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+
+def find_local_tokenizer(*candidates: str | os.PathLike | None) -> str | None:
+    """The first of ``candidates`` (folders, or files whose folder is used) that holds tokenizer files."""
+    names = ("tokenizer.json", "tokenizer.model", "spiece.model", "tokenizer_config.json")
+    for candidate in candidates:
+        if candidate is None:
+            continue
+        folder = Path(candidate) if Path(candidate).is_dir() else Path(candidate).parent
+        if any((folder / name).is_file() for name in names):
+            return str(folder)
+    return None
 
 
 def verify_tensors(model: torch.nn.Module, expected: dict[str, torch.Tensor], source: str) -> None:
@@ -229,24 +298,32 @@ def finish_conversion(
     the model card, reloads the folder with ``from_pretrained`` and checks every converted tensor bit for bit (plus
     ``extra_check(reloaded)`` if given) *before* anything is reported or uploaded; then pushes in one commit if asked.
     """
-    from ..hub import write_model_card
+    from ..hub import pretrained_location, push_folder_to_hub, write_model_card
 
-    model.save_pretrained(output)
     tokenizer = None
-    if tokenizer_name_or_path is not None:
+    if tokenizer_name_or_path is not None:  # before anything is written: a tokenizer that cannot be had stops here
         from transformers import AutoTokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(tokenizer_name_or_path)
-        tokenizer.save_pretrained(output)
-    write_model_card(output, card_name, converted_from=source)
-
-    reloaded = type(model).from_pretrained(output, **(reload_kwargs or {}))
-    verify_tensors(reloaded, converted, source=str(output))
-    if extra_check is not None:
-        extra_check(reloaded)
+        try:
+            location = pretrained_location(tokenizer_name_or_path, "--tokenizer_name_or_path")
+            tokenizer = AutoTokenizer.from_pretrained(tokenizer_name_or_path, **location)
+        except (OSError, ValueError) as error:
+            raise ConversionError(str(error).strip().splitlines()[0]) from error
+    else:
+        logger.warning("No tokenizer given or found beside the checkpoint: the folder holds no tokenizer, so the "
+                       "pipeline and `longreach summarize` will need one (--tokenizer).")
+    with staged_output(output) as staging:
+        model.save_pretrained(staging)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(staging)
+        write_model_card(staging, card_name, converted_from=source)
+        reloaded = type(model).from_pretrained(staging, **(reload_kwargs or {}))
+        verify_tensors(reloaded, converted, source=str(output))
+        if extra_check is not None:
+            extra_check(reloaded)
     logger.info("Converted %s -> %s: %d tensors verified.", source, output, len(converted))
-    if push_to_hub:  # one commit: weights, code files, tokenizer and the model card written above
-        reloaded.push_to_hub(push_to_hub, tokenizer=tokenizer)
+    if push_to_hub:  # one commit: weights, code files, tokenizer and the model card, as verified above
+        push_folder_to_hub(output, push_to_hub)
     return reloaded
 
 

@@ -54,10 +54,12 @@ from ..modeling.modeling_dodo import DodoLlamaForCausalLM
 from .conversion_utils import (
     ConversionError,
     KeyMap,
+    find_local_tokenizer,
     finish_conversion,
     load_state_dict_from_folder,
     prepare_output_folder,
     safe_torch_load,
+    staged_output,
 )
 
 logger = logging.getLogger(__name__)
@@ -463,11 +465,7 @@ def _build_and_save(
         model.generation_config = GenerationConfig.from_pretrained(base_path)
     if max_new_tokens:
         model.generation_config.max_new_tokens = int(max_new_tokens)  # the authors generate greedily (paper §5)
-    tokenizer_source = tokenizer_name_or_path
-    if tokenizer_source is None and any(
-        (base_path / name).is_file() for name in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
-    ):
-        tokenizer_source = str(base_path)
+    tokenizer_source = tokenizer_name_or_path or find_local_tokenizer(base_path)
 
     def base_stays_frozen(reloaded: DodoLlamaForCausalLM) -> None:
         trainable = {name for name, param in reloaded.named_parameters() if param.requires_grad}
@@ -635,17 +633,18 @@ def export_peft_adapters(dodo_model_path: str | Path, pytorch_dump_folder_path: 
     dodo_model_path = Path(dodo_model_path)
     output = prepare_output_folder(pytorch_dump_folder_path, [dodo_model_path])
     model = DodoLlamaForCausalLM.from_pretrained(dodo_model_path)
-    model.export_peft_adapters(output, base_model_name_or_path=None)
     state_dict = model.state_dict()
-    for name in model.config.adapter_names:
-        _, weights = read_peft_adapter(output / name)
-        for key, tensor in weights.items():
-            ours = re.sub(r"^base_model\.model\.(.*)\.(lora_[AB])\.weight$", rf"\1.\2.{name}.weight", key)
-            if ours not in state_dict or not torch.equal(state_dict[ours].cpu(), tensor):
-                raise ConversionError(f"Export verification failed for {key} of adapter {name!r}.")
-    scorer = read_scorer(output / "scorer.pt")
-    if any(not torch.equal(state_dict[key].cpu(), tensor) for key, tensor in scorer.items()):
-        raise ConversionError("Export verification failed for the scorer.")
+    with staged_output(output) as staging:  # renamed to `output` only once everything read back equal
+        model.export_peft_adapters(staging, base_model_name_or_path=None)
+        for name in model.config.adapter_names:
+            _, weights = read_peft_adapter(staging / name)
+            for key, tensor in weights.items():
+                ours = re.sub(r"^base_model\.model\.(.*)\.(lora_[AB])\.weight$", rf"\1.\2.{name}.weight", key)
+                if ours not in state_dict or not torch.equal(state_dict[ours].cpu(), tensor):
+                    raise ConversionError(f"Export verification failed for {key} of adapter {name!r}.")
+        scorer = read_scorer(staging / "scorer.pt")
+        if any(not torch.equal(state_dict[key].cpu(), tensor) for key, tensor in scorer.items()):
+            raise ConversionError("Export verification failed for the scorer.")
     logger.info("Exported the adapters of %s to %s.", dodo_model_path, output)
     return output
 

@@ -34,6 +34,7 @@ from ..modeling.modeling_locost import LocostForConditionalGeneration
 from .conversion_utils import (
     ConversionError,
     KeyMap,
+    find_local_tokenizer,
     finish_conversion,
     load_folder_checkpoint,
     pickled_class_stand_in,
@@ -159,7 +160,8 @@ def convert_locost_checkpoint(
 
     finish_conversion(
         model, output, converted, card_name="locost", source=str(checkpoint_path),
-        tokenizer_name_or_path=tokenizer_name_or_path, push_to_hub=push_to_hub,
+        tokenizer_name_or_path=tokenizer_name_or_path or find_local_tokenizer(checkpoint_path),
+        push_to_hub=push_to_hub,
     )
     return output
 
@@ -168,7 +170,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkpoint_path", required=True, help="Original save_pretrained folder or Lightning .ckpt.")
     parser.add_argument("--pytorch_dump_folder_path", required=True, help="New or empty output folder.")
-    parser.add_argument("--tokenizer_name_or_path", default=None, help="Tokenizer to save with the model (e.g. google/long-t5-local-base).")
+    parser.add_argument("--tokenizer_name_or_path", default=None, help="Tokenizer to save with the model (e.g. google/long-t5-local-base; default: one found beside the checkpoint).")
     parser.add_argument("--config_path", default=None, help="config.json to use instead of the checkpoint's own.")
     parser.add_argument("--push_to_hub", default=None, metavar="REPO_ID", help="Also upload the result to this Hub repo.")
     return parser.parse_args(argv)

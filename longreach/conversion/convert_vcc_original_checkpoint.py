@@ -22,7 +22,7 @@ Explicit VCC options override the checkpoint's own values (the authors change `n
 The vocabulary size is taken from the embedding. The original stores the shared relative-attention-bias table once
 per encoder block; the copies must be equal and only block 0's is kept (T5's layout). The output is a Hub-ready
 folder: ``model.safetensors``, ``config.json`` (``model_type: vcc_t5``, ``auto_map``), ``generation_config.json``
-(greedy; ``max_length`` = the original's ``max_decoder_length`` when given), the code files, the tokenizer if given,
+(greedy; ``max_new_tokens`` = the original's ``max_decoder_length`` − 1 when given), the code files, the tokenizer if given,
 and a model card.
 """
 
@@ -40,6 +40,7 @@ from ..modeling.modeling_vcc_t5 import VCCT5ForConditionalGeneration
 from .conversion_utils import (
     ConversionError,
     KeyMap,
+    find_local_tokenizer,
     finish_conversion,
     load_folder_checkpoint,
     prepare_output_folder,
@@ -153,8 +154,10 @@ def vcc_config_from_sources(
             vcc_fields = {name: preset_values[name] for name in VCC_FIELDS}
 
     generation = {}
-    if source_config.get("max_decoder_length") is not None:  # the original's generate(max_length=...)
-        generation["max_length"] = int(source_config["max_decoder_length"])
+    if source_config.get("max_decoder_length") is not None:
+        # the original's generate(max_length=...) counts the decoder start token: that many tokens minus one, as
+        # max_new_tokens (a max_length in the generation config would make every call with max_new_tokens warn)
+        generation["max_new_tokens"] = int(source_config["max_decoder_length"]) - 1
     try:
         config = VCCT5Config(**fields, **{**vcc_fields, **vcc_options})
     except (ValueError, TypeError) as error:
@@ -220,7 +223,8 @@ def convert_vcc_checkpoint(
 
     finish_conversion(
         model, output, converted, card_name="vcc_t5", source=str(checkpoint_path),
-        tokenizer_name_or_path=tokenizer_name_or_path, push_to_hub=push_to_hub,
+        tokenizer_name_or_path=tokenizer_name_or_path or find_local_tokenizer(checkpoint_path),
+        push_to_hub=push_to_hub,
     )
     return output
 
@@ -240,7 +244,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--pytorch_dump_folder_path", required=True, help="New or empty output folder.")
     parser.add_argument("--config_path", default=None,
                         help="config.json to use instead of the checkpoint's own (required for a Lightning .ckpt).")
-    parser.add_argument("--tokenizer_name_or_path", default=None, help="Tokenizer to save with the model.")
+    parser.add_argument("--tokenizer_name_or_path", default=None, help="Tokenizer to save with the model (default: one found beside the checkpoint).")
     parser.add_argument("--push_to_hub", default=None, metavar="REPO_ID", help="Also upload the result to this Hub repo.")
     vcc = parser.add_argument_group("VCC options (override the checkpoint's values; a plain T5 needs a preset or all)")
     vcc.add_argument("--vcc_preset", choices=sorted(VCC_T5_PRESETS), default=None,

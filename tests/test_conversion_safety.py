@@ -1,0 +1,155 @@
+"""Converters never leave a half-written folder and say in one line what is wrong with a bad input.
+
+A conversion writes into a hidden sibling folder and renames it into place only after the reload check: killed at any
+moment (SIGKILL while the weights are written, and after they are written), it leaves nothing under the output's
+name, and a rerun into the same path succeeds. Truncated or foreign inputs get one line naming the cause.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+from workflow_helpers import word_tokenizer
+
+from longreach.cli import main
+from longreach.conversion import convert_locost_original_checkpoint as locost_converter
+from longreach.conversion.conversion_utils import ConversionError
+
+REPO = Path(__file__).resolve().parents[1]
+
+# Runs the LOCOST converter, pausing at one point (`stage`) after writing a marker file, so the test can SIGKILL it
+# exactly there.
+KILLED_CONVERSION = textwrap.dedent(
+    """
+    import sys, time
+    from pathlib import Path
+    from longreach.conversion import conversion_utils, convert_locost_original_checkpoint as converter
+    from safetensors import torch as safetensors_torch
+
+    source, output, marker, stage = sys.argv[1:5]
+
+    def pause():
+        Path(marker).write_text("ready")
+        time.sleep(60)
+
+    if stage == "while_writing_weights":
+        write = safetensors_torch.save_file
+        def save_file(tensors, filename, *args, **kwargs):
+            # half the bytes on disk, then the kill
+            Path(filename).write_bytes(b"\\0" * 1024)
+            pause()
+        safetensors_torch.save_file = save_file
+        import transformers.modeling_utils as modeling_utils
+        if hasattr(modeling_utils, "safe_save_file"):
+            modeling_utils.safe_save_file = save_file
+    else:  # after the weights are written: during the reload check
+        verify = conversion_utils.verify_tensors
+        def verify_tensors(*args, **kwargs):
+            verify(*args, **kwargs)
+            pause()
+        conversion_utils.verify_tensors = verify_tensors
+    converter.convert_locost_checkpoint(source, output)
+    """
+)
+
+
+@pytest.mark.parametrize("stage", ["while_writing_weights", "after_writing_weights"])
+def test_a_killed_conversion_leaves_nothing_and_a_rerun_succeeds(fixtures_dir, tmp_path, stage):
+    source, output, marker = fixtures_dir / "locost" / "hf_checkpoint", tmp_path / "out", tmp_path / "marker"
+    process = subprocess.Popen([sys.executable, "-c", KILLED_CONVERSION, str(source), str(output), str(marker), stage],
+                               cwd=REPO, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not marker.exists():
+        assert process.poll() is None, process.stderr.read()
+        assert time.monotonic() < deadline, "the conversion never reached the kill point"
+        time.sleep(0.05)
+    staging = [path for path in tmp_path.iterdir() if path.name.startswith(".out.incomplete-")]
+    assert len(staging) == 1 and any(staging[0].iterdir())  # the killed run was writing there, not into `out`
+    os.kill(process.pid, signal.SIGKILL)
+    process.wait()
+    process.stderr.close()
+
+    assert not output.exists()  # nothing under the output's name: no folder that loads or looks complete
+    locost_converter.convert_locost_checkpoint(source, output)  # the rerun works, and cleans the killed run's folder
+    assert (output / "model.safetensors").is_file() and (output / "config.json").is_file()
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["marker", "out"]
+
+
+def test_a_failed_conversion_leaves_nothing(fixtures_dir, tmp_path, monkeypatch):
+    from longreach.conversion import conversion_utils
+
+    def broken(*args, **kwargs):
+        raise ConversionError("Verification failed (simulated)")
+
+    monkeypatch.setattr(conversion_utils, "verify_tensors", broken)
+    with pytest.raises(ConversionError, match="simulated"):
+        locost_converter.convert_locost_checkpoint(fixtures_dir / "locost" / "hf_checkpoint", tmp_path / "out")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_an_unreachable_tokenizer_stops_before_anything_is_written(fixtures_dir, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    start = time.monotonic()
+    code = main(["convert", "locost", "--checkpoint_path", str(fixtures_dir / "locost" / "hf_checkpoint"),
+                 "--pytorch_dump_folder_path", str(tmp_path / "out"), "--tokenizer_name_or_path",
+                 "some-org/some-tokenizer"])
+    assert code == 1 and time.monotonic() - start < 20  # no download retries
+    error = capsys.readouterr().err.strip()
+    assert len(error.splitlines()) == 1 and "some-org/some-tokenizer" in error and "HF_HUB_OFFLINE" in error
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_tokenizer_beside_the_checkpoint_is_written_with_it(fixtures_dir, tmp_path):
+    source = tmp_path / "original"
+    shutil.copytree(fixtures_dir / "locost" / "hf_checkpoint", source)
+    word_tokenizer(vocab_size=64).save_pretrained(source)
+    output = locost_converter.convert_locost_checkpoint(source, tmp_path / "out")
+    assert (output / "tokenizer.json").is_file()
+
+
+def corrupt_inputs(fixtures_dir: Path, folder: Path) -> dict[str, Path]:
+    """A LOCOST folder checkpoint with a truncated safetensors file, a truncated Lightning pickle, random bytes."""
+    paths = {}
+    truncated = folder / "truncated-safetensors"
+    shutil.copytree(fixtures_dir / "locost" / "hf_checkpoint", truncated)
+    (truncated / "pytorch_model.bin").unlink()
+    from safetensors.torch import save_file
+
+    from longreach.conversion.conversion_utils import load_state_dict_from_folder
+
+    weights = load_state_dict_from_folder(fixtures_dir / "locost" / "hf_checkpoint")
+    tensors = {key: tensor.clone() for key, tensor in weights.items()}  # tied copies share storage
+    save_file(tensors, truncated / "model.safetensors")
+    data = (truncated / "model.safetensors").read_bytes()
+    (truncated / "model.safetensors").write_bytes(data[: len(data) // 2])
+    paths["truncated safetensors"] = truncated
+    ckpt = fixtures_dir / "locost" / "lightning" / "epoch=0-step=1.ckpt"
+    data = ckpt.read_bytes()
+    (folder / "truncated.ckpt").write_bytes(data[: len(data) // 2])
+    paths["truncated pickle"] = folder / "truncated.ckpt"
+    (folder / "random.ckpt").write_bytes(os.urandom(4096))
+    paths["random bytes"] = folder / "random.ckpt"
+    return paths
+
+
+@pytest.mark.parametrize("case, cause", [("truncated safetensors", "truncated or corrupt"),
+                                         ("truncated pickle", "truncated or corrupt"),
+                                         ("random bytes", "not a PyTorch checkpoint")])
+def test_corrupt_inputs_get_one_line_naming_the_cause(fixtures_dir, tmp_path, capsys, case, cause):
+    (tmp_path / "inputs").mkdir()
+    source = corrupt_inputs(fixtures_dir, tmp_path / "inputs")[case]
+    code = main(["convert", "locost", "--checkpoint_path", str(source), "--pytorch_dump_folder_path",
+                 str(tmp_path / "out")])
+    error = capsys.readouterr().err.strip()
+    assert code == 1 and len(error.splitlines()) == 1, error
+    assert cause in error and str(source.name) in error
+    assert "weights_only=False" not in error and "allow-list" not in error
+    assert not (tmp_path / "out").exists()
