@@ -229,3 +229,26 @@ def test_pipeline_summarization_works_where_longreach_cannot_be_imported(tmp_pat
     assert result["model_class"].startswith("transformers_modules.")
     assert result["warnings"] == [f"The document ({len(doc)} characters) is longer than the model may read: its last "
                                   "401 tokens were dropped (max_input_length=100)."]
+
+
+def test_plain_calls_log_no_warnings(model, tokenizer):
+    """A user who only asks for a summary (with or without generation options) sees no transformers warning: no
+    "Both `max_new_tokens` and `max_length` seem to have been set", no deprecated cache name."""
+    import logging
+
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    transformers_logger = logging.getLogger("transformers")
+    transformers_logger.addHandler(handler)
+    model.generation_config.max_new_tokens = 8  # as in converted folders
+    summarizer = pipeline("long-summarization", model=model, tokenizer=tokenizer)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            summarizer(document(80))
+            summarizer(document(80), max_new_tokens=4, num_beams=2)
+            summarizer([document(30), document(60)], max_new_tokens=3, batch_size=2)
+    finally:
+        transformers_logger.removeHandler(handler)
+    assert [record.getMessage() for record in records if record.levelno >= logging.WARNING] == []

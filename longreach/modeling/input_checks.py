@@ -92,4 +92,13 @@ def take_cache_argument(past_key_values, kwargs: dict):
 def cache_of(output) -> object:
     """The cache held by a transformers model output: ``output.cache`` from transformers 5.24 on,
     ``output.past_key_values`` before (read without the deprecation warning of the old name)."""
-    return output.get("cache", output.get("past_key_values"))
+    name = "cache" if "cache" in getattr(type(output), "__dataclass_fields__", {}) else "past_key_values"
+    return getattr(output, name, None)
+
+
+def cache_field(cache) -> dict:
+    """``{name: cache}`` for building a transformers model output: ``cache`` from transformers 5.24 on (the old name
+    ``past_key_values`` then logs a deprecation warning), ``past_key_values`` before."""
+    from transformers.modeling_outputs import Seq2SeqLMOutput
+
+    return {"cache" if "cache" in Seq2SeqLMOutput.__dataclass_fields__ else "past_key_values": cache}

@@ -49,7 +49,15 @@ from transformers.models.llama.modeling_llama import LlamaModel, LlamaPreTrained
 from transformers.utils import ModelOutput
 
 from ..configuration.configuration_dodo import DodoLlamaConfig
-from .input_checks import check_mask, check_rows_not_empty, check_token_ids, describe, pad_right, take_cache_argument
+from .input_checks import (
+    cache_field,
+    check_mask,
+    check_rows_not_empty,
+    check_token_ids,
+    describe,
+    pad_right,
+    take_cache_argument,
+)
 from .remote_code import HubReadyMixin
 
 #: The name of ``LlamaModel.forward``'s key/value cache argument: ``cache`` from transformers 5.24 on (which deprecates
@@ -1114,7 +1122,7 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
         result = CausalLMOutputWithPast(
             loss=loss,
             logits=logits,
-            past_key_values=cache if use_cache else None,
+            **cache_field(cache if use_cache else None),
             hidden_states=strip(getattr(outputs, "hidden_states", None)),
             attentions=getattr(outputs, "attentions", None),
         )

@@ -31,7 +31,7 @@ from transformers.modeling_outputs import (
 )
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from .input_checks import cache_of, cut_to_length, pad_right
+from .input_checks import cache_field, cache_of, cut_to_length, pad_right
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Norm and feed-forward
@@ -515,7 +515,7 @@ class T5DecoderStack(nn.Module):
             all_hidden.append(hidden_states)
         return BaseModelOutputWithPastAndCrossAttentions(
             last_hidden_state=hidden_states,
-            past_key_values=past_key_values if use_cache else None,
+            **cache_field(past_key_values if use_cache else None),
             hidden_states=tuple(all_hidden) if all_hidden is not None else None,
             attentions=tuple(all_self) if all_self is not None else None,
             cross_attentions=tuple(all_cross) if all_cross is not None else None,
@@ -656,7 +656,7 @@ class T5Seq2SeqLMMixin:
         )
         return output_class(
             last_hidden_state=decoder_outputs.last_hidden_state,
-            past_key_values=cache_of(decoder_outputs),
+            **cache_field(cache_of(decoder_outputs)),
             decoder_hidden_states=decoder_outputs.hidden_states,
             decoder_attentions=decoder_outputs.attentions,
             cross_attentions=decoder_outputs.cross_attentions,
@@ -706,7 +706,7 @@ class T5Seq2SeqLMMixin:
         return output_class(
             loss=loss,
             logits=logits,
-            past_key_values=cache_of(decoder_outputs),
+            **cache_field(cache_of(decoder_outputs)),
             decoder_hidden_states=decoder_outputs.hidden_states,
             decoder_attentions=decoder_outputs.attentions,
             cross_attentions=decoder_outputs.cross_attentions,
