@@ -3,19 +3,25 @@
     longreach demo [--output_dir DIR]                      train, evaluate, save and reload a small LOCOST (offline)
     longreach convert {locost,vcc,dodo} OPTIONS...          convert an original checkpoint (the converter's options)
     longreach summarize --model PATH_OR_REPO FILE           summarize a text file ("-": stdin) with any longreach model
+    longreach summarize --model M --input SRC --output OUT.jsonl
+                                                            summarize a corpus (folder, jsonl/csv/parquet, Hub dataset)
     longreach push FOLDER REPO_ID                           upload a saved checkpoint with its code, tokenizer and card
     longreach model-cards [--output_dir model_cards]        regenerate the reference model cards from the templates
 
-Progress goes to stderr, results to stdout.
+Progress goes to stderr, results to stdout. A mistake gets one line on stderr that names it and the fix, exit code 2
+for usage errors and 1 for failures; ``--debug`` shows the traceback instead. ``--version`` prints the version.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import json
+import os
 import sys
 import time
 import warnings
+from pathlib import Path
 
 #: ``longreach convert NAME`` -> the converter module (imported only when that converter is used).
 CONVERTERS = {
@@ -23,6 +29,38 @@ CONVERTERS = {
     "vcc": "longreach.conversion.convert_vcc_original_checkpoint",
     "dodo": "longreach.conversion.convert_dodo_original_checkpoint",
 }
+
+
+class CommandError(Exception):
+    """A command cannot do what was asked; the message is one line naming the problem and the fix (exit code 1)."""
+
+    exit_code = 1
+
+
+class UsageError(CommandError):
+    """The command line is wrong (exit code 2)."""
+
+    exit_code = 2
+
+
+class OneLineArgumentParser(argparse.ArgumentParser):
+    """``argparse`` whose errors are one line (a :class:`UsageError`) instead of the usage text and an exit."""
+
+    def error(self, message: str):
+        raise UsageError(f"{self.prog}: {message} (see `{self.prog} --help`)")
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+DTYPES = ("auto", "float32", "float16", "bfloat16")
 
 
 def _progress(message: str, end: str = "\n") -> None:
@@ -88,35 +126,135 @@ def _generation_progress(max_new_tokens: int | None):
     return GenerationProgress()
 
 
+OUR_MODEL_TYPES = ("locost", "vcc_t5", "dodo_llama")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "spiece.model", "tokenizer_config.json")
+
+
+def check_device(device: str | None) -> None:
+    """``--device``: a device torch knows, and one this machine has."""
+    if device is None:
+        return
+    import torch
+
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, ValueError):
+        raise UsageError(f"--device {device!r} is not a device name: use cpu, cuda, cuda:1, mps, ...") from None
+    if parsed.type == "cuda" and not torch.cuda.is_available():
+        raise UsageError(f"--device {device}: CUDA is not available on this machine (torch {torch.__version__}); "
+                         "use --device cpu")
+    if parsed.type == "cuda" and parsed.index is not None and parsed.index >= torch.cuda.device_count():
+        raise UsageError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    if parsed.type == "mps" and not torch.backends.mps.is_available():
+        raise UsageError(f"--device {device}: MPS is not available on this machine; use --device cpu")
+
+
+def check_model_location(model_path: str, tokenizer_path: str | None) -> dict:
+    """``--model`` / ``--tokenizer`` before anything is loaded: local paths never go to the Hub, an original (not
+    converted) checkpoint gets the convert command, a folder without a tokenizer asks for ``--tokenizer``. Returns the
+    ``from_pretrained`` keyword arguments for the model (``local_files_only`` for a Hub id found only in the cache)."""
+    from .hub import HubAccessError, looks_like_local_path, pretrained_location
+
+    try:
+        location = pretrained_location(model_path, "--model")
+        if tokenizer_path is not None:
+            pretrained_location(tokenizer_path, "--tokenizer")
+    except HubAccessError as error:
+        local = looks_like_local_path(model_path) and not Path(model_path).expanduser().exists()
+        raise (UsageError if local else CommandError)(str(error)) from None
+    folder = Path(model_path).expanduser()
+    if not folder.exists():
+        return location
+    if not folder.is_dir():
+        raise UsageError(f"--model {model_path} is a file; pass the folder that holds config.json and the weights")
+    config_file = folder / "config.json"
+    model_type = None
+    if config_file.is_file():
+        try:
+            config = json.loads(config_file.read_text(encoding="utf-8"))
+            model_type = config.get("model_type") or "/".join(config.get("architectures") or []) or None
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise CommandError(f"--model {model_path}: config.json is not valid JSON") from None
+    if model_type not in OUR_MODEL_TYPES:
+        originals = sorted(p.name for p in folder.iterdir() if p.suffix in (".ckpt", ".bin", ".pt", ".safetensors"))
+        if model_type is None and not originals:
+            raise UsageError(f"--model {model_path} holds no model (no config.json); pass a converted longreach folder")
+        guess = ("locost" if "locost" in str(model_type).lower() else "dodo" if "llama" in str(model_type).lower()
+                 else "vcc" if "t5" in str(model_type).lower() else "locost|vcc|dodo")
+        found = f"a {model_type} config" if model_type else f"{', '.join(originals[:2])}"
+        raise UsageError(f"--model {model_path} is not a longreach model ({found}); if it is an authors' original "
+                         f"checkpoint, convert it first: longreach convert {guess} --checkpoint_path {model_path} "
+                         "--pytorch_dump_folder_path CONVERTED")
+    if tokenizer_path is None and not any((folder / name).is_file() for name in TOKENIZER_FILES):
+        raise UsageError(f"--model {model_path} has no tokenizer: pass --tokenizer PATH_OR_REPO (the tokenizer the "
+                         "model was trained with)")
+    return location
+
+
 def load_summarizer(model_path: str, tokenizer_path: str | None = None, device: str | None = None,
                     dtype: str | None = None):
-    """A ``LongSummarizationPipeline`` for a LOCOST, VCC-T5 or Dodo checkpoint (folder or Hub id)."""
+    """A ``LongSummarizationPipeline`` for a LOCOST, VCC-T5 or Dodo checkpoint (folder or Hub id), after the checks
+    of :func:`check_model_location` and :func:`check_device`; a tokenizer larger than the model's vocabulary is
+    refused."""
     import longreach  # noqa: F401  (registers the model classes)
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoTokenizer
 
     from .pipelines.pipeline_summarization import LongSummarizationPipeline
 
-    config = AutoConfig.from_pretrained(model_path, trust_remote_code=True)
-    auto_class = AutoModelForSeq2SeqLM if config.is_encoder_decoder else AutoModelForCausalLM
-    model = auto_class.from_pretrained(model_path, trust_remote_code=True, dtype=dtype or "auto")
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path or model_path)
+    check_device(device)
+    location = check_model_location(model_path, tokenizer_path)
+    try:
+        config = AutoConfig.from_pretrained(model_path, trust_remote_code=True, **location)
+        auto_class = AutoModelForSeq2SeqLM if config.is_encoder_decoder else AutoModelForCausalLM
+        model = auto_class.from_pretrained(model_path, trust_remote_code=True, dtype=dtype or "auto", **location)
+    except OSError as error:
+        raise CommandError(f"--model {model_path}: {str(error).strip().splitlines()[0]}") from None
+    try:
+        tokenizer_location = {} if tokenizer_path is not None else location
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_path or model_path, **tokenizer_location)
+    except (OSError, ValueError) as error:
+        raise CommandError(f"cannot load the tokenizer of {tokenizer_path or model_path}: "
+                           f"{str(error).strip().splitlines()[0]}") from None
+    vocab_size = model.get_input_embeddings().num_embeddings
+    if len(tokenizer) > vocab_size:
+        raise UsageError(f"the tokenizer has {len(tokenizer)} tokens but the model only {vocab_size} embeddings: it is "
+                         "not this model's tokenizer; pass the right one with --tokenizer")
     return LongSummarizationPipeline(model=model, tokenizer=tokenizer, device=device)
 
 
-def summarize(args: argparse.Namespace) -> int:
-    start = time.perf_counter()
-    if args.file == "-":
+def _generate_kwargs(args: argparse.Namespace) -> dict:
+    return {name: getattr(args, name) for name in ("max_new_tokens", "num_beams", "length_penalty",
+                                                   "no_repeat_ngram_size", "repetition_penalty", "min_new_tokens")
+            if getattr(args, name, None) is not None}
+
+
+def _read_document(file: str) -> str:
+    if file == "-":
         document = sys.stdin.read()
     else:
         try:
-            with open(args.file, encoding="utf-8") as handle:
+            with open(file, encoding="utf-8") as handle:
                 document = handle.read()
+        except UnicodeDecodeError as error:
+            raise CommandError(f"{file} is not UTF-8 text (byte {error.object[error.start]:#04x} at offset "
+                               f"{error.start}): convert it first, e.g. iconv -f latin1 -t utf-8 {file}") from None
         except OSError as error:
-            print(f"error: cannot read {args.file!r}: {error.strerror}", file=sys.stderr)
-            return 1
+            raise CommandError(f"cannot read {file!r}: {error.strerror}") from None
     if not document.strip():
-        print(f"error: {args.file!r} holds no text to summarize.", file=sys.stderr)
-        return 1
+        raise CommandError(f"{file!r} holds no text to summarize.")
+    return document
+
+
+def summarize(args: argparse.Namespace) -> int:
+    if (args.file is None) == (args.input is None):
+        raise UsageError("longreach summarize: give one document as FILE, or a corpus as --input SRC --output OUT.jsonl")
+    if args.input is not None:
+        return summarize_corpus_command(args)
+    if args.output_jsonl_options_given:
+        raise UsageError("longreach summarize: --split/--text_column/--id_column/--reference_column/--max_batch_tokens "
+                         "are for a corpus (--input SRC --output OUT.jsonl)")
+    start = time.perf_counter()
+    document = _read_document(args.file)
     _progress(f"loading {args.model} ...")
     summarizer = load_summarizer(args.model, args.tokenizer, args.device, args.dtype)
     model = summarizer.model
@@ -124,10 +262,7 @@ def summarize(args: argparse.Namespace) -> int:
     _progress(f"{type(model).__name__} ({model.config.model_type}, {model.num_parameters() / 1e6:.1f}M parameters) "
               f"loaded in {time.perf_counter() - start:.1f}s; document: {len(document)} characters, {num_tokens} tokens")
 
-    generate_kwargs = {}
-    for name in ("max_new_tokens", "num_beams", "length_penalty", "no_repeat_ngram_size"):
-        if getattr(args, name) is not None:
-            generate_kwargs[name] = getattr(args, name)
+    generate_kwargs = _generate_kwargs(args)
     from transformers import StoppingCriteriaList
 
     max_new_tokens = generate_kwargs.get("max_new_tokens", model.generation_config.max_new_tokens)
@@ -148,20 +283,95 @@ def summarize(args: argparse.Namespace) -> int:
     return 0
 
 
+def summarize_corpus_command(args: argparse.Namespace) -> int:
+    """``longreach summarize --input SRC --output OUT.jsonl``: see :mod:`longreach.corpus`."""
+    from . import corpus as corpus_module
+
+    if args.output is None or not args.output.endswith(".jsonl"):
+        raise UsageError(f"longreach summarize --input needs --output OUT.jsonl (one JSON line per summary), got "
+                         f"{args.output!r}")
+    rank, world_size = corpus_module.distributed_rank()
+    device = args.device
+    if device is None and world_size > 1:
+        import torch
+
+        device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available() else "cpu"
+    try:
+        corpus = corpus_module.read_corpus(args.input, split=args.split, text_column=args.text_column,
+                                           id_column=args.id_column, reference_column=args.reference_column)
+    except corpus_module.CorpusError as error:
+        raise UsageError(str(error)) from None
+    _progress(f"{len(corpus.ids)} documents in {args.input}" + (f" ({len(corpus.errors)} unreadable)" if corpus.errors
+                                                                 else ""))
+    summarizer = load_summarizer(args.model, args.tokenizer, device, args.dtype)
+    try:
+        stats = corpus_module.summarize_corpus(
+            summarizer, corpus, args.output, max_batch_tokens=args.max_batch_tokens,
+            max_input_length=args.max_input_length, generate_kwargs=_generate_kwargs(args), rank=rank,
+            world_size=world_size,
+        )
+    except corpus_module.CorpusError as error:
+        raise CommandError(str(error)) from None
+    if world_size > 1:
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            dist.init_process_group("gloo")
+        dist.barrier()  # every part is complete before rank 0 merges
+    if rank == 0:
+        total = corpus_module.merge_parts(args.output, corpus, world_size)
+        _progress(f"{stats['documents']} documents ({stats['input_tokens']} input tokens) summarized in "
+                  f"{stats['seconds']:.1f}s by {'each of ' + str(world_size) + ' processes' if world_size > 1 else 'this process'}"
+                  f", {stats['skipped_already_done']} already done; peak memory {stats['peak_memory_bytes'] / 2**20:.0f} MiB; "
+                  f"{total} summaries in {args.output}")
+        errors_file = Path(args.output).with_name(Path(args.output).name.removesuffix(".jsonl") + ".errors.jsonl")
+        if errors_file.exists():
+            count = len(errors_file.read_text(encoding="utf-8").splitlines())
+            _progress(f"{count} documents could not be summarized: see {errors_file}")
+        if args.reference_column:
+            metrics = corpus_module.corpus_rouge(args.output, corpus)
+            if metrics:
+                print(json.dumps(metrics))
+    if world_size > 1:
+        import torch.distributed as dist
+
+        dist.barrier()
+        dist.destroy_process_group()
+    return 0
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # push, model-cards, demo
 # ---------------------------------------------------------------------------------------------------------------------
 
 
+def push_preflight() -> None:
+    """Before an upload: online, the Hub reachable, logged in (each failure is one line, at once)."""
+    from huggingface_hub import get_token
+
+    from . import hub
+
+    if hub.hub_is_offline():
+        raise CommandError("cannot push: HF_HUB_OFFLINE is set; unset it and retry")
+    if not hub.hub_reachable():
+        raise CommandError("cannot push: the Hub cannot be reached from this machine; check the network and retry")
+    if get_token() is None:
+        raise CommandError("cannot push: not logged in to the Hub; run `hf auth login` or set HF_TOKEN")
+
+
 def push(args: argparse.Namespace) -> int:
     from .hub import push_folder_to_hub
 
+    if not Path(args.folder).is_dir():
+        raise UsageError(f"longreach push: {args.folder} is not a folder; pass a saved checkpoint folder")
+    push_preflight()
     try:
         commit = push_folder_to_hub(args.folder, args.repo_id, private=args.private or None,
                                     commit_message=args.commit_message)
     except ValueError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 1
+        raise CommandError(str(error).strip().splitlines()[0]) from None
+    except OSError as error:  # huggingface_hub's HTTP errors are OSErrors
+        raise CommandError(f"the upload failed: {str(error).strip().splitlines()[0]}") from None
     print(getattr(commit, "commit_url", commit))
     return 0
 
@@ -175,28 +385,52 @@ def model_cards(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="longreach", description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n")[1])
-    commands = parser.add_subparsers(dest="command", metavar="{demo,convert,summarize,push,model-cards}")
+    parser = OneLineArgumentParser(prog="longreach", description=__doc__.split("\n\n")[0],
+                                   formatter_class=argparse.RawDescriptionHelpFormatter,
+                                   epilog=__doc__.split("\n\n")[1])
+    parser.add_argument("--version", action="store_true", help="Print the version and exit.")
+    parser.add_argument("--debug", action="store_true", help="Show the traceback of an error.")
+    commands = parser.add_subparsers(dest="command", metavar="{demo,convert,summarize,push,model-cards}",
+                                     parser_class=OneLineArgumentParser)
 
     demo = commands.add_parser("demo", help="Train, evaluate, save and reload a small LOCOST summarizer, offline.",
                                add_help=False)
     demo.add_argument("demo_args", nargs=argparse.REMAINDER)
     commands.add_parser("convert", help="Convert an original LOCOST / VCC-T5 / Dodo checkpoint.", add_help=False)
 
-    summarize_parser = commands.add_parser("summarize", help="Summarize a text file with a longreach model.")
+    summarize_parser = commands.add_parser(
+        "summarize", help="Summarize a text file, or a whole corpus into a resumable JSONL file.")
     summarize_parser.add_argument("--model", required=True, help="Model folder or Hub repository id.")
-    summarize_parser.add_argument("file", help="Text file to summarize ('-' reads stdin).")
+    summarize_parser.add_argument("file", nargs="?", default=None, help="One text file to summarize ('-' reads stdin).")
     summarize_parser.add_argument("--tokenizer", default=None, help="Tokenizer (default: the model's folder).")
-    summarize_parser.add_argument("--max_new_tokens", type=int, default=None)
-    summarize_parser.add_argument("--num_beams", type=int, default=None)
-    summarize_parser.add_argument("--length_penalty", type=float, default=None)
-    summarize_parser.add_argument("--no_repeat_ngram_size", type=int, default=None)
-    summarize_parser.add_argument("--max_input_length", type=int, default=None,
-                                  help="Keep at most this many document tokens (a warning reports what is dropped).")
+    corpus_options = summarize_parser.add_argument_group(
+        "corpus", "Many documents: --input SRC --output OUT.jsonl (resumable; under torchrun each process takes a share)")
+    corpus_options.add_argument("--input", default=None,
+                                help="A text file, a folder of .txt/.md, a .jsonl/.json/.csv/.parquet file or a Hub "
+                                     "dataset name.")
+    corpus_options.add_argument("--split", default=None, help="Dataset split (Hub datasets; default: train).")
+    corpus_options.add_argument("--text_column", default=None, help="Column holding the documents (default: text).")
+    corpus_options.add_argument("--id_column", default=None, help="Column holding unique ids (default: row number).")
+    corpus_options.add_argument("--reference_column", default=None,
+                                help="Column holding reference summaries: ROUGE is printed and written to "
+                                     "OUT.metrics.json.")
+    corpus_options.add_argument("--max_batch_tokens", type=positive_int, default=None,
+                                help="Padded tokens per generate() call (rows x longest row; default: 16384).")
+    generation = summarize_parser.add_argument_group("generation")
+    generation.add_argument("--max_new_tokens", type=positive_int, default=None)
+    generation.add_argument("--min_new_tokens", type=positive_int, default=None)
+    generation.add_argument("--num_beams", type=positive_int, default=None)
+    generation.add_argument("--length_penalty", type=float, default=None)
+    generation.add_argument("--no_repeat_ngram_size", type=positive_int, default=None)
+    generation.add_argument("--repetition_penalty", type=float, default=None)
+    generation.add_argument("--max_input_length", type=positive_int, default=None,
+                            help="Keep at most this many document tokens (a warning reports what is dropped).")
     summarize_parser.add_argument("--device", default=None, help="e.g. cpu, cuda, cuda:1 (default: cuda if present).")
-    summarize_parser.add_argument("--dtype", default=None, help="e.g. float32, bfloat16 (default: the checkpoint's).")
-    summarize_parser.add_argument("--output", default=None, help="Write the summary to this file instead of stdout.")
+    summarize_parser.add_argument("--dtype", default=None, choices=DTYPES,
+                                  help="Weights' dtype (default: the checkpoint's).")
+    summarize_parser.add_argument("--output", default=None,
+                                  help="One document: write the summary to this file instead of stdout. A corpus: the "
+                                       "JSONL file to append the summaries to.")
 
     push_parser = commands.add_parser("push", help="Upload a saved checkpoint folder with our model card.")
     push_parser.add_argument("folder")
@@ -209,8 +443,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+def _version() -> str:
+    from importlib import metadata
+
+    try:
+        return metadata.version("longreach")
+    except metadata.PackageNotFoundError:
+        import longreach
+
+        return longreach.__version__
+
+
+def run(argv: list[str]) -> int:
     if argv and argv[0] == "convert":  # everything after the converter name belongs to the converter
         return convert(argv[1:])
     if argv and argv[0] == "demo":
@@ -219,7 +463,15 @@ def main(argv: list[str] | None = None) -> int:
         return demo_main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.version:
+        print(f"longreach {_version()}")
+        return 0
     if args.command == "summarize":
+        corpus_only = ("split", "text_column", "id_column", "reference_column", "max_batch_tokens")
+        args.output_jsonl_options_given = any(getattr(args, name) is not None for name in corpus_only)
+        args.split = args.split or "train"
+        args.text_column = args.text_column or "text"
+        args.max_batch_tokens = args.max_batch_tokens or 16384
         return summarize(args)
     if args.command == "push":
         return push(args)
@@ -227,6 +479,31 @@ def main(argv: list[str] | None = None) -> int:
         return model_cards(args)
     parser.print_help(sys.stderr)
     return 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv[:1] or (argv[:1] != ["convert"] and "--debug" in argv)
+    if debug:
+        argv.remove("--debug")
+    try:
+        return run(argv)
+    except CommandError as error:
+        if debug:
+            raise
+        print(f"error: {error}", file=sys.stderr)
+        return error.exit_code
+    except KeyboardInterrupt:
+        if debug:
+            raise
+        print("interrupted", file=sys.stderr)
+        return 130
+    except Exception as error:  # noqa: BLE001  anything unexpected: one line, the traceback with --debug
+        if debug:
+            raise
+        message = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        print(f"error: {type(error).__name__}: {message} (run again with --debug for the traceback)", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -109,6 +109,9 @@ def test_push_command_uploads_through_our_client(tmp_path, monkeypatch, capsys):
     uploads = []
     monkeypatch.setattr(hub, "push_folder_to_hub", lambda folder, repo_id, **kw: uploads.append(
         (str(folder), repo_id, kw)) or type("Commit", (), {"commit_url": "https://hub/commit"})())
+    monkeypatch.setattr(hub, "hub_reachable", lambda: True)
+    monkeypatch.setenv("HF_TOKEN", "hf_test")
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     folder = save_tiny_locost(tmp_path / "tiny")
     assert main(["push", str(folder), "someone/tiny", "--private"]) == 0
     assert uploads == [(str(folder), "someone/tiny", {"private": True, "commit_message": None})]

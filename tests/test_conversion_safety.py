@@ -8,6 +8,7 @@ name, and a rerun into the same path succeeds. Truncated or foreign inputs get o
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import signal
 import subprocess
@@ -135,7 +136,7 @@ def corrupt_inputs(fixtures_dir: Path, folder: Path) -> dict[str, Path]:
     data = ckpt.read_bytes()
     (folder / "truncated.ckpt").write_bytes(data[: len(data) // 2])
     paths["truncated pickle"] = folder / "truncated.ckpt"
-    (folder / "random.ckpt").write_bytes(os.urandom(4096))
+    (folder / "random.ckpt").write_bytes(b"\x80\x02" + random.Random(0).randbytes(4094))  # a pickle header, then noise
     paths["random bytes"] = folder / "random.ckpt"
     return paths
 

@@ -61,6 +61,7 @@ def stage(tmp_path, fixtures_dir, monkeypatch):
     monkeypatch.setenv("HF_MODULES_CACHE", str(tmp_path / "hf_modules"))
     RecordingHubApi.instances = []
     monkeypatch.setattr(hub, "HfApi", RecordingHubApi)
+    monkeypatch.setattr(cli, "push_preflight", lambda: None)  # uploads go to the recorder, offline
     return tmp_path
 
 

@@ -71,14 +71,15 @@ def safe_torch_load(path: str | os.PathLike, allowed_classes: Iterable[type] = (
                     f"{path} holds a pickled {unsupported.group(1)}, which torch.load(weights_only=True) does not load: "
                     "it is not on our allow-list of tensors and containers (unpickling arbitrary objects can run code)."
                 ) from None
-            raise ConversionError(f"{path} is not a PyTorch checkpoint, or it is corrupt: "
-                                  f"{str(error).splitlines()[-1][:200]}") from None
+            detail = next((line for line in reversed(str(error).splitlines()) if line.strip()), type(error).__name__)
+            raise ConversionError(f"{path} is not a PyTorch checkpoint, or it is corrupt: {detail[:200]}") from None
         except (OSError, RuntimeError, EOFError) as error:
             with open(path, "rb") as handle:
                 zip_archive = handle.read(2) == b"PK"  # torch.save's format; truncated, it is no valid zip any more
             kind = ("truncated or corrupt (its zip archive cannot be read)" if zip_archive
                     else "truncated, corrupt or not a PyTorch checkpoint")
-            raise ConversionError(f"{path} is {kind}: {str(error).splitlines()[0][:200]}") from None
+            detail = next((line for line in str(error).splitlines() if line.strip()), type(error).__name__)
+            raise ConversionError(f"{path} is {kind}: {detail[:200]}") from None
 
 
 def load_weights_file(path: Path) -> dict[str, torch.Tensor]:

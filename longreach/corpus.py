@@ -1,0 +1,338 @@
+"""Summarize a whole corpus: many documents, batched by length, resumable, sharded across processes.
+
+    longreach summarize --model PATH_OR_REPO --input SRC --output OUT.jsonl [--max_batch_tokens N] [generation options]
+
+``SRC`` is a text file, a folder of ``.txt`` / ``.md`` files (one document per file, its relative path as id), a
+``.jsonl`` / ``.json`` / ``.csv`` / ``.parquet`` file or a Hub dataset name (``--split``, ``--text_column``,
+``--id_column``, ``--reference_column``), all read with 🤗 datasets.
+
+* Throughput: documents are sorted by length and cut into batches whose padded size (rows x longest row) stays under
+  ``max_batch_tokens``; each batch is one ``generate()`` call, so the encoder runs once per batch.
+* Nothing is lost: every finished summary is appended to ``OUT`` as one JSON line (``id``, ``summary``,
+  ``input_tokens``, ``truncated``) and flushed to disk batch by batch. Rerunning the same command skips the ids already
+  in ``OUT`` (a line cut short by a crash is dropped and redone). A malformed record, or a document whose generation
+  fails, goes to ``OUT.errors.jsonl`` with its id and the error, and the run goes on.
+* Several processes (``torchrun`` / ``accelerate launch``: ``RANK`` and ``WORLD_SIZE``) split the documents; each
+  appends to its own ``OUT.part-R-of-W.jsonl`` (resumable on its own) and rank 0 merges the parts into ``OUT``.
+* With a reference column, ROUGE-1/2/Lsum (``rouge-score``) is printed and written to ``OUT.metrics.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import sys
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+TEXT_SUFFIXES = (".txt", ".md")
+TABLE_BUILDERS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
+
+
+class CorpusError(ValueError):
+    """The corpus cannot be read as asked; the message is one line that says what to change."""
+
+
+@dataclass
+class Corpus:
+    """Documents to summarize (``ids``, ``texts``, optional ``references``) and the records that could not be read."""
+
+    ids: list[str] = field(default_factory=list)
+    texts: list[str] = field(default_factory=list)
+    references: list[str | None] = field(default_factory=list)
+    errors: list[dict] = field(default_factory=list)
+
+    def add(self, record_id: str, text, reference=None) -> None:
+        if not isinstance(text, str) or not text.strip():
+            self.errors.append({"id": record_id, "error": f"no text to summarize (got {type(text).__name__} "
+                                                          f"{str(text)[:40]!r})"})
+            return
+        self.ids.append(record_id)
+        self.texts.append(text)
+        self.references.append(reference if isinstance(reference, str) else None)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Reading
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def read_corpus(source: str, *, split: str = "train", text_column: str = "text", id_column: str | None = None,
+                reference_column: str | None = None) -> Corpus:
+    """Read ``source`` (see the module docstring). Raises :class:`CorpusError` for what the user must change."""
+    from .hub import HubAccessError, looks_like_local_path, pretrained_location
+
+    path = Path(source).expanduser()
+    corpus = Corpus()
+    if path.is_dir():
+        files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in TEXT_SUFFIXES)
+        if not files:
+            raise CorpusError(f"--input {source}: the folder holds no {' / '.join(TEXT_SUFFIXES)} files.")
+        for file in files:
+            _add_text_file(corpus, file, file.relative_to(path).as_posix())
+    elif path.is_file() and path.suffix.lower() not in TABLE_BUILDERS:
+        _add_text_file(corpus, path, path.name)
+        if corpus.errors:
+            raise CorpusError(f"--input {source}: {corpus.errors[0]['error']}")
+    else:
+        import datasets
+
+        if path.is_file():
+            builder, arguments = TABLE_BUILDERS[path.suffix.lower()], {"data_files": str(path), "split": "train"}
+        elif looks_like_local_path(source):
+            raise CorpusError(f"--input {source}: no such file or folder.")
+        else:  # a Hub dataset
+            try:
+                pretrained_location(source, "--input dataset")
+            except HubAccessError as error:
+                raise CorpusError(str(error)) from None
+            builder, arguments = source, {"split": split}
+        try:
+            table = datasets.load_dataset(builder, **arguments)
+        except Exception as error:  # noqa: BLE001  datasets raises many types; the user gets its first line
+            raise CorpusError(f"--input {source}: cannot be read as a dataset: "
+                              f"{str(error).strip().splitlines()[0][:300]}") from None
+        columns = table.column_names
+        for name, option in ((text_column, "--text_column"), (id_column, "--id_column"),
+                             (reference_column, "--reference_column")):
+            if name is not None and name not in columns:
+                raise CorpusError(f"{option} {name!r} is not a column of {source}; its columns are {columns}.")
+        for index, row in enumerate(table):
+            record_id = str(row[id_column]) if id_column else str(index)
+            corpus.add(record_id, row[text_column], row[reference_column] if reference_column else None)
+    seen, duplicates = set(), []
+    for record_id in corpus.ids + [error["id"] for error in corpus.errors]:
+        if record_id in seen:
+            duplicates.append(record_id)
+        seen.add(record_id)
+    if duplicates:
+        raise CorpusError(f"ids must be unique (they key the resumable output), but {len(duplicates)} repeat, e.g. "
+                          f"{duplicates[:3]}: choose another --id_column.")
+    return corpus
+
+
+def _add_text_file(corpus: Corpus, file: Path, record_id: str) -> None:
+    try:
+        corpus.add(record_id, file.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as error:
+        corpus.errors.append({"id": record_id, "error": f"{file} is not UTF-8 text (byte {error.object[error.start]:#04x} "
+                                                        f"at offset {error.start}): convert it, e.g. with iconv"})
+    except OSError as error:
+        corpus.errors.append({"id": record_id, "error": f"cannot read {file}: {error.strerror}"})
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Batching
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def plan_batches(lengths: list[int], max_batch_tokens: int, max_batch_size: int | None = None) -> list[list[int]]:
+    """Indices of ``lengths`` grouped into batches, longest documents first (a batch that does not fit in memory shows
+    at once), each with ``rows x longest row <= max_batch_tokens`` (a longer document is a batch of its own)."""
+    if max_batch_tokens < 1:
+        raise ValueError(f"`max_batch_tokens` must be a positive integer, got {max_batch_tokens}.")
+    batches, current, longest = [], [], 0
+    for index in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        longest_after = max(longest, lengths[index])
+        full = max_batch_size is not None and len(current) >= max_batch_size
+        if current and (longest_after * (len(current) + 1) > max_batch_tokens or full):
+            batches.append(current)
+            current, longest_after = [], lengths[index]
+        current.append(index)
+        longest = longest_after
+    if current:
+        batches.append(current)
+    return batches
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Resumable output
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def finished_records(path: Path) -> dict[str, dict]:
+    """The complete JSON lines of ``path`` by id. A last line cut short by a crash is removed from the file (it is
+    redone), anything else unreadable stops with an error rather than being overwritten."""
+    if not path.exists():
+        return {}
+    data = path.read_bytes()
+    complete = data[: data.rfind(b"\n") + 1]  # everything up to the last newline
+    if len(complete) != len(data):
+        with open(path, "r+b") as handle:
+            handle.truncate(len(complete))
+    records = {}
+    for number, line in enumerate(complete.decode("utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+            records[str(record["id"])] = record
+        except (json.JSONDecodeError, KeyError, TypeError):
+            raise CorpusError(f"{path} line {number} is not one of our summary records; move the file away or choose "
+                              "another --output.") from None
+    return records
+
+
+def _append(handle, records: Iterable[dict]) -> None:
+    for record in records:
+        handle.write(json.dumps(record, ensure_ascii=False) + "\n")
+    handle.flush()
+    os.fsync(handle.fileno())
+
+
+def _write_atomically(path: Path, records: Iterable[dict]) -> None:
+    temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(temporary, "w", encoding="utf-8") as handle:
+        _append(handle, records)
+    os.replace(temporary, path)
+
+
+def part_path(output: Path, rank: int, world_size: int) -> Path:
+    return output if world_size == 1 else output.with_name(f"{output.name}.part-{rank}-of-{world_size}.jsonl")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The run
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def distributed_rank() -> tuple[int, int]:
+    """``(rank, world_size)`` from the launcher's environment (torchrun / accelerate launch), ``(0, 1)`` alone."""
+    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+
+
+def peak_memory_bytes(device) -> int:
+    import torch
+
+    if getattr(device, "type", "cpu") == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+
+
+def summarize_corpus(
+    summarizer,
+    corpus: Corpus,
+    output: str | os.PathLike,
+    *,
+    max_batch_tokens: int = 16384,
+    max_batch_size: int | None = None,
+    max_input_length: int | None = None,
+    generate_kwargs: dict | None = None,
+    rank: int = 0,
+    world_size: int = 1,
+    progress: bool = True,
+) -> dict:
+    """Summarize this process's share of ``corpus`` with ``summarizer`` (a :class:`LongSummarizationPipeline`) into
+    ``output`` (see the module docstring); returns the run's statistics. Call :func:`merge_parts` afterwards when
+    ``world_size > 1``."""
+    import torch
+    from tqdm.auto import tqdm
+
+    output = Path(output)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    target = part_path(output, rank, world_size)
+    done = set(finished_records(output)) | set(finished_records(target))
+    errors_path = target.with_name(target.name.removesuffix(".jsonl") + ".errors.jsonl")
+    errors_path.unlink(missing_ok=True)  # this run's errors only: failed documents are tried again
+    errors = [error for k, error in enumerate(corpus.errors) if k % world_size == rank]
+
+    tokenizer, model = summarizer.tokenizer, summarizer.model
+    lengths = [len(ids) for ids in tokenizer(corpus.texts)["input_ids"]] if corpus.texts else []
+    if max_input_length is not None:
+        lengths = [min(length, max_input_length) for length in lengths]
+    by_length = sorted(range(len(corpus.texts)), key=lambda i: (-lengths[i], corpus.ids[i]))
+    mine = [i for k, i in enumerate(by_length) if k % world_size == rank and corpus.ids[i] not in done]
+    batches = [[mine[j] for j in batch] for batch in plan_batches([lengths[i] for i in mine], max_batch_tokens,
+                                                                  max_batch_size)]
+    generate_kwargs = dict(generate_kwargs or {})
+    if torch.cuda.is_available() and model.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(model.device)
+
+    start, documents, tokens = time.perf_counter(), 0, 0
+    bar = tqdm(total=len(mine), unit="doc", disable=not progress, file=sys.stderr,
+               desc=f"rank {rank}" if world_size > 1 else "summarizing")
+    with open(target, "a", encoding="utf-8") as handle:
+        for batch in batches:
+            try:
+                records = _summarize_batch(summarizer, corpus, batch, max_input_length, generate_kwargs)
+            except Exception:  # noqa: BLE001  one document may be the cause: try them one by one
+                records = []
+                for index in batch:
+                    try:
+                        records += _summarize_batch(summarizer, corpus, [index], max_input_length, generate_kwargs)
+                    except Exception as error:  # noqa: BLE001  reported with its id; the run goes on
+                        message = str(error).strip().splitlines()[0] if str(error).strip() else ""
+                        errors.append({"id": corpus.ids[index], "error": f"{type(error).__name__}: {message}"})
+            _append(handle, records)
+            documents += len(records)
+            tokens += sum(record["input_tokens"] for record in records)
+            bar.update(len(batch))
+            elapsed = max(time.perf_counter() - start, 1e-9)
+            bar.set_postfix(docs_per_s=f"{documents / elapsed:.2f}", tokens_per_s=f"{tokens / elapsed:.0f}")
+    bar.close()
+    if errors:
+        with open(errors_path, "a", encoding="utf-8") as handle:
+            _append(handle, errors)
+    return {"documents": documents, "input_tokens": tokens, "seconds": round(time.perf_counter() - start, 3),
+            "skipped_already_done": len([i for k, i in enumerate(by_length) if k % world_size == rank]) - len(mine),
+            "errors": len(errors), "peak_memory_bytes": peak_memory_bytes(model.device), "output": str(target),
+            "errors_file": str(errors_path) if errors else None}
+
+
+def _summarize_batch(summarizer, corpus: Corpus, batch: list[int], max_input_length, generate_kwargs) -> list[dict]:
+    import torch
+
+    inputs, dropped = summarizer._prepare_inputs([corpus.texts[i] for i in batch], max_input_length)
+    with torch.inference_mode():
+        output_ids = summarizer.model.generate(**inputs, **generate_kwargs)
+    if not summarizer.model.config.is_encoder_decoder:
+        output_ids = output_ids[:, inputs["input_ids"].shape[1]:]  # decoder-only: drop the prompt
+    summaries = summarizer.tokenizer.batch_decode(output_ids, skip_special_tokens=True,
+                                                  clean_up_tokenization_spaces=False)  # as the pipeline decodes
+    read = inputs["attention_mask"].sum(dim=1).tolist()
+    return [{"id": corpus.ids[i], "summary": summary, "input_tokens": int(tokens), "truncated": count > 0}
+            for i, summary, tokens, count in zip(batch, summaries, read, dropped)]
+
+
+def merge_parts(output: str | os.PathLike, corpus: Corpus, world_size: int) -> int:
+    """Rank 0, after every rank finished: the parts (and an earlier ``output``) merged into ``output`` in corpus order,
+    written atomically; the part files are then removed. Returns how many documents ``output`` holds."""
+    output = Path(output)
+    records = finished_records(output)
+    parts = [part_path(output, rank, world_size) for rank in range(world_size)] if world_size > 1 else []
+    for part in parts:
+        records.update(finished_records(part))
+    order = {record_id: k for k, record_id in enumerate(corpus.ids)}
+    merged = sorted(records.values(), key=lambda record: (order.get(str(record["id"]), len(order)), str(record["id"])))
+    _write_atomically(output, merged)
+    errors_file = output.with_name(output.name.removesuffix(".jsonl") + ".errors.jsonl")
+    part_errors = [part.with_name(part.name.removesuffix(".jsonl") + ".errors.jsonl") for part in parts]
+    if any(path.exists() for path in part_errors):
+        _write_atomically(errors_file, [json.loads(line) for path in part_errors if path.exists()
+                                        for line in path.read_text(encoding="utf-8").splitlines() if line.strip()])
+    for path in parts + part_errors:
+        path.unlink(missing_ok=True)
+    return len(merged)
+
+
+def corpus_rouge(output: str | os.PathLike, corpus: Corpus) -> dict | None:
+    """ROUGE-1/2/Lsum (``rouge-score``) of the summaries in ``output`` against the corpus's references, written to
+    ``OUT.metrics.json`` (atomically); ``None`` without references."""
+    from .metrics import rouge_scores
+
+    output = Path(output)
+    summaries = {record_id: record["summary"] for record_id, record in finished_records(output).items()}
+    pairs = [(summaries[record_id], reference) for record_id, reference in zip(corpus.ids, corpus.references)
+             if reference is not None and record_id in summaries]
+    if not pairs:
+        return None
+    scores = rouge_scores([summary for summary, _ in pairs], [reference for _, reference in pairs])
+    metrics = {**scores, "documents": len(pairs)}
+    path = output.with_name(output.name.removesuffix(".jsonl") + ".metrics.json")
+    temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    temporary.write_text(json.dumps(metrics, indent=2) + "\n", encoding="utf-8")
+    os.replace(temporary, path)
+    return metrics

@@ -1,0 +1,144 @@
+"""Every user mistake on the command line gets one line on stderr naming the problem and the fix, exit code 2 for usage
+errors and 1 for failures, no traceback (``--debug`` shows it), and no network for what is clearly a local path."""
+
+from __future__ import annotations
+
+import shutil
+import time
+
+import pytest
+from tokenizer_helpers import word_level_tokenizer
+from workflow_helpers import document, save_tiny_locost
+
+from longreach import hub
+from longreach.cli import main
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory):
+    return save_tiny_locost(tmp_path_factory.mktemp("cli-errors") / "tiny")
+
+
+@pytest.fixture
+def text_file(tmp_path):
+    path = tmp_path / "doc.txt"
+    path.write_text(document(50), encoding="utf-8")
+    return path
+
+
+def run(argv, capsys, expected_code):
+    """Run the command; return its one error line (after any progress lines), checking the exit code."""
+    start = time.monotonic()
+    code = main(argv)
+    err = capsys.readouterr().err
+    lines = [line for line in err.strip().splitlines() if line.strip()]
+    assert code == expected_code, err
+    assert "Traceback" not in err
+    errors = [line for line in lines if line.startswith("error:")]
+    assert len(errors) == 1 and lines[-1] == errors[0], err
+    assert time.monotonic() - start < 30  # no download retries
+    return errors[0]
+
+
+def test_version(capsys):
+    import longreach
+
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out.strip() == f"longreach {longreach.__version__}"
+
+
+def test_a_missing_local_model_path_never_asks_the_hub(text_file, capsys, monkeypatch):
+    def no_network(*args, **kwargs):
+        raise AssertionError("a local path was sent to the Hub")
+
+    monkeypatch.setattr(hub, "hub_reachable", no_network)
+    for typo in ("./modle", "models/locost/typo", "~/no-such-folder"):
+        line = run(["summarize", "--model", typo, str(text_file)], capsys, 2)
+        assert typo in line and "no such file or folder" in line
+
+
+def test_a_hub_id_offline_fails_at_once(text_file, capsys, isolated_hf_env):
+    line = run(["summarize", "--model", "some-org/some-model", str(text_file)], capsys, 1)
+    assert "some-org/some-model" in line and "HF_HUB_OFFLINE" in line
+
+
+def test_an_unconverted_original_folder_points_to_convert(fixtures_dir, text_file, capsys):
+    line = run(["summarize", "--model", str(fixtures_dir / "locost" / "hf_checkpoint"), str(text_file)], capsys, 2)
+    assert "longreach convert locost --checkpoint_path" in line
+    line = run(["summarize", "--model", str(fixtures_dir / "vcc" / "hf_ckpt"), str(text_file)], capsys, 2)
+    assert "longreach convert vcc" in line
+
+
+def test_a_folder_without_tokenizer_asks_for_one(tiny_folder, tmp_path, text_file, capsys):
+    bare = tmp_path / "bare"
+    shutil.copytree(tiny_folder, bare, ignore=shutil.ignore_patterns("tokenizer*", "special_tokens*"))
+    line = run(["summarize", "--model", str(bare), str(text_file)], capsys, 2)
+    assert "has no tokenizer" in line and "--tokenizer" in line
+    assert main(["summarize", "--model", str(bare), "--tokenizer", str(tiny_folder), str(text_file),
+                 "--max_new_tokens", "2"]) == 0
+
+
+def test_a_tokenizer_larger_than_the_vocabulary_is_refused(tiny_folder, tmp_path, text_file, capsys):
+    word_level_tokenizer([f"x{i}" for i in range(147)]).save_pretrained(tmp_path / "big-tokenizer")
+    line = run(["summarize", "--model", str(tiny_folder), "--tokenizer", str(tmp_path / "big-tokenizer"),
+                str(text_file)], capsys, 2)
+    assert "150 tokens" in line and "99 embeddings" in line
+
+
+def test_a_non_utf8_file(tiny_folder, tmp_path, capsys):
+    (tmp_path / "latin1.txt").write_bytes("caf\u00e9 cr\u00e8me".encode("latin-1"))
+    line = run(["summarize", "--model", str(tiny_folder), str(tmp_path / "latin1.txt")], capsys, 1)
+    assert "not UTF-8" in line and "iconv" in line
+
+
+@pytest.mark.parametrize("option, value, expected", [
+    ("--num_beams", "0", "expected a positive integer, got 0"),
+    ("--max_new_tokens", "0", "expected a positive integer, got 0"),
+    ("--max_input_length", "0", "expected a positive integer, got 0"),
+    ("--max_new_tokens", "ten", "expected a positive integer, got 'ten'"),
+    ("--dtype", "bogus", "invalid choice: 'bogus'"),
+    ("--bogus_option", "1", "unrecognized arguments: --bogus_option 1"),
+])
+def test_bad_option_values_are_usage_errors(tiny_folder, text_file, capsys, option, value, expected):
+    line = run(["summarize", "--model", str(tiny_folder), str(text_file), option, value], capsys, 2)
+    assert expected in line and "--help`)" in line
+
+
+def test_cuda_without_cuda(tiny_folder, text_file, capsys, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    line = run(["summarize", "--model", str(tiny_folder), str(text_file), "--device", "cuda"], capsys, 2)
+    assert "CUDA is not available" in line and "--device cpu" in line
+    line = run(["summarize", "--model", str(tiny_folder), str(text_file), "--device", "gpu0"], capsys, 2)
+    assert "not a device name" in line
+
+
+def test_push_offline_or_without_login(tiny_folder, capsys, monkeypatch, tmp_path):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert "HF_HUB_OFFLINE is set" in run(["push", str(tiny_folder), "someone/tiny"], capsys, 1)
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    monkeypatch.setattr(hub, "hub_reachable", lambda: False)
+    assert "cannot be reached" in run(["push", str(tiny_folder), "someone/tiny"], capsys, 1)
+    monkeypatch.setattr(hub, "hub_reachable", lambda: True)
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf_home"))  # no stored token
+    assert "not logged in" in run(["push", str(tiny_folder), "someone/tiny"], capsys, 1)
+
+
+def test_debug_shows_the_traceback(text_file):
+    from longreach.cli import UsageError
+
+    with pytest.raises(UsageError, match="no such file or folder"):
+        main(["--debug", "summarize", "--model", "./modle", str(text_file)])
+
+
+def test_unexpected_failures_are_one_line_too(tiny_folder, text_file, capsys, monkeypatch):
+    from longreach import cli
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("simulated failure\nwith a second line")
+
+    monkeypatch.setattr(cli, "load_summarizer", broken)
+    line = run(["summarize", "--model", str(tiny_folder), str(text_file)], capsys, 1)
+    assert line == "error: RuntimeError: simulated failure (run again with --debug for the traceback)"
