@@ -14,8 +14,10 @@ def describe(tensor: torch.Tensor) -> str:
     return f"a {tensor.dtype} tensor of shape {tuple(tensor.shape)}"
 
 
-def check_token_ids(name: str, ids: torch.Tensor | None, *, allow_empty: bool = False) -> None:
-    """``ids`` must be a 2-D integer tensor ``[batch, length]`` with length > 0."""
+def check_token_ids(name: str, ids: torch.Tensor | None, *, allow_empty: bool = False, vocab_size: int | None = None,
+                    ignore_index: int | None = None) -> None:
+    """``ids`` must be a 2-D integer tensor ``[batch, length]`` with length > 0, and with ``vocab_size`` every id in
+    ``[0, vocab_size)`` (``ignore_index`` excepted: -100 in labels). The range costs one min/max."""
     if ids is None:
         return
     if not isinstance(ids, torch.Tensor):
@@ -29,6 +31,15 @@ def check_token_ids(name: str, ids: torch.Tensor | None, *, allow_empty: bool = 
         raise ValueError(f"`{name}` must have shape [batch, length], got {describe(ids)}.")
     if not allow_empty and (ids.shape[0] == 0 or ids.shape[1] == 0):
         raise ValueError(f"`{name}` must hold at least one sequence of at least one token, got {describe(ids)}.")
+    if vocab_size is not None and ids.numel() > 0:
+        values = ids if ignore_index is None else ids.masked_fill(ids == ignore_index, 0)
+        low, high = (int(value) for value in torch.aminmax(values))
+        if low < 0 or high >= vocab_size:
+            ignored = f" (besides {ignore_index}, which marks ignored positions)" if ignore_index is not None else ""
+            raise ValueError(
+                f"`{name}` holds the token id {low if low < 0 else high}, outside this model's vocabulary: ids must be "
+                f"in [0, {vocab_size}){ignored}. Was it tokenized with another model's tokenizer?"
+            )
 
 
 def check_mask(name: str, mask: torch.Tensor | None, like_name: str, like: torch.Tensor | None) -> None:
@@ -51,7 +62,8 @@ def check_rows_not_empty(name: str, mask: torch.Tensor | None) -> None:
     empty = (mask.sum(dim=-1) == 0).nonzero().flatten().tolist()
     if empty:
         raise ValueError(
-            f"`{name}` has rows with no real token (rows {empty}); every sequence needs at least one token."
+            f"`{name}` has rows with no real token (rows {empty} are all zeros); every sequence needs at least one "
+            "token: drop those rows."
         )
 
 

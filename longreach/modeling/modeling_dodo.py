@@ -698,7 +698,7 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
             attention_mask (`torch.Tensor` of shape `[batch, n]`, *optional*): 1 for real tokens.
             output_features (`bool`): also return the scorer input features.
         """
-        check_token_ids("input_ids", input_ids)
+        check_token_ids("input_ids", input_ids, vocab_size=self.get_input_embeddings().num_embeddings)
         check_mask("attention_mask", attention_mask, "input_ids", input_ids)
         mask = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
         if (mask.sum(dim=1) == 0).any():
@@ -1052,9 +1052,12 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
             raise ValueError(
                 f"`inputs_embeds` must have shape [batch, length > 0, hidden_size], got {describe(inputs_embeds)}."
             )
+        if labels is not None:
+            check_token_ids("labels", labels, vocab_size=self.config.vocab_size, ignore_index=-100)
         reference = input_ids if input_ids is not None else inputs_embeds
         batch, length = reference.shape[:2]
         if context_input_ids is not None:
+            check_token_ids("context_input_ids", context_input_ids, vocab_size=self.get_input_embeddings().num_embeddings)
             if nuggets is not None:
                 raise ValueError("Pass either `nuggets` or `context_input_ids` (compressed here), not both.")
             nuggets = self.compress(context_input_ids, context_attention_mask)
@@ -1067,6 +1070,8 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
                 f"{type(past_key_values).__name__} holding {past_key_values.get_seq_length()} positions."
             )
         past_tokens = 0 if cache is None else cache.seen_tokens
+        if cache is None:  # the caller's ids (later decoding steps feed back the model's own tokens)
+            check_token_ids("input_ids", input_ids, vocab_size=self.get_input_embeddings().num_embeddings)
         token_mask = self._full_attention_mask(
             "attention_mask", attention_mask, batch, past_tokens + length, reference.device
         )
@@ -1147,6 +1152,7 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
         nuggets: the plain Llama with θ, or the autoregressive mode when ``config.recent_window`` is set.
         """
         if context_input_ids is not None:
+            check_token_ids("context_input_ids", context_input_ids, vocab_size=self.get_input_embeddings().num_embeddings)
             if nuggets is not None:
                 raise ValueError("Pass either `nuggets` or `context_input_ids` (compressed here), not both.")
             nuggets = self.compress(context_input_ids, context_attention_mask)

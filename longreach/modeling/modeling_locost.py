@@ -24,7 +24,7 @@ from transformers.modeling_outputs import BaseModelOutput, Seq2SeqLMOutput, Seq2
 from transformers.modeling_utils import PreTrainedModel
 
 from ..configuration.configuration_locost import LocostConfig
-from .input_checks import check_mask, check_token_ids, take_cache_argument
+from .input_checks import check_mask, check_rows_not_empty, check_token_ids, take_cache_argument
 from .remote_code import HubReadyMixin
 from .ssm import BidirectionalS4DConvolution
 from .t5_blocks import (
@@ -152,7 +152,7 @@ class LocostEncoder(nn.Module):
         block but the last, then the final-norm output. The encoder has no attention, so ``attentions`` is None."""
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Pass exactly one of `input_ids` and `inputs_embeds` to the LOCOST encoder.")
-        check_token_ids("input_ids", input_ids)
+        check_token_ids("input_ids", input_ids, vocab_size=self.embed_tokens.num_embeddings)
         callers_embeddings = inputs_embeds is not None
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
@@ -161,6 +161,7 @@ class LocostEncoder(nn.Module):
                 f"`inputs_embeds` must have shape [batch, length > 0, d_model], got {tuple(inputs_embeds.shape)}."
             )
         check_mask("attention_mask", attention_mask, "input_ids", inputs_embeds)
+        check_rows_not_empty("attention_mask", attention_mask)
         if attention_mask is None:
             attention_mask = torch.ones(inputs_embeds.shape[:2], device=inputs_embeds.device)
 

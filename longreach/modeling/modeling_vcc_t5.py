@@ -41,7 +41,7 @@ from transformers.modeling_utils import PreTrainedModel
 from transformers.utils import ModelOutput, logging
 
 from ..configuration.configuration_vcc_t5 import VCCT5Config
-from .input_checks import check_mask, check_token_ids, cut_to_length, describe, pad_right, take_cache_argument
+from .input_checks import check_mask, check_rows_not_empty, check_token_ids, cut_to_length, describe, pad_right, take_cache_argument
 from .remote_code import HubReadyMixin
 from .t5_blocks import (
     T5Block,
@@ -328,13 +328,14 @@ class VCCT5Encoder(nn.Module):
         """
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Pass exactly one of `input_ids` and `inputs_embeds` to the VCC-T5 encoder.")
-        check_token_ids("input_ids", input_ids)
+        check_token_ids("input_ids", input_ids, vocab_size=self.embed_tokens.num_embeddings)
         if inputs_embeds is not None and (inputs_embeds.dim() != 3 or inputs_embeds.shape[1] == 0):
             raise ValueError(
                 f"`inputs_embeds` must have shape [batch, length > 0, d_model], got {tuple(inputs_embeds.shape)}."
             )
         like = input_ids if input_ids is not None else inputs_embeds
         check_mask("attention_mask", attention_mask, "input_ids", like)
+        check_rows_not_empty("attention_mask", attention_mask)
         self.check_vip_mask(vip_mask, like)
         batch, length = like.shape[:2]
         device = like.device

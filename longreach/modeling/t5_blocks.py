@@ -31,7 +31,7 @@ from transformers.modeling_outputs import (
 )
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from .input_checks import cache_field, cache_of, cut_to_length, pad_right
+from .input_checks import cache_field, cache_of, check_token_ids, cut_to_length, pad_right
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Norm and feed-forward
@@ -467,6 +467,9 @@ class T5DecoderStack(nn.Module):
     ) -> BaseModelOutputWithPastAndCrossAttentions:
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Pass exactly one of `decoder_input_ids` and `decoder_inputs_embeds`.")
+        if input_ids is not None and (past_key_values is None or past_key_values.get_seq_length() == 0):
+            # the caller's ids (later steps of generate() feed back the model's own tokens: not checked again)
+            check_token_ids("decoder_input_ids", input_ids, vocab_size=self.embed_tokens.num_embeddings)
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
         if use_cache and past_key_values is None:
@@ -682,6 +685,8 @@ class T5Seq2SeqLMMixin:
         **extra_outputs,
     ) -> Seq2SeqLMOutput:
         """Run the decoder over ``encoder_outputs`` and project to the vocabulary (plus the loss with ``labels``)."""
+        if labels is not None:
+            check_token_ids("labels", labels, vocab_size=self.get_output_embeddings().out_features, ignore_index=-100)
         if labels is not None and decoder_input_ids is None and decoder_inputs_embeds is None:
             decoder_input_ids = self._shift_right(labels)
         if decoder_input_ids is None and decoder_inputs_embeds is None:

@@ -1,0 +1,79 @@
+"""Bad input gets a ValueError naming the argument, the value and the valid range, for all three models: token ids
+outside the vocabulary (input ids, decoder ids, labels other than -100, Dodo's context ids) and attention-mask rows
+without a single real token (which would otherwise generate a repeated token silently)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_modeling_dodo import tiny_model as tiny_dodo
+from test_modeling_vcc_t5 import tiny_model as tiny_vcc
+from workflow_helpers import tiny_locost
+
+
+@pytest.fixture(params=["locost", "vcc"])
+def seq2seq(request):
+    torch.manual_seed(0)
+    return tiny_locost() if request.param == "locost" else tiny_vcc()
+
+
+def vocab(model) -> int:
+    return model.get_input_embeddings().num_embeddings
+
+
+def test_seq2seq_token_ids_outside_the_vocabulary(seq2seq):
+    size = vocab(seq2seq)
+    good = torch.randint(3, size, (2, 12))
+    decoder = torch.randint(3, size, (2, 4))
+    for name, value in (("input_ids", size), ("input_ids", -1)):
+        bad = good.clone()
+        bad[1, 5] = value
+        with pytest.raises(ValueError, match=rf"`{name}` holds the token id {value}.*\[0, {size}\)"):
+            seq2seq(input_ids=bad, decoder_input_ids=decoder)
+        with pytest.raises(ValueError, match=rf"`{name}` holds the token id {value}"):
+            seq2seq.generate(input_ids=bad, max_new_tokens=2)
+    bad_decoder = decoder.clone()
+    bad_decoder[0, 0] = size + 5
+    with pytest.raises(ValueError, match=rf"`decoder_input_ids` holds the token id {size + 5}"):
+        seq2seq(input_ids=good, decoder_input_ids=bad_decoder)
+    labels = decoder.clone()
+    labels[0, 3] = -100  # ignored positions are fine
+    assert torch.isfinite(seq2seq(input_ids=good, labels=labels).loss)
+    labels[1, 0] = size
+    with pytest.raises(ValueError, match=rf"`labels` holds the token id {size}.*besides -100"):
+        seq2seq(input_ids=good, labels=labels)
+
+
+def test_seq2seq_rows_without_a_real_token(seq2seq):
+    input_ids = torch.randint(3, vocab(seq2seq), (3, 10))
+    attention_mask = torch.ones_like(input_ids)
+    attention_mask[1] = 0
+    with pytest.raises(ValueError, match=r"`attention_mask` has rows with no real token \(rows \[1\]"):
+        seq2seq.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=2)
+
+
+def test_dodo_token_ids_outside_the_vocabulary_and_empty_rows():
+    model = tiny_dodo()
+    size = vocab(model)
+    prompt = torch.randint(3, size, (2, 6))
+    context = torch.randint(3, size, (2, 20))
+    bad_prompt = prompt.clone()
+    bad_prompt[0, 2] = size
+    with pytest.raises(ValueError, match=rf"`input_ids` holds the token id {size}.*\[0, {size}\)"):
+        model(input_ids=bad_prompt, context_input_ids=context)
+    bad_context = context.clone()
+    bad_context[1, 7] = -3
+    with pytest.raises(ValueError, match=r"`context_input_ids` holds the token id -3"):
+        model(input_ids=prompt, context_input_ids=bad_context)
+    with pytest.raises(ValueError, match=r"`input_ids` holds the token id -3"):
+        model.compress(bad_context)
+    labels = prompt.clone()
+    labels[:, :2] = -100
+    assert torch.isfinite(model(input_ids=prompt, context_input_ids=context, labels=labels).loss)
+    labels[1, 4] = size + 1
+    with pytest.raises(ValueError, match=rf"`labels` holds the token id {size + 1}"):
+        model(input_ids=prompt, context_input_ids=context, labels=labels)
+    attention_mask = torch.ones_like(prompt)
+    attention_mask[0] = 0
+    with pytest.raises(ValueError, match=r"rows \[0\]"):
+        model.generate(input_ids=prompt, attention_mask=attention_mask, context_input_ids=context, max_new_tokens=2)
