@@ -353,5 +353,6 @@ class LocostForConditionalGeneration(_LocostSeq2Seq, GenerationMixin):
             use_cache=bool(use_cache),
             output_attentions=bool(output_attentions),
             output_hidden_states=output_hidden_states,
+            num_items_in_batch=kwargs.pop("num_items_in_batch", None),
         )
         return output if returns_dict(return_dict, self.config) else output.to_tuple()

@@ -816,6 +816,7 @@ class VCCT5ForConditionalGeneration(_VCCT5Seq2Seq, GenerationMixin):
             use_cache=bool(use_cache),
             output_attentions=bool(output_attentions),
             output_hidden_states=output_hidden_states,
+            num_items_in_batch=kwargs.pop("num_items_in_batch", None),
             output_class=VCCT5Seq2SeqLMOutput,
             encoder_compression_info=getattr(encoder_outputs, "compression_info", None),
         )

@@ -682,6 +682,7 @@ class T5Seq2SeqLMMixin:
         output_attentions: bool,
         output_hidden_states: bool,
         output_class: type[Seq2SeqLMOutput] = Seq2SeqLMOutput,
+        num_items_in_batch: int | torch.Tensor | None = None,
         **extra_outputs,
     ) -> Seq2SeqLMOutput:
         """Run the decoder over ``encoder_outputs`` and project to the vocabulary (plus the loss with ``labels``)."""
@@ -705,9 +706,14 @@ class T5Seq2SeqLMMixin:
 
         loss = None
         if labels is not None:
+            # mean over the target tokens; given `num_items_in_batch` (Trainer, with gradient accumulation or several
+            # processes: the target tokens of the whole global batch), the sum divided by it, as transformers' losses do
             loss = nn.functional.cross_entropy(
-                logits.float().reshape(-1, logits.size(-1)), labels.to(logits.device).reshape(-1), ignore_index=-100
+                logits.float().reshape(-1, logits.size(-1)), labels.to(logits.device).reshape(-1), ignore_index=-100,
+                reduction="mean" if num_items_in_batch is None else "sum",
             )
+            if num_items_in_batch is not None:
+                loss = loss / torch.as_tensor(num_items_in_batch, device=loss.device, dtype=loss.dtype)
         return output_class(
             loss=loss,
             logits=logits,
