@@ -335,7 +335,7 @@ def run_demo(output_dir: str | Path = DEFAULT_OUTPUT_DIR, settings: DemoSettings
         raise DemoError(f"The demo needs {', '.join(missing)} (training and ROUGE): pip install 'longreach[train]'.")
     output_dir = Path(output_dir)
     check_output_dir(output_dir)  # before minutes of training, not after
-    stage = _Stage(7)
+    stage = _Stage(8)
     set_seed(seed)
     hf_logging.set_verbosity_error()
     workdir = tempfile.TemporaryDirectory(prefix="longreach-demo-")  # Trainer's scratch folder only
@@ -421,7 +421,30 @@ def run_demo(output_dir: str | Path = DEFAULT_OUTPUT_DIR, settings: DemoSettings
           f"{longest['name']} ({num_tokens} tokens)")
     print(f"    reference: {longest['summary']}\n    summary:   {summary}", flush=True)
 
+    corpus_dir = output_dir.with_name(output_dir.name + "-heldout")  # beside the model: the held-out set, summarized
+    corpus_dir.mkdir(exist_ok=True)
+    documents_file, summaries_file = corpus_dir / "documents.jsonl", corpus_dir / "summaries.jsonl"
+    for name in ("summaries.jsonl", "summaries.errors.jsonl", "summaries.metrics.json"):
+        (corpus_dir / name).unlink(missing_ok=True)  # an earlier demo's summaries: this run's model is new
+    with open(documents_file.with_suffix(".tmp"), "w", encoding="utf-8") as handle:
+        for example in held_out:
+            handle.write(json.dumps({"name": example["name"], "document": example["document"],
+                                     "summary": example["summary"]}) + "\n")
+    documents_file.with_suffix(".tmp").replace(documents_file)
+    command = ["summarize", "--model", str(output_dir), "--input", str(documents_file), "--text_column", "document",
+               "--id_column", "name", "--reference_column", "summary", "--output", str(summaries_file)]
+    stage(f"The held-out set through the corpus command: longreach {' '.join(command)}")
+    from .cli import main as cli_main
+
+    if cli_main(command) != 0:
+        raise DemoError(f"`longreach {' '.join(command)}` failed (see above).")
+    lines = summaries_file.read_text(encoding="utf-8").splitlines()
+    print(f"    {len(lines)} summaries in {summaries_file}; the first {min(3, len(lines))}:", flush=True)
+    for line in lines[:3]:
+        print(f"    {line}", flush=True)
+
     result = {"rouge": rouge, "lead_rouge": lead, "output_dir": str(output_dir), "summary": summary,
+              "corpus_summaries": str(summaries_file),
               "reference": longest["summary"], "document_name": longest["name"], "document_tokens": num_tokens,
               "train_documents": len(train), "held_out_documents": len(held_out),
               "training_loss": train_result.training_loss, "seconds": round(time.perf_counter() - stage.start, 1)}

@@ -42,9 +42,16 @@ def test_demo_smoke_run(tmp_path, capsys, monkeypatch):
     assert main(["demo", "--smoke", "--json"]) == 0
     out = capsys.readouterr().out
     assert "The model is kept in longreach-demo" in out and "longreach summarize --model longreach-demo" in out
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["longreach-demo"]  # no staging folder left beside it
-    for stage in range(1, 8):
-        assert f"[{stage}/7]" in out  # progress: data, tokenizer, model, training, ROUGE, save, reload
+    # no staging folder left beside it; the held-out set and its summaries by the corpus command
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["longreach-demo", "longreach-demo-heldout"]
+    for stage in range(1, 9):
+        assert f"[{stage}/8]" in out  # progress: data, tokenizer, model, training, ROUGE, save, reload, corpus
+    lines = (tmp_path / "longreach-demo-heldout" / "summaries.jsonl").read_text(encoding="utf-8").splitlines()
+    summaries = [json.loads(line) for line in lines]
+    assert len(summaries) == 4 and all(set(record) == {"id", "summary", "input_tokens", "truncated"}
+                                       for record in summaries)
+    assert lines[0] in out  # its first lines are shown
+    assert (tmp_path / "longreach-demo-heldout" / "summaries.metrics.json").is_file()
     result = json.loads(out.strip().splitlines()[-1])
     assert set(result["rouge"]) == {"rouge1", "rouge2", "rougeLsum"}
     assert all(0.0 <= value <= 100.0 for value in result["rouge"].values())
