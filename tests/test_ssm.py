@@ -92,7 +92,7 @@ def test_parameter_changes_and_training_invalidate(edit):
         assert conv.log_dt.grad is not None
         with torch.no_grad():
             conv(x)
-        assert calls == [10, 10]
+        assert calls == [10, 10, 10]  # cached, then computed for autograd and recomputed by its backward pass
         return
     with torch.no_grad():
         out = conv(x)
@@ -129,3 +129,19 @@ def test_kernel_by_doubling_matches_direct_powers_with_and_without_autograd(leng
     torch.testing.assert_close(in_place, kernel.detach(), atol=1e-6, rtol=0)
     for parameter, expected in zip((conv.C, conv.log_dt, conv.A_imag), reference_grads):
         torch.testing.assert_close(parameter.grad, expected.float(), atol=1e-4, rtol=1e-4)
+
+
+def test_training_recomputes_the_kernel_in_backward_with_the_same_gradients():
+    """Autograd keeps only the kernel, not its intermediates (recomputed in backward): same values and gradients."""
+    torch.manual_seed(0)
+    conv = BidirectionalS4DConvolution(8, 8).train()
+    x = torch.randn(2, 24, 8, requires_grad=True)
+    conv(x).square().sum().backward()
+    recomputed = [p.grad.clone() for p in conv.parameters()] + [x.grad.clone()]
+    conv.zero_grad()
+    x.grad = None
+    conv._recorded_circular_kernel = conv.circular_kernel  # every intermediate kept
+    conv(x).square().sum().backward()
+    kept = [p.grad for p in conv.parameters()] + [x.grad]
+    for got, expected in zip(recomputed, kept):
+        torch.testing.assert_close(got, expected, atol=0, rtol=0)

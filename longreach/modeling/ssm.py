@@ -35,6 +35,7 @@ import math
 from collections import OrderedDict
 
 import torch
+import torch.utils.checkpoint
 from torch import nn
 from transformers import initialization as init
 
@@ -183,7 +184,7 @@ class BidirectionalS4DConvolution(Float32ParametersModule):
     def kernel_spectrum(self, length: int, fft_size: int) -> torch.Tensor:
         """``rfft(circular_kernel(length), n=fft_size)`` [H, fft_size//2 + 1], from the kernel cache when allowed."""
         if not self._cacheable():
-            return torch.fft.rfft(self.circular_kernel(length), n=fft_size)
+            return torch.fft.rfft(self._recorded_circular_kernel(length), n=fft_size)
         parameters = tuple(
             (p.data_ptr(), p._version, p.dtype, p.device) for p in self._kernel_parameters()
         )
@@ -204,6 +205,15 @@ class BidirectionalS4DConvolution(Float32ParametersModule):
             while len(self._kernel_cache) > self.kernel_cache_lengths or self.kernel_cache_nbytes() > self.kernel_cache_bytes:
                 self._kernel_cache.popitem(last=False)
         return spectrum
+
+    def _recorded_circular_kernel(self, length: int) -> torch.Tensor:
+        """``circular_kernel(length)``; when autograd records it, its intermediates (the powers and partial sums of
+        every chunk, several times the kernel's size) are not kept for the backward pass but recomputed there, as
+        activation checkpointing does: a training step then holds one [H, 2L] kernel per layer instead of about 1 GB
+        per layer at 4K tokens (released size)."""
+        if torch.is_grad_enabled() and any(p.requires_grad for p in self._kernel_parameters()):
+            return torch.utils.checkpoint.checkpoint(self.circular_kernel, length, use_reentrant=False)
+        return self.circular_kernel(length)
 
     def clear_kernel_cache(self) -> None:
         """Forget the cached kernel spectra (e.g. to time a cold forward)."""
