@@ -417,6 +417,9 @@ def parse_args(argv=None):
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
     parser.add_argument("--quick", action="store_true", help="Tiny models and lengths: a smoke run.")
     parser.add_argument("--fresh", action="store_true", help="Forget earlier cells in --out.")
+    parser.add_argument("--report_only", action="store_true",
+                        help="Run nothing: rewrite the report and plots from every cell already in --out (cells of "
+                             "several runs, e.g. lengths or tasks run separately).")
     parser.add_argument("--cell", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     args.lengths = args.lengths or (QUICK_LENGTHS if args.quick else DEFAULT_LENGTHS)
@@ -442,7 +445,7 @@ def main(argv=None) -> Path:
         for report in out.glob("*.md"):
             report.unlink()
     done = {cell_key(cell) for cell in load_cells(results) if "error" not in cell}
-    if "locost" in args.suites:
+    if "locost" in args.suites and not args.report_only:
         for cell in locost_cells(args):
             if cell_key(cell) in done:
                 continue
@@ -453,12 +456,16 @@ def main(argv=None) -> Path:
                 f"{os.cpu_count()} CPUs; device {args.device}, {args.dtype}{', quick (tiny models)' if args.quick else ''}."
                 " Regenerate: `python benchmarks/run_all.py " + " ".join(sys.argv[1:] if argv is None else argv) + "`.\n"]
     keys = {cell_key(cell) for cell in locost_cells(args)}
-    cells = [cell for cell in load_cells(results) if cell_key(cell) in keys]
+    cells = [cell for cell in load_cells(results)
+             if (cell.get("suite") == "locost" if args.report_only else cell_key(cell) in keys)]
     if cells:
         sections.append("## LOCOST vs LongT5, LED, T5\n\n" + markdown(cells))
         plot(cells, out)
     here = Path(__file__).parent
     threads = ["--threads", str(args.threads)] if args.threads else []
+    if args.report_only:  # only the script suites already measured
+        args.suites = [suite for suite in args.suites if suite == "locost"
+                       or (out / ("vcc_t5.md" if suite == "vcc" else "dodo.md")).exists()]
     if "vcc" in args.suites:
         lengths = ["1024"] if args.quick else ["8192", "16384", "65536", "131072"]
         command = [str(here / "benchmark_vcc_t5.py"), "--vcc_lengths", *lengths, "--t5_lengths", *lengths[:2],

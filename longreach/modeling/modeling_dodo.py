@@ -1040,7 +1040,9 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
         labels (`torch.LongTensor` of shape `[batch, length]`): next-token targets aligned with `input_ids` (shifted
             inside), -100 where ignored.
 
-        Returns logits for `input_ids` only (the soft prompt positions are dropped; so are they from `hidden_states`).
+        Returns logits for `input_ids` only (the soft prompt positions are dropped; so are they from `hidden_states`,
+        which are therefore views of the states the layers consume: `retain_grad()` or hooks on them see no gradient;
+        the attentions are the tensors in the graph). Assisted decoding is not supported with nuggets (a clear error).
         In autoregressive mode the tokens are processed in blocks between compressions and no `hidden_states` or
         `attentions` are returned.
         """
@@ -1159,6 +1161,14 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
         if kwargs.get("inputs_embeds") is not None:
             raise ValueError("`inputs_embeds` are not supported by Dodo's generate(); pass `input_ids`.")
         if nuggets is not None:
+            assisted = [name for name in ("assistant_model", "prompt_lookup_num_tokens", "assistant_early_exit")
+                        if kwargs.get(name) is not None]
+            if assisted:
+                raise ValueError(
+                    f"Assisted decoding (`{assisted[0]}`) is not supported with nuggets: it rolls the cache back after "
+                    "rejected candidate tokens, and a DodoCache (nugget slots, then the prompt's tokens) cannot be "
+                    "cropped yet. Generate without it."
+                )
             self._check_nuggets(nuggets, input_ids.shape[0] if input_ids is not None else None)
             kwargs["nuggets"] = nuggets
         return super().generate(input_ids, **kwargs)

@@ -361,15 +361,18 @@ class VCCT5Encoder(nn.Module):
         extra = padded_length - length
         if inputs_embeds is None:
             pad_id = self.config.pad_token_id if self.config.pad_token_id is not None else 0
-            input_ids = nn.functional.pad(input_ids, (0, extra), value=pad_id)
             inputs_embeds = self.embed_tokens(input_ids)
+            padding = self.embed_tokens(input_ids.new_full((batch, extra), pad_id))
         else:
-            inputs_embeds = nn.functional.pad(inputs_embeds, (0, 0, 0, extra))
+            padding = inputs_embeds.new_zeros(batch, extra, inputs_embeds.shape[-1])
         mask = nn.functional.pad(attention_mask, (0, extra))
         vip = nn.functional.pad(vip, (0, extra))
 
-        hidden_states = self.dropout(inputs_embeds)
-        all_hidden = [hidden_states[:, :length]] if output_hidden_states else None
+        # the real positions' embeddings are returned as hidden_states[0] and are the tensor the layers consume
+        # (so retain_grad/hooks on it see gradients); the padding is appended to them
+        embedded = self.dropout(inputs_embeds)
+        hidden_states = torch.cat([embedded, self.dropout(padding)], dim=1)
+        all_hidden = [embedded] if output_hidden_states else None
         if self.config.num_vanilla_layers:
             hidden_states = self._vanilla_layers(hidden_states, mask, all_hidden, length)
         info = None
