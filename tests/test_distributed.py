@@ -23,7 +23,9 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def train(kind: str, output_dir: Path, processes: int) -> list[float]:
-    environment = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    scratch = output_dir.parent / f"{output_dir.name}-tmp"  # torchrun's scratch folders, not in /tmp
+    scratch.mkdir(parents=True, exist_ok=True)
+    environment = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "TMPDIR": str(scratch)}
     per_device = 4 // processes  # global batch 4 either way
     if processes == 1:
         command = [sys.executable, str(SCRIPT), kind, str(output_dir), str(per_device)]

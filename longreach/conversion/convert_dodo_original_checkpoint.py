@@ -695,7 +695,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--legacy_decoder_mask_order",
         action="store_true",
-        help="Reproduce the original's decoder mask-order bug (spec §8.1) for bug-for-bug parity.",
+        help="Reproduce the original's decoder padding-mask order ([soft prompt; nuggets; tokens] instead of "
+             "[nuggets; soft prompt; tokens]; it changes batched rows with fewer nuggets) for bug-for-bug parity.",
     )
     parser.add_argument(
         "--dtype",

@@ -18,7 +18,7 @@ The output is a Hub-ready folder: ``model.safetensors``, ``config.json`` (``mode
 
 Numerics: the converted model computes the authors' *exact* convolution (FFT of size 2L). A config with
 ``use_fast_fft_conv: true`` selected their CUDA path, which differs for input lengths that are not powers of two
-(spec §7); we warn and compute the exact function.
+(see `LocostConfig.ssm_authors_fft_size`); we warn and compute the exact function.
 """
 
 from __future__ import annotations
