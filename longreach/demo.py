@@ -488,8 +488,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 2 if isinstance(error, OutputDirError) else 1
     folder = result["output_dir"]
-    print(f"Done in {result['seconds']:.0f}s. The model is kept in {folder} (delete the folder when done). Use it with:\n"
+    print(f"Done in {result['seconds']:.0f}s. The model is kept in {folder}, the held-out set and its summaries in "
+          f"{Path(result['corpus_summaries']).parent} (delete both when done). Use the model with:\n"
           f"    longreach summarize --model {folder} FILE.txt\n"
+          f"    longreach summarize --model {folder} --input DOCS_FOLDER_OR.jsonl --output summaries.jsonl\n"
           f"    pipeline('summarization', model={folder!r}, trust_remote_code=True)  # from transformers", flush=True)
     if args.json:
         print(json.dumps(result))
