@@ -206,3 +206,17 @@ def test_torch_compile_of_the_forward_gives_the_same_logits(kind):
         expected = tester.model(**inputs).logits
         compiled = torch.compile(tester.model.forward, backend="aot_eager")(**inputs).logits
     torch.testing.assert_close(compiled, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_dodo_refuses_padding_free_batches():
+    """transformers' padding-free check (`*_padding_matches_padding_free_with_position_ids`) packs sequences into one
+    row with restarting position_ids; Dodo conditions each row on its own nuggets, so packing is not applicable and
+    gets a clear error (padded rows work, see the tests above)."""
+    tester = ModelTester("dodo")
+    inputs = tester.inputs()
+    packed = torch.cat([inputs["input_ids"][0], inputs["input_ids"][1]])[None]
+    position_ids = torch.cat([torch.arange(6), torch.arange(6)])[None]
+    with pytest.raises(ValueError, match=r"`position_ids` restart inside rows \[0\]: padding-free"):
+        tester.model(input_ids=packed, position_ids=position_ids)
+    with pytest.raises(ValueError, match="padding-free"):
+        tester.model(input_ids=packed, position_ids=position_ids, context_input_ids=inputs["context_input_ids"][:1])

@@ -1109,6 +1109,14 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
             embeds = self.model.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
             if position_ids is not None and tuple(position_ids.shape) != (batch, length):
                 raise ValueError(f"`position_ids` must have shape {(batch, length)}, got {describe(position_ids)}.")
+            if position_ids is not None and length > 1:
+                restarts = (position_ids[:, 1:] < position_ids[:, :-1]).any(dim=1).nonzero().flatten().tolist()
+                if restarts:  # a padding-free (packed) batch: several sequences in one row
+                    raise ValueError(
+                        f"`position_ids` restart inside rows {restarts}: padding-free (packed) batches are not "
+                        "supported, because every row is one sequence conditioned on its own nuggets and Dodo's "
+                        "attention mask spans the whole row. Pad the sequences into separate rows instead."
+                    )
             outputs, soft = self._decode(cache, embeds, new_token_mask, position_ids, prepend_soft, **extra)
             cache.seen_tokens += length
             hidden = outputs.last_hidden_state[:, soft:]
