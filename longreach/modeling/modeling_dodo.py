@@ -1110,7 +1110,9 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
             if position_ids is not None and tuple(position_ids.shape) != (batch, length):
                 raise ValueError(f"`position_ids` must have shape {(batch, length)}, got {describe(position_ids)}.")
             if position_ids is not None and length > 1:
-                restarts = (position_ids[:, 1:] < position_ids[:, :-1]).any(dim=1).nonzero().flatten().tolist()
+                real_pairs = new_token_mask[:, 1:].bool() & new_token_mask[:, :-1].bool()  # padding may hold anything
+                backwards = (position_ids[:, 1:] < position_ids[:, :-1]) & real_pairs
+                restarts = backwards.any(dim=1).nonzero().flatten().tolist()
                 if restarts:  # a padding-free (packed) batch: several sequences in one row
                     raise ValueError(
                         f"`position_ids` restart inside rows {restarts}: padding-free (packed) batches are not "
