@@ -220,3 +220,17 @@ def test_dodo_refuses_padding_free_batches():
         tester.model(input_ids=packed, position_ids=position_ids)
     with pytest.raises(ValueError, match="padding-free"):
         tester.model(input_ids=packed, position_ids=position_ids, context_input_ids=inputs["context_input_ids"][:1])
+
+
+@pytest.mark.parametrize("argument", ["head_mask", "decoder_head_mask", "cross_attn_head_mask"])
+def test_head_masks_are_refused_not_ignored(tester, argument):
+    """transformers 5 removed head masking (its T5 and Llama accept a head mask and ignore it; `prune_heads` is gone
+    too). A mask silently ignored would change a user's result without a word, so ours raise; None is accepted."""
+    inputs = tester.inputs()
+    if tester.is_seq2seq:
+        inputs["decoder_input_ids"] = torch.zeros(2, 3, dtype=torch.long)
+    mask = torch.ones(2, 2)
+    with pytest.raises(ValueError, match=rf"`{argument}` is not supported \(got a torch.float32 tensor of shape \(2, 2\)\)"):
+        tester.model(**inputs, **{argument: mask})
+    with torch.no_grad():
+        assert tester.model(**inputs, **{argument: None}).logits.shape[0] == 2

@@ -91,6 +91,23 @@ def pad_right(rows: list[list[int]], pad_token_id: int) -> tuple[torch.Tensor, t
     return input_ids, attention_mask
 
 
+#: Head masks were arguments of transformers 4 models; transformers 5 dropped them (its T5 and Llama accept and ignore
+#: them). Ignoring a mask a user meant to apply would silently change a result, so ours refuse one.
+HEAD_MASK_ARGUMENTS = ("head_mask", "decoder_head_mask", "cross_attn_head_mask")
+
+
+def reject_head_masks(kwargs: dict) -> None:
+    """A ``ValueError`` naming the argument when a head mask is passed (``None`` is accepted and dropped)."""
+    for name in HEAD_MASK_ARGUMENTS:
+        mask = kwargs.pop(name, None)
+        if mask is not None:
+            given = describe(mask) if isinstance(mask, torch.Tensor) else type(mask).__name__
+            raise ValueError(
+                f"`{name}` is not supported (got {given}): head masking was removed in transformers 5 and this model "
+                "cannot mask heads; pass None. To study heads, use forward hooks on the attention modules."
+            )
+
+
 def take_cache_argument(past_key_values, kwargs: dict):
     """The key/value cache a model's ``forward`` was given: transformers >= 5.24 passes it as ``cache`` (its
     ``generate()`` uses that name), earlier 5.x releases as ``past_key_values`` (accepted until transformers 5.40).

@@ -56,6 +56,7 @@ from .input_checks import (
     check_token_ids,
     describe,
     pad_right,
+    reject_head_masks,
     take_cache_argument,
 )
 from .remote_code import HubReadyMixin
@@ -1047,6 +1048,7 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
         `attentions` are returned.
         """
         past_key_values = take_cache_argument(past_key_values, kwargs)
+        reject_head_masks(kwargs)
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Pass exactly one of `input_ids` and `inputs_embeds` (the decoder tokens).")
         check_token_ids("input_ids", input_ids)

@@ -24,7 +24,7 @@ from transformers.modeling_outputs import BaseModelOutput, Seq2SeqLMOutput, Seq2
 from transformers.modeling_utils import PreTrainedModel
 
 from ..configuration.configuration_locost import LocostConfig
-from .input_checks import check_mask, check_rows_not_empty, check_token_ids, take_cache_argument
+from .input_checks import check_mask, check_rows_not_empty, check_token_ids, reject_head_masks, take_cache_argument
 from .remote_code import HubReadyMixin
 from .ssm import BidirectionalS4DConvolution
 from .t5_blocks import (
@@ -272,6 +272,7 @@ class LocostModel(_LocostSeq2Seq):
         **kwargs,
     ) -> Seq2SeqModelOutput:
         past_key_values = take_cache_argument(past_key_values, kwargs)
+        reject_head_masks(kwargs)
         output_hidden_states = bool(output_hidden_states if output_hidden_states is not None
                                     else self.config.output_hidden_states)
         check_token_ids("decoder_input_ids", decoder_input_ids)
@@ -336,6 +337,7 @@ class LocostForConditionalGeneration(_LocostSeq2Seq, GenerationMixin):
             inputs are derived from them (shift right) when `decoder_input_ids` is not given.
         """
         past_key_values = take_cache_argument(past_key_values, kwargs)
+        reject_head_masks(kwargs)
         output_hidden_states = bool(output_hidden_states if output_hidden_states is not None
                                     else self.config.output_hidden_states)
         if use_cache is None:

@@ -41,7 +41,7 @@ from transformers.modeling_utils import PreTrainedModel
 from transformers.utils import ModelOutput, logging
 
 from ..configuration.configuration_vcc_t5 import VCCT5Config
-from .input_checks import check_mask, check_rows_not_empty, check_token_ids, cut_to_length, describe, pad_right, take_cache_argument
+from .input_checks import check_mask, check_rows_not_empty, check_token_ids, cut_to_length, describe, pad_right, reject_head_masks, take_cache_argument
 from .remote_code import HubReadyMixin
 from .t5_blocks import (
     T5Block,
@@ -723,6 +723,7 @@ class VCCT5Model(_VCCT5Seq2Seq):
     ) -> VCCT5Seq2SeqModelOutput:
         r"""Arguments as [`VCCT5ForConditionalGeneration.forward`] without `labels`."""
         past_key_values = take_cache_argument(past_key_values, kwargs)
+        reject_head_masks(kwargs)
         output_hidden_states = bool(output_hidden_states if output_hidden_states is not None
                                     else self.config.output_hidden_states)
         check_token_ids("decoder_input_ids", decoder_input_ids)
@@ -801,6 +802,7 @@ class VCCT5ForConditionalGeneration(_VCCT5Seq2Seq, GenerationMixin):
             selection scores, ...) as `encoder_compression_info`.
         """
         past_key_values = take_cache_argument(past_key_values, kwargs)
+        reject_head_masks(kwargs)
         output_hidden_states = bool(output_hidden_states if output_hidden_states is not None
                                     else self.config.output_hidden_states)
         if use_cache is None:
