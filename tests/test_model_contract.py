@@ -236,3 +236,14 @@ def test_head_masks_are_refused_not_ignored(tester, argument):
         tester.model(**inputs, **{argument: mask})
     with torch.no_grad():
         assert tester.model(**inputs, **{argument: None}).logits.shape[0] == 2
+
+
+def test_dodo_has_no_tensor_parallel_plan_and_refuses_one(tmp_path):
+    """Llama's plan shards q/k/v/o_proj; in Dodo those are PEFT LoRA wrappers with two adapters, which the plan cannot
+    shard (transformers' `test_tp_plan_matches_params` finds no `q_proj.weight`). Dodo declares no plan, and asking
+    for tensor parallelism is a clear error rather than a wrongly sharded model."""
+    model = ModelTester("dodo").model
+    assert model.config.base_model_tp_plan is None and not model._tp_plan
+    model.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=r"`tp_plan='auto'`: tensor parallelism is not supported by Dodo"):
+        AutoModel.from_pretrained(tmp_path, tp_plan="auto")

@@ -539,6 +539,12 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
         [`~DodoLlamaForCausalLM.from_base_model`] for Llama checkpoints; passing a `DodoLlamaConfig` as `config=` adds
         the mapping automatically, and anything else that leaves a ``base_layer`` weight missing raises.
         """
+        if kwargs.get("tp_plan") is not None:
+            raise ValueError(
+                f"`tp_plan={kwargs['tp_plan']!r}`: tensor parallelism is not supported by Dodo (its attention projections "
+                "are LoRA wrappers holding two adapters, which transformers' plans cannot shard). Pass tp_plan=None and "
+                "train with data parallelism (torchrun/accelerate DDP, FSDP or DeepSpeed ZeRO); see the README."
+            )
         config = kwargs.get("config")
         if kwargs.get("key_mapping") is None and isinstance(config, DodoLlamaConfig):
             kwargs["key_mapping"] = cls.base_llama_key_mapping(config)
