@@ -54,7 +54,8 @@ from pathlib import Path
 
 from .metrics import rouge_scores
 
-#: Documents shorter than this many words are not "long documents" and are left out.
+#: Held-out documents have at least this many words (they stand for "long documents"); training documents may be
+#: shorter (``DemoSettings.min_training_words``).
 MIN_DOCUMENT_WORDS = 80
 #: Corpus documents keep at most this many words (the corpus is built here; the model itself reads any length).
 MAX_DOCUMENT_WORDS = 2500
@@ -113,30 +114,39 @@ def _replaced_atomically(output_dir: Path):
 
 @dataclass(frozen=True)
 class DemoSettings:
-    """Sizes of one demo run (the defaults take a few minutes on 2 CPU cores)."""
+    """Sizes and schedule of one demo run (the defaults take about five minutes on 2 CPU cores)."""
 
-    vocab_size: int = 2000
+    vocab_size: int = 4000
     d_model: int = 128
     d_state: int = 32
     num_layers: int = 2
     num_decoder_layers: int = 2
     num_heads: int = 4
     d_ff: int = 256
-    dropout_rate: float = 0.1
+    dropout_rate: float = 0.0
+    batch_size: int = 32
+    #: Training documents may be shorter than the held-out ones (which have at least MIN_DOCUMENT_WORDS words).
+    min_training_words: int = 15
+    max_train_documents: int | None = None
+    # Stage 1, lead pretraining (self-supervised on the training documents): copy the first words of a text.
+    lead_pretraining_steps: int = 2000
+    lead_learning_rate: float = 2e-3
+    lead_source_length: int = 48
+    lead_words: int = 12
+    lead_random_windows: int = 4
+    # Stage 2, summarization: document -> its summary.
     max_source_length: int = 128
     max_target_length: int = 32
-    batch_size: int = 8
-    learning_rate: float = 3e-3
+    learning_rate: float = 5e-4
     max_steps: int = 600
     max_eval_documents: int = 48
     generation_max_new_tokens: int = 32
-    max_train_documents: int | None = None
 
 
 SMOKE_SETTINGS = DemoSettings(
-    vocab_size=400, d_model=32, d_state=8, num_layers=1, num_decoder_layers=1, num_heads=2, d_ff=64,
-    max_source_length=128, max_target_length=16, batch_size=4, learning_rate=1e-3, max_steps=2,
-    max_eval_documents=4, generation_max_new_tokens=8, max_train_documents=40,
+    vocab_size=400, d_model=32, d_state=8, num_layers=1, num_decoder_layers=1, num_heads=2, d_ff=64, batch_size=4,
+    max_train_documents=40, lead_pretraining_steps=2, lead_random_windows=1, max_source_length=128,
+    max_target_length=16, learning_rate=1e-3, max_steps=2, max_eval_documents=4, generation_max_new_tokens=8,
 )
 
 
@@ -167,10 +177,10 @@ def clean_text(text: str) -> str:
     return re.sub(r"\s+", " ", text).strip()
 
 
-def _example(source: str, name: str, document: str, summary: str) -> dict | None:
+def _example(source: str, name: str, document: str, summary: str, min_words: int) -> dict | None:
     document, summary = clean_text(document), clean_text(summary)
     words = document.split()
-    if len(words) < MIN_DOCUMENT_WORDS or len(summary.split()) < 3 or summary.upper() == "UNKNOWN":
+    if len(words) < min_words or len(summary.split()) < 3 or summary.upper() == "UNKNOWN":
         return None
     return {"source": source, "name": name, "document": " ".join(words[:MAX_DOCUMENT_WORDS]), "summary": summary}
 
@@ -185,7 +195,7 @@ def _site_directories() -> list[str]:
     return [d for d in dict.fromkeys(directories) if Path(d).is_dir()]
 
 
-def distribution_examples() -> list[dict]:
+def distribution_examples(min_words: int = MIN_DOCUMENT_WORDS) -> list[dict]:
     """(long description, ``Summary``) of every installed distribution, once per distribution name."""
     examples = {}
     for distribution in metadata.distributions(path=_site_directories()):
@@ -194,7 +204,7 @@ def distribution_examples() -> list[dict]:
         if not name or name.lower() in examples:
             continue
         description = meta.get_payload() or meta.get("Description") or ""
-        example = _example("distribution", name, description, meta.get("Summary") or "")
+        example = _example("distribution", name, description, meta.get("Summary") or "", min_words)
         if example is not None:
             examples[name.lower()] = example
     return [examples[key] for key in sorted(examples)]
@@ -217,7 +227,7 @@ def _documented_nodes(tree: ast.Module):
                 pending.extend(node.body)
 
 
-def stdlib_docstring_examples() -> list[dict]:
+def stdlib_docstring_examples(min_words: int = MIN_DOCUMENT_WORDS) -> list[dict]:
     """(docstring body, summary line) of the standard library's modules, classes and functions (PEP 257 layout:
     summary line, blank line, body). Sources are parsed with ``ast``; nothing is imported."""
     examples = []
@@ -244,27 +254,35 @@ def stdlib_docstring_examples() -> list[dict]:
                 if len(lines) < 3 or lines[1].strip():
                     continue
                 name = f"{module_path}:{getattr(node, 'name', '<module>')}:{getattr(node, 'lineno', 0)}"
-                example = _example("stdlib", name, "\n".join(lines[2:]), lines[0])
+                example = _example("stdlib", name, "\n".join(lines[2:]), lines[0], min_words)
                 if example is not None:
                     examples.append(example)
     return examples
 
 
-def build_corpus() -> tuple[list[dict], list[dict]]:
+def build_corpus(min_training_words: int = MIN_DOCUMENT_WORDS) -> tuple[list[dict], list[dict]]:
     """``(train, held_out)`` examples with keys ``source``, ``name``, ``document``, ``summary``.
 
     Provenance: ``importlib.metadata`` (the ``Summary`` and long description of each installed distribution, as
     written by its authors in its package metadata) and the standard library's source files (docstrings). Exact
     duplicates of a document are kept once. Held out: the documents whose name hashes to 0 modulo
-    ``HELD_OUT_EVERY``.
+    ``HELD_OUT_EVERY`` and that have at least ``MIN_DOCUMENT_WORDS`` words; training documents need
+    ``min_training_words``. The split depends on the name only, so the held-out set is the same for any
+    ``min_training_words``.
     """
+    min_words = min(min_training_words, MIN_DOCUMENT_WORDS)
     train, held_out, seen = [], [], set()
-    for example in distribution_examples() + stdlib_docstring_examples():
+    for example in distribution_examples(min_words) + stdlib_docstring_examples(min_words):
         if example["document"] in seen:
             continue
         seen.add(example["document"])
         digest = int(hashlib.sha256(f"{example['source']}:{example['name']}".encode()).hexdigest(), 16)
-        (held_out if digest % HELD_OUT_EVERY == 0 else train).append(example)
+        words = len(example["document"].split())
+        if digest % HELD_OUT_EVERY == 0:
+            if words >= MIN_DOCUMENT_WORDS:
+                held_out.append(example)
+        elif words >= min_training_words:
+            train.append(example)
     return train, held_out
 
 
@@ -302,6 +320,32 @@ def lead_baseline(document: str, num_words: int = 12) -> str:
     return " ".join(first_sentence.split()[:num_words])
 
 
+def lead_pretraining_examples(train: list[dict], num_words: int, random_windows: int, seed: int) -> list[dict]:
+    """Self-supervised (text, target) pairs from the *training* documents: the text from each sentence start, with
+    its lead (:func:`lead_baseline`) as target, and from ``random_windows`` random word positions per document, with
+    the next ``num_words`` words as target. Summaries are not used. Learning to copy from the start of the input is
+    what a model trained from scratch lacks and what a summarizer of these documents builds on (the lead is a strong
+    baseline here); it is the "Lead" self-supervised objective of PEGASUS (Zhang et al., 2020) applied at every
+    sentence."""
+    import random
+
+    rng = random.Random(seed)
+    pairs = []
+    for example in train:
+        words = example["document"].split()
+        start = 0
+        for sentence in re.split(r"(?<=[.!?])\s+", example["document"].strip()):
+            text = words[start:]
+            if len(text) >= 15:
+                pairs.append({"document": " ".join(text), "summary": lead_baseline(" ".join(text), num_words)})
+            start += len(sentence.split())
+        for _ in range(random_windows if len(words) >= 30 else 0):
+            start = rng.randrange(0, len(words) - 15)
+            pairs.append({"document": " ".join(words[start:]), "summary": " ".join(words[start:start + num_words])})
+    rng.shuffle(pairs)
+    return pairs
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # The demo
 # ---------------------------------------------------------------------------------------------------------------------
@@ -335,21 +379,23 @@ def run_demo(output_dir: str | Path = DEFAULT_OUTPUT_DIR, settings: DemoSettings
         raise DemoError(f"The demo needs {', '.join(missing)} (training and ROUGE): pip install 'longreach[train]'.")
     output_dir = Path(output_dir)
     check_output_dir(output_dir)  # before minutes of training, not after
-    stage = _Stage(8)
+    stage = _Stage(9)
     set_seed(seed)
     hf_logging.set_verbosity_error()
     workdir = tempfile.TemporaryDirectory(prefix="longreach-demo-")  # Trainer's scratch folder only
 
-    train, held_out = build_corpus()
+    train, held_out = build_corpus(settings.min_training_words)
     if settings.max_train_documents is not None:
         train = train[: settings.max_train_documents]
     held_out = sorted(held_out, key=lambda e: e["name"])[: settings.max_eval_documents]
     if len(train) < 2 * settings.batch_size or not held_out:
         raise DemoError(f"Not enough documents on this machine for the demo (train {len(train)}, held out "
                            f"{len(held_out)}).")
-    words = [len(e["document"].split()) for e in train + held_out]
-    stage(f"Data: {len(train)} training and {len(held_out)} held-out documents ({sum(words) // len(words)} words on "
-          f"average, up to {max(words)}) from installed package descriptions and standard-library docstrings")
+    train_words = [len(e["document"].split()) for e in train]
+    held_out_words = [len(e["document"].split()) for e in held_out]
+    stage(f"Data: {len(train)} training documents ({sum(train_words) // len(train_words)} words on average) and "
+          f"{len(held_out)} held-out documents ({sum(held_out_words) // len(held_out_words)} words on average, up to "
+          f"{max(held_out_words)}) from installed package descriptions and standard-library docstrings")
 
     tokenizer = train_tokenizer([e["document"] for e in train] + [e["summary"] for e in train], settings.vocab_size)
     stage(f"Tokenizer: byte-level BPE with {len(tokenizer)} tokens, trained on the training documents")
@@ -376,25 +422,38 @@ def run_demo(output_dir: str | Path = DEFAULT_OUTPUT_DIR, settings: DemoSettings
         return [{"input_ids": ids, "attention_mask": mask, "labels": labels}
                 for ids, mask, labels in zip(sources["input_ids"], sources["attention_mask"], targets["input_ids"])]
 
-    train_features = features(train, settings.max_source_length)
-    eval_features = features(held_out, None)  # held-out documents are read whole
-    args = Seq2SeqTrainingArguments(
-        output_dir=str(Path(workdir.name) / "trainer"), per_device_train_batch_size=settings.batch_size,
-        per_device_eval_batch_size=settings.batch_size, learning_rate=settings.learning_rate,
-        lr_scheduler_type="linear", warmup_steps=min(30, settings.max_steps // 10), max_steps=settings.max_steps,
-        weight_decay=0.01, logging_steps=max(settings.max_steps // 10, 1), save_strategy="no", eval_strategy="no",
-        predict_with_generate=True, generation_max_length=None, report_to="none", use_cpu=not torch.cuda.is_available(),
-        seed=seed, data_seed=seed, disable_tqdm=False, dataloader_num_workers=0,
-    )
-    trainer = Seq2SeqTrainer(
-        model=model, args=args, train_dataset=train_features, processing_class=tokenizer,
-        data_collator=DataCollatorForSeq2Seq(tokenizer, model=model, label_pad_token_id=-100),
-    )
-    print(f"    training for {settings.max_steps} steps of {settings.batch_size} documents (inputs cut to "
+    def train_model(name: str, examples: list[dict], source_length: int, steps: int, learning_rate: float):
+        args = Seq2SeqTrainingArguments(
+            output_dir=str(Path(workdir.name) / name), per_device_train_batch_size=settings.batch_size,
+            per_device_eval_batch_size=settings.batch_size, learning_rate=learning_rate, lr_scheduler_type="linear",
+            warmup_steps=min(50, steps // 10), max_steps=steps, weight_decay=0.01, logging_steps=max(steps // 5, 1),
+            save_strategy="no", eval_strategy="no", predict_with_generate=True, generation_max_length=None,
+            report_to="none", use_cpu=not torch.cuda.is_available(), seed=seed, data_seed=seed, disable_tqdm=False,
+            dataloader_num_workers=0,
+        )
+        trainer = Seq2SeqTrainer(
+            model=model, args=args, train_dataset=features(examples, source_length), processing_class=tokenizer,
+            data_collator=DataCollatorForSeq2Seq(tokenizer, model=model, label_pad_token_id=-100),
+        )
+        return trainer, trainer.train()
+
+    # Stage 1: learn to read and copy (self-supervised, training documents only; see lead_pretraining_examples)
+    lead_examples = lead_pretraining_examples(train, settings.lead_words, settings.lead_random_windows, seed)
+    print(f"    lead pretraining: {settings.lead_pretraining_steps} steps of {settings.batch_size} (text, its first "
+          f"words) pairs from {len(lead_examples)} sentence starts and random positions of the training documents",
+          flush=True)
+    _, lead_result = train_model("lead", lead_examples, settings.lead_source_length,
+                                 settings.lead_pretraining_steps, settings.lead_learning_rate)
+    stage(f"Lead pretraining done: final training loss {lead_result.training_loss:.3f}")
+
+    # Stage 2: the summaries
+    print(f"    summarization: {settings.max_steps} steps of {settings.batch_size} documents (inputs cut to "
           f"{settings.max_source_length} tokens for training only; evaluation reads whole documents)", flush=True)
-    train_result = trainer.train()
+    trainer, train_result = train_model("summaries", train, settings.max_source_length, settings.max_steps,
+                                        settings.learning_rate)
     stage(f"Training done: final training loss {train_result.training_loss:.3f}")
 
+    eval_features = features(held_out, None)  # held-out documents are read whole
     predictions = trainer.predict(eval_features, max_new_tokens=settings.generation_max_new_tokens)
     generated = predictions.predictions
     generated = [[t for t in row if t >= 0] for row in generated]

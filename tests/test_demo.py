@@ -12,7 +12,14 @@ from huggingface_hub import ModelCard
 
 from longreach import hub
 from longreach.cli import main
-from longreach.demo import _DEMO_CARD_MARK, _replaced_atomically, build_corpus, check_output_dir, lead_baseline
+from longreach.demo import (
+    _DEMO_CARD_MARK,
+    _replaced_atomically,
+    build_corpus,
+    check_output_dir,
+    lead_baseline,
+    lead_pretraining_examples,
+)
 from longreach.metrics import rouge_scores
 
 
@@ -27,6 +34,24 @@ def test_corpus_is_real_local_text_split_deterministically():
     assert transformers_entry and "Transformers" in transformers_entry[0]["document"]
     assert all(len(e["document"].split()) >= 80 and len(e["summary"].split()) >= 3 for e in train + held_out)
     assert all("https://" not in e["document"] and "```" not in e["document"] for e in train + held_out)  # no URLs
+
+
+def test_shorter_training_documents_leave_the_held_out_set_unchanged():
+    train, held_out = build_corpus()
+    more_train, same_held_out = build_corpus(min_training_words=15)
+    assert same_held_out == held_out and len(more_train) > len(train)
+    assert not {e["document"] for e in more_train} & {e["document"] for e in held_out}
+    assert min(len(e["document"].split()) for e in more_train) >= 15
+
+
+def test_lead_pretraining_uses_training_documents_only():
+    train, held_out = build_corpus(min_training_words=15)
+    pairs = lead_pretraining_examples(train, num_words=12, random_windows=2, seed=0)
+    assert pairs == lead_pretraining_examples(train, num_words=12, random_windows=2, seed=0)
+    assert len(pairs) > 2 * len(train)
+    training_text = " ".join(e["document"] for e in train)
+    assert all(p["document"] in training_text and 0 < len(p["summary"].split()) <= 12 for p in pairs[:200])
+    assert all(p["document"].startswith(p["summary"]) for p in pairs)  # the target is the text's own start
 
 
 def test_rouge_and_baseline_helpers():
@@ -44,8 +69,8 @@ def test_demo_smoke_run(tmp_path, capsys, monkeypatch):
     assert "The model is kept in longreach-demo" in out and "longreach summarize --model longreach-demo" in out
     # no staging folder left beside it; the held-out set and its summaries by the corpus command
     assert sorted(p.name for p in tmp_path.iterdir()) == ["longreach-demo", "longreach-demo-heldout"]
-    for stage in range(1, 9):
-        assert f"[{stage}/8]" in out  # progress: data, tokenizer, model, training, ROUGE, save, reload, corpus
+    for stage in range(1, 10):
+        assert f"[{stage}/9]" in out  # data, tokenizer, model, lead pretraining, training, ROUGE, save, reload, corpus
     lines = (tmp_path / "longreach-demo-heldout" / "summaries.jsonl").read_text(encoding="utf-8").splitlines()
     summaries = [json.loads(line) for line in lines]
     assert len(summaries) == 4 and all(set(record) == {"id", "summary", "input_tokens", "truncated"}

@@ -149,9 +149,15 @@ def test_hidden_states_are_in_the_autograd_graph(tester):
     else:
         inputs["labels"] = inputs["input_ids"]
     out = model(**inputs, output_hidden_states=True, output_attentions=True)
-    # Dodo returns its hidden states without the soft-prompt positions: views that the layers do not consume, so only
-    # its attentions are checked here (a known gap, see the Dodo model docstring)
-    states = [out.decoder_hidden_states[0], out.encoder_hidden_states[0]] if tester.is_seq2seq else []
+    # Dodo's hidden states are those of the tokens only (its soft prompt is dropped), still the tensors in the graph
+    if tester.is_seq2seq:
+        states = [out.decoder_hidden_states[0], out.encoder_hidden_states[0]]
+    else:
+        states = list(out.hidden_states)
+        assert len(states) == model.config.num_hidden_layers + 1
+        assert all(state.shape == (2, 6, model.config.hidden_size) for state in states)
+        assert not states[0].requires_grad  # the embeddings of Dodo's frozen base; the layers train adapters
+        states = states[1:]
     attentions = out.decoder_attentions[0] if tester.is_seq2seq else out.attentions[0]
     for tensor in states + [attentions]:
         tensor.retain_grad()

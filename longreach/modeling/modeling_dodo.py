@@ -919,14 +919,31 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
             )
         else:  # no nuggets: a plain Llama with θ; transformers builds the causal + padding mask
             attention = decoder_mask.long()
-        outputs = self.model(
-            inputs_embeds=embeds,
-            attention_mask=attention,
-            position_ids=positions,
-            **{LLAMA_CACHE_ARGUMENT: cache},
-            use_cache=False,  # as in `_compress`
-            **model_kwargs,
-        )
+        # With a soft prompt, the hidden states returned for the tokens must be the tensors the next layer consumes (so
+        # that hooks and `retain_grad()` see gradients): each layer's output is split into (soft, tokens) and put
+        # back together, and the token part is what is returned.
+        token_states, hooks = [token_embeds], []
+        if soft and model_kwargs.get("output_hidden_states"):
+            def split_soft_prompt(module, args, output):
+                tokens = output[:, soft:]
+                token_states.append(tokens)
+                return torch.cat([output[:, :soft], tokens], dim=1)
+
+            hooks = [layer.register_forward_hook(split_soft_prompt) for layer in self.model.layers[:-1]]
+        try:
+            outputs = self.model(
+                inputs_embeds=embeds,
+                attention_mask=attention,
+                position_ids=positions,
+                **{LLAMA_CACHE_ARGUMENT: cache},
+                use_cache=False,  # as in `_compress`
+                **model_kwargs,
+            )
+        finally:
+            for hook in hooks:
+                hook.remove()
+        if hooks:
+            outputs.hidden_states = (*token_states, outputs.last_hidden_state[:, soft:])
         cache.decoder_mask = decoder_mask
         cache.started = True
         return outputs, soft
@@ -1047,9 +1064,9 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
         labels (`torch.LongTensor` of shape `[batch, length]`): next-token targets aligned with `input_ids` (shifted
             inside), -100 where ignored.
 
-        Returns logits for `input_ids` only (the soft prompt positions are dropped; so are they from `hidden_states`,
-        which are therefore views of the states the layers consume: `retain_grad()` or hooks on them see no gradient;
-        the attentions are the tensors in the graph). Assisted decoding is not supported with nuggets (a clear error).
+        Returns logits and `hidden_states` for `input_ids` only (the soft prompt positions are dropped); the hidden
+        states are the tensors the layers and the LM head consume, so `retain_grad()` and hooks on them see gradients,
+        as do the attentions (which keep the soft-prompt rows and the nugget and soft-prompt columns). Assisted decoding is not supported with nuggets (a clear error).
         In autoregressive mode the tokens are processed in blocks between compressions and no `hidden_states` or
         `attentions` are returned.
         """
@@ -1129,7 +1146,9 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
                     )
             outputs, soft = self._decode(cache, embeds, new_token_mask, position_ids, prepend_soft, **extra)
             cache.seen_tokens += length
-            hidden = outputs.last_hidden_state[:, soft:]
+            hidden_states = getattr(outputs, "hidden_states", None)
+            # the last hidden state (after the final norm) feeds the LM head: with a soft prompt, its token part
+            hidden = hidden_states[-1] if soft and hidden_states else outputs.last_hidden_state[:, soft:]
 
         slice_indices = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
         logits = self.lm_head(hidden[:, slice_indices, :])
@@ -1141,14 +1160,11 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
                 )
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
 
-        def strip(states):
-            return None if states is None else tuple(state[:, soft:] for state in states)
-
         result = CausalLMOutputWithPast(
             loss=loss,
             logits=logits,
             **cache_field(cache if use_cache else None),
-            hidden_states=strip(getattr(outputs, "hidden_states", None)),
+            hidden_states=getattr(outputs, "hidden_states", None),  # token positions only (see `_decode`)
             attentions=getattr(outputs, "attentions", None),
         )
         return result if return_dict is not False else result.to_tuple()
