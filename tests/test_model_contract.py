@@ -253,3 +253,39 @@ def test_dodo_has_no_tensor_parallel_plan_and_refuses_one(tmp_path):
     model.save_pretrained(tmp_path)
     with pytest.raises(ValueError, match=r"`tp_plan='auto'`: tensor parallelism is not supported by Dodo"):
         AutoModel.from_pretrained(tmp_path, tp_plan="auto")
+
+
+@pytest.mark.parametrize("kind", ["locost", "vcc"])
+def test_decoder_model_past_equals_full_forward(kind):
+    """transformers' `test_decoder_model_past`: the last token's logits computed on top of the cache of the others
+    equal those of one forward over all tokens. (Dodo: test_modeling_dodo's cached-continuation test.)"""
+    tester = ModelTester(kind)
+    inputs = tester.inputs()
+    decoder_input_ids = torch.randint(3, tester.vocab_size, (2, 5), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        full = tester.model(**inputs, decoder_input_ids=decoder_input_ids, use_cache=False).logits[:, -1]
+        first = tester.model(**inputs, decoder_input_ids=decoder_input_ids[:, :4], use_cache=True)
+        cache = first.cache if hasattr(first, "cache") and first.cache is not None else first.past_key_values
+        step = tester.model(encoder_outputs=(first.encoder_last_hidden_state,), attention_mask=inputs["attention_mask"],
+                            decoder_input_ids=decoder_input_ids[:, 4:], cache=cache, use_cache=True).logits[:, -1]
+    torch.testing.assert_close(step, full, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["locost", "vcc"])
+def test_attention_outputs_are_t5_shaped_and_encoder_attentions_none(kind):
+    """transformers' `test_attention_outputs`: decoder self-attentions [batch, heads, target, target] and cross
+    attentions [batch, heads, target, source] per decoder layer, as T5's. LOCOST's encoder has no attention and VCC-T5's
+    attends over compressed sequences whose length changes per layer, so both return `encoder_attentions=None`
+    (documented in the encoders' docstrings)."""
+    tester = ModelTester(kind)
+    model = tester.model
+    model.set_attn_implementation("eager")
+    inputs = tester.inputs()
+    source = inputs["input_ids"].shape[1]
+    with torch.no_grad():
+        out = model(**inputs, decoder_input_ids=torch.zeros(2, 3, dtype=torch.long), output_attentions=True)
+    heads, layers = model.config.num_heads, model.config.num_decoder_layers
+    assert len(out.decoder_attentions) == len(out.cross_attentions) == layers
+    assert all(a.shape == (2, heads, 3, 3) for a in out.decoder_attentions)
+    assert all(a.shape == (2, heads, 3, source) for a in out.cross_attentions)
+    assert out.encoder_attentions is None
