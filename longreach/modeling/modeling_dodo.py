@@ -1066,7 +1066,8 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
 
         Returns logits and `hidden_states` for `input_ids` only (the soft prompt positions are dropped); the hidden
         states are the tensors the layers and the LM head consume, so `retain_grad()` and hooks on them see gradients,
-        as do the attentions (which keep the soft-prompt rows and the nugget and soft-prompt columns). Assisted decoding is not supported with nuggets (a clear error).
+        as do the attentions (which keep the soft-prompt rows and the nugget and soft-prompt columns). Assisted
+        decoding is not supported with nuggets (a clear error).
         In autoregressive mode the tokens are processed in blocks between compressions and no `hidden_states` or
         `attentions` are returned.
         """
