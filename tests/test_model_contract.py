@@ -85,14 +85,32 @@ def test_generate_dict_outputs(tester, mode, use_cache):
 
 
 def test_assisted_decoding_equals_greedy(tester):
-    if tester.kind == "dodo":  # not applicable with nuggets: a clear error (see DodoLlamaForCausalLM.generate)
-        for option in (dict(assistant_model=tester.model), dict(prompt_lookup_num_tokens=2)):
-            with pytest.raises(ValueError, match="Assisted decoding .* is not supported with nuggets"):
-                greedy(tester, batch=1, **option)
-        return
+    """Dodo generates with nuggets here (a context is compressed first); rejected candidates are cropped from its
+    cache, behind the nugget slots and the soft prompt."""
     expected = greedy(tester, batch=1)  # transformers' assisted generation takes one sequence
     assert torch.equal(greedy(tester, batch=1, assistant_model=tester.model), expected)
     assert torch.equal(greedy(tester, batch=1, prompt_lookup_num_tokens=2), expected)
+
+
+def test_dodo_cache_crop_keeps_nuggets_and_counts_tokens():
+    from longreach.modeling.modeling_dodo import DodoCache
+
+    tester = ModelTester("dodo")
+    inputs = tester.inputs(batch=1)
+    with torch.no_grad():
+        cache = tester.model(**inputs, use_cache=True).cache
+    assert isinstance(cache, DodoCache) and cache.seen_tokens == 6
+    columns = cache.get_seq_length()  # nugget slots + soft prompt + 6 tokens
+    cache.crop(4)  # DynamicCache semantics: keep 4 tokens
+    assert cache.seen_tokens == 4 and cache.get_seq_length() == columns - 2
+    assert cache.decoder_mask.shape[1] == columns - 2 - cache.num_nugget_slots
+    cache.crop(-1)  # negative: remove one token
+    assert cache.seen_tokens == 3 and cache.get_seq_length() == columns - 3
+    cache.crop(10)  # more than it holds: nothing to remove
+    assert cache.seen_tokens == 3
+    cache.autoregressive = True
+    with pytest.raises(ValueError, match="autoregressive mode cannot drop tokens"):
+        cache.crop(1)
 
 
 def test_num_return_sequences(tester):

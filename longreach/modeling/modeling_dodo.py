@@ -214,15 +214,18 @@ class DodoCache(DynamicCache):
         super().batch_select_indices(indices)
         self._map_rows(lambda tensor: tensor[indices])
 
-    def crop(self, tokens_to_remove: int) -> None:
-        if tokens_to_remove > 0 or self.autoregressive:
-            raise ValueError(
-                "A DodoCache can only drop its last tokens (negative count), and not in autoregressive mode."
-            )
-        super().crop(tokens_to_remove)
+    def crop(self, max_length: int) -> None:
+        """Drop the last token columns (assisted decoding rolls back rejected candidates). As for a
+        ``DynamicCache``, ``max_length >= 0`` is the number of *tokens* to keep (the nugget slots and the soft
+        prompt always stay) and a negative value the number of tokens to remove. Not in autoregressive mode, where
+        tokens already compressed cannot be taken back."""
+        if self.autoregressive:
+            raise ValueError("A DodoCache in autoregressive mode cannot drop tokens (they may be compressed already).")
+        tokens_to_remove = max(self.seen_tokens - max_length, 0) if max_length >= 0 else -max_length
         if tokens_to_remove:
-            self.decoder_mask = self.decoder_mask[:, :tokens_to_remove]
-            self.seen_tokens += tokens_to_remove
+            super().crop(-tokens_to_remove)
+            self.decoder_mask = self.decoder_mask[:, :-tokens_to_remove]
+            self.seen_tokens -= tokens_to_remove
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -1067,8 +1070,8 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
         Returns logits and `hidden_states` for `input_ids` only (the soft prompt positions are dropped); the hidden
         states are the tensors the layers and the LM head consume, so `retain_grad()` and hooks on them see gradients,
         as do the attentions (which keep the soft-prompt rows and the nugget and soft-prompt columns). Assisted
-        decoding is not supported with nuggets (a clear error).
-        In autoregressive mode the tokens are processed in blocks between compressions and no `hidden_states` or
+        decoding (`assistant_model=`, `prompt_lookup_num_tokens=`) works with nuggets: rejected candidates are cropped
+        from the cache. In autoregressive mode the tokens are processed in blocks between compressions and no `hidden_states` or
         `attentions` are returned.
         """
         past_key_values = take_cache_argument(past_key_values, kwargs)
@@ -1196,14 +1199,6 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
         if kwargs.get("inputs_embeds") is not None:
             raise ValueError("`inputs_embeds` are not supported by Dodo's generate(); pass `input_ids`.")
         if nuggets is not None:
-            assisted = [name for name in ("assistant_model", "prompt_lookup_num_tokens", "assistant_early_exit")
-                        if kwargs.get(name) is not None]
-            if assisted:
-                raise ValueError(
-                    f"Assisted decoding (`{assisted[0]}`) is not supported with nuggets: it rolls the cache back after "
-                    "rejected candidate tokens, and a DodoCache (nugget slots, then the prompt's tokens) cannot be "
-                    "cropped yet. Generate without it."
-                )
             self._check_nuggets(nuggets, input_ids.shape[0] if input_ids is not None else None)
             kwargs["nuggets"] = nuggets
         return super().generate(input_ids, **kwargs)
@@ -1215,11 +1210,13 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
         attention_mask: torch.Tensor | None = None,
         nuggets: DodoNuggets | None = None,
         use_cache: bool | None = None,
+        cache: Cache | None = None,
         **kwargs,
     ):
         """Slice by the tokens the cache has *seen* (not by its length, which counts nugget and soft-prompt slots) and
-        pass explicit decoder positions ``k_b + soft + index among real tokens`` (hf-integration §1.4)."""
-        past_key_values = take_cache_argument(past_key_values, kwargs)
+        pass explicit decoder positions ``k_b + soft + index among real tokens`` (hf-integration §1.4). ``cache`` is
+        named here so that ``generate()`` accepts it back (an assistant model's cache, in assisted decoding)."""
+        past_key_values = take_cache_argument(past_key_values, {"cache": cache, **kwargs})
         batch = input_ids.shape[0]
         if attention_mask is None:  # generate drops an all-ones mask
             attention_mask = torch.ones_like(input_ids)
