@@ -925,8 +925,9 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
         # With a soft prompt, the hidden states returned for the tokens must be the tensors the next layer consumes (so
         # that hooks and `retain_grad()` see gradients): each layer's output is split into (soft, tokens) and put
         # back together, and the token part is what is returned.
+        capture_token_states = bool(soft and model_kwargs.get("output_hidden_states"))
         token_states, hooks = [token_embeds], []
-        if soft and model_kwargs.get("output_hidden_states"):
+        if capture_token_states:
             def split_soft_prompt(module, args, output):
                 tokens = output[:, soft:]
                 token_states.append(tokens)
@@ -945,7 +946,7 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
         finally:
             for hook in hooks:
                 hook.remove()
-        if hooks:
+        if capture_token_states:
             outputs.hidden_states = (*token_states, outputs.last_hidden_state[:, soft:])
         cache.decoder_mask = decoder_mask
         cache.started = True
@@ -1071,8 +1072,8 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
         states are the tensors the layers and the LM head consume, so `retain_grad()` and hooks on them see gradients,
         as do the attentions (which keep the soft-prompt rows and the nugget and soft-prompt columns). Assisted
         decoding (`assistant_model=`, `prompt_lookup_num_tokens=`) works with nuggets: rejected candidates are cropped
-        from the cache. In autoregressive mode the tokens are processed in blocks between compressions and no `hidden_states` or
-        `attentions` are returned.
+        from the cache. In autoregressive mode the tokens are processed in blocks between compressions and no
+        `hidden_states` or `attentions` are returned.
         """
         past_key_values = take_cache_argument(past_key_values, kwargs)
         reject_head_masks(kwargs)
