@@ -102,7 +102,8 @@ class DodoLlamaConfig(LlamaConfig):
     model_type = "dodo_llama"
     # No tensor-parallel plan: Llama's shards q/k/v/o_proj, which here are PEFT LoRA wrappers holding two adapters (a
     # plan naming them would shard the wrapper, not its weights). `from_pretrained(tp_plan=...)` raises; use data
-    # parallelism (DDP, FSDP, DeepSpeed ZeRO), see the README's fine-tuning guide.
+    # parallelism (DDP, FSDP, DeepSpeed ZeRO), see the README's fine-tuning guide. No pipeline plan either: a forward
+    # runs the layers twice (compress with φ, then decode with θ), which Llama's layer-by-layer plan does not describe.
     base_model_tp_plan = None
     base_model_pp_plan = None
 
