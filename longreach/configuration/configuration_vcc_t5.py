@@ -107,6 +107,11 @@ class VCCT5Config(PreTrainedConfig):
         exploration_probability (`float`, defaults to 0.1) [`explore_prob`]:
             training only: probability, per sequence and VCC layer, of refining a uniformly random set of blocks
             instead of the top-scoring ones.
+        reproducible_softmax (`bool`, defaults to `True`):
+            on CPU in float32, compute the softmax of eager attention and of block selection in one fixed order, so
+            that outputs are the same bits on every CPU (torch's own softmax sums in an order set by the CPU's vector
+            width; the original's references were made on an AVX-512 CPU, and with torch's softmax an AVX2 CPU moved
+            them by 1.1e-5). Several times slower than `torch.softmax`; `sdpa` attention does not use it.
 
     Fixed in the port (the only values the original supports or uses): `selector_type="attention_based_selector"`,
     `coarser_type="mean"`, `include_positions_in_mixed_states=True`. `custom_relative_attention`,
@@ -160,6 +165,7 @@ class VCCT5Config(PreTrainedConfig):
     num_refined_blocks: int = 90
     scale_correction: bool = True
     exploration_probability: float = 0.1
+    reproducible_softmax: bool = True
     is_encoder_decoder: bool = True
     use_cache: bool = True
     pad_token_id: int | None = 0

@@ -50,6 +50,7 @@ from .t5_blocks import (
     T5Seq2SeqLMMixin,
     as_encoder_output,
     init_t5_module,
+    last_dim_softmax,
     relative_position_bucket,
     returns_dict,
 )
@@ -432,7 +433,7 @@ class VCCT5Encoder(nn.Module):
         bias = self.relative_bias(important_positions, mean_positions, max_position).float() + (
             MASK_VALUE * (1.0 - mean_mask[:, None, None, :])
         )
-        probabilities = torch.softmax(torch.matmul(queries, keys.transpose(-1, -2)) + bias, dim=-1)
+        probabilities = last_dim_softmax(torch.matmul(queries, keys.transpose(-1, -2)) + bias, self.config)
         votes = probabilities.mean(dim=1) * important_vip[:, :, None].float()  # [B, NI, n_b]
         return torch.log(votes.mean(dim=1) + 1e-5)
 
@@ -485,7 +486,7 @@ class VCCT5Encoder(nn.Module):
             ranking, explored = self._rank_blocks(scores)
             refined, coarse = ranking[:, :num_refined], ranking[:, num_refined:]
             # (c) State scores: 1 in value, gradient of the selection probabilities (straight-through).
-            probabilities = torch.softmax(scores, dim=-1).gather(1, ranking)
+            probabilities = last_dim_softmax(scores, config).gather(1, ranking)
             refined_probability, coarse_complement = probabilities[:, :num_refined], 1 - probabilities[:, num_refined:]
             refined_scores = 1 + refined_probability - refined_probability.detach()
             coarse_scores = 1 + coarse_complement - coarse_complement.detach()

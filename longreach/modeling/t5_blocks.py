@@ -157,6 +157,99 @@ def relative_position_bucket(
     return buckets + torch.where(is_small, distance, log_bucket)
 
 
+# ---------------------------------------------------------------------------------------------------------------------
+# Softmax with the same bits on every CPU
+# ---------------------------------------------------------------------------------------------------------------------
+# ATen's float32 CPU softmax over the last dimension computes, per row, m = max(x), e = exp(x - m) (SLEEF's expf_u10),
+# s = sum(e) and e * (1 / s). The sum runs in vector lanes, 8 with AVX2 and 16 with AVX-512, then across the lanes,
+# so its last bits depend on the machine, and attention outputs move by ~1e-6 relative between two CPUs (VCC-T5's
+# references, made on AVX-512, by 1.1e-5 at values ~20 on an AVX2 machine). `reproducible_softmax` computes what the
+# AVX-512 kernel computes with ordinary tensor ops: on AVX-512 it equals `torch.softmax` bit for bit, and any other
+# CPU gets those same bits. The fused multiply-adds of expf_u10 are float64 products (exact for float32 operands) and
+# sums rounded to float32, which equals a fused multiply-add except in double-rounding cases (about 2^-29 of them).
+
+def _float32(value: float) -> float:
+    return torch.tensor(value, dtype=torch.float32).item()
+
+
+# SLEEF expf_u10: 2^q · p(s) with q = rint(x / ln 2), s = x - q ln 2 (ln 2 split in two floats); the float32 constants
+_INVERSE_LN2 = _float32(1.442695040888963407359924681001892137426645954152985934135449406931)
+_LN2_UPPER, _LN2_LOWER = _float32(0.693145751953125), _float32(1.428606765330187045e-06)
+_EXP_POLYNOMIAL = [_float32(c) for c in (0.000198527617612853646278381, 0.00139304355252534151077271,
+                                         0.00833336077630519866943359, 0.0416664853692054748535156,
+                                         0.166666671633720397949219, 0.5)]
+_AVX512_LANES = 16
+
+
+def _fused_multiply_add(a: torch.Tensor, b: torch.Tensor | float, c: torch.Tensor | float) -> torch.Tensor:
+    """round_float32(a·b + c), with a·b exact in float64."""
+    return (a.double() * b + c).float()
+
+
+def _sleef_expf(x: torch.Tensor) -> torch.Tensor:
+    """SLEEF's expf_u10 (ATen's vectorized float32 exp) for x ≤ 0, lane for lane."""
+    q = torch.round(x * _INVERSE_LN2)  # float32 product, rounded half to even (vrint)
+    s = _fused_multiply_add(q, -_LN2_UPPER, x)
+    s = _fused_multiply_add(q, -_LN2_LOWER, s)
+    p = torch.full_like(s, _EXP_POLYNOMIAL[0])
+    for coefficient in _EXP_POLYNOMIAL[1:]:
+        p = _fused_multiply_add(p, s, coefficient)
+    p = 1.0 + _fused_multiply_add(s * s, p, s)
+    half = torch.floor(q / 2)
+    scaled = p * torch.pow(2.0, half) * torch.pow(2.0, q - half)  # p·2^q in two exact steps, as SLEEF's ldexp
+    return torch.where(x < -104, torch.zeros_like(scaled), scaled)  # also exp(-inf) = 0
+
+
+def _avx512_row_sum(values: torch.Tensor) -> torch.Tensor:
+    """Sum over the last dimension in ATen's vec::reduce_all order with 16 lanes: left to right below 16 elements;
+    otherwise lane-wise over chunks of 16, the tail added to the first lanes, then the lanes pairwise (i + i^8, i^4,
+    i^2, i^1)."""
+    size = values.shape[-1]
+    if size < _AVX512_LANES:
+        total = values[..., 0]
+        for index in range(1, size):
+            total = total + values[..., index]
+        return total
+    lanes = values[..., :_AVX512_LANES]
+    end = size - size % _AVX512_LANES
+    for start in range(_AVX512_LANES, end, _AVX512_LANES):
+        lanes = lanes + values[..., start:start + _AVX512_LANES]
+    if end < size:
+        tail = size - end
+        lanes = torch.cat([lanes[..., :tail] + values[..., end:], lanes[..., tail:]], dim=-1)
+    for stride in (8, 4, 2, 1):
+        lanes = lanes + lanes[..., torch.arange(_AVX512_LANES, device=lanes.device) ^ stride]
+    return lanes[..., 0]
+
+
+class _ReproducibleSoftmax(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, scores: torch.Tensor) -> torch.Tensor:
+        exponentials = _sleef_expf(scores - scores.amax(dim=-1, keepdim=True))
+        probabilities = exponentials * (1 / _avx512_row_sum(exponentials)).unsqueeze(-1)
+        ctx.save_for_backward(probabilities)
+        return probabilities
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor) -> torch.Tensor:
+        (probabilities,) = ctx.saved_tensors  # softmax's own backward, as torch.softmax's autograd
+        return torch._softmax_backward_data(grad_output, probabilities, -1, probabilities.dtype)
+
+
+def reproducible_softmax(scores: torch.Tensor) -> torch.Tensor:
+    """Softmax over the last dimension; float32 on CPU: the same bits on every CPU (see above), else `torch.softmax`."""
+    if scores.device.type != "cpu" or scores.dtype != torch.float32 or scores.shape[-1] == 0:
+        return torch.softmax(scores, dim=-1)
+    return _ReproducibleSoftmax.apply(scores)
+
+
+def last_dim_softmax(scores: torch.Tensor, config) -> torch.Tensor:
+    """`reproducible_softmax` where the model's config asks for it (`reproducible_softmax: true`), else torch's."""
+    if getattr(config, "reproducible_softmax", False):
+        return reproducible_softmax(scores)
+    return torch.softmax(scores, dim=-1)
+
+
 def eager_attention_forward(
     module: nn.Module,
     query: torch.Tensor,
@@ -167,11 +260,12 @@ def eager_attention_forward(
     dropout: float = 0.0,
     **kwargs,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """softmax(q kᵀ · scaling + bias) v, softmax in float32. ``attention_mask`` is an additive float bias."""
+    """softmax(q kᵀ · scaling + bias) v, softmax in float32 (`reproducible_softmax` where the config asks for it).
+    ``attention_mask`` is an additive float bias."""
     scores = torch.matmul(query, key.transpose(2, 3)) * scaling
     if attention_mask is not None:
         scores = scores + attention_mask
-    weights = nn.functional.softmax(scores.float(), dim=-1).type_as(scores)
+    weights = last_dim_softmax(scores.float(), module.config).type_as(scores)
     weights = nn.functional.dropout(weights, p=dropout, training=module.training)
     output = torch.matmul(weights, value).transpose(1, 2).contiguous()
     return output, weights
