@@ -157,6 +157,9 @@ class DemoSettings:
     copy_examples_per_summary: float = 2.0
     max_eval_documents: int = 48
     generation_max_new_tokens: int = 32
+    #: Beam search, without `no_repeat_ngram_size`: the summaries copy names that repeat in a document's opening
+    #: ("Blinker Blinker provides ..."), and a ban on repeated BPE 3-grams broke them ("Blinker Blin6 a fast dis.").
+    generation_num_beams: int = 4
 
 
 SMOKE_SETTINGS = DemoSettings(
@@ -180,9 +183,29 @@ _DROPPED_LINE = re.compile(
 )
 
 
+_SECTION_ADORNMENT = re.compile(r"^\s*([=\-~^*#+`'\"_.:])\1{2,}\s*$")
+
+
+def _drop_section_adornments(text: str) -> str:
+    """Remove title underlines and overlines (reStructuredText sections, Markdown setext headings): a line of one
+    repeated punctuation character at least as long as the title line above it, or such a line two lines above an
+    identical one (an overline). Done before code fences are found: a "~~~~" underline is not the start of a code block."""
+    lines = text.splitlines()
+    adornment = [bool(_SECTION_ADORNMENT.match(line)) for line in lines]
+    keep = []
+    for index, line in enumerate(lines):
+        previous = lines[index - 1].strip() if index else ""
+        underline = adornment[index] and previous and not adornment[index - 1] and len(previous) <= len(line.strip())
+        overline = (adornment[index] and index + 2 < len(lines) and lines[index + 2].strip() == line.strip()
+                    and 0 < len(lines[index + 1].strip()) <= len(line.strip()))
+        if not (underline or overline):
+            keep.append(line)
+    return "\n".join(keep)
+
+
 def clean_text(text: str) -> str:
     """Markdown/reStructuredText to plain prose: no code blocks, directives, badges, tags, URLs or underlines."""
-    text = _FENCED_CODE.sub(" ", text)
+    text = _FENCED_CODE.sub(" ", _drop_section_adornments(text))
     lines = [line for line in text.splitlines() if not _DROPPED_LINE.match(line)]
     text = "\n".join(lines)
     text = _MARKDOWN_LINK.sub(r"\1", text)
@@ -330,10 +353,20 @@ def train_tokenizer(texts: list[str], vocab_size: int):
     )
 
 
+def lead_sentence(document: str) -> str:
+    """The document's first sentence that is a statement: questions ("What is this?") and sentences of fewer than
+    three words (headings such as "Overview.") are skipped; the first sentence if every one is."""
+    sentences = re.split(r"(?<=[.!?])\s+", document.strip())
+    for sentence in sentences:
+        if not sentence.endswith("?") and len(sentence.split()) >= 3:
+            return sentence
+    return sentences[0]
+
+
 def lead_baseline(document: str, num_words: int = 12) -> str:
-    """The document's first sentence, at most ``num_words`` words: the usual extractive baseline."""
-    first_sentence = re.split(r"(?<=[.!?])\s+", document.strip(), maxsplit=1)[0]
-    return " ".join(first_sentence.split()[:num_words])
+    """The usual extractive baseline: the document's first sentence (:func:`lead_sentence`), at most ``num_words``
+    words."""
+    return " ".join(lead_sentence(document).split()[:num_words])
 
 
 def lead_pretraining_examples(train: list[dict], num_words: int, random_windows: int, seed: int,
@@ -428,8 +461,7 @@ def run_demo(output_dir: str | Path = DEFAULT_OUTPUT_DIR, settings: DemoSettings
     )
     model = LocostForConditionalGeneration(config)
     model.generation_config.max_new_tokens = settings.generation_max_new_tokens
-    model.generation_config.num_beams = 1
-    model.generation_config.no_repeat_ngram_size = 3
+    model.generation_config.num_beams = settings.generation_num_beams
     generation_config = copy.deepcopy(model.generation_config)
     stage(f"Model: LOCOST from scratch, {model.num_parameters() / 1e6:.1f}M parameters ({settings.num_layers} SSM "
           f"encoder blocks, {settings.num_decoder_layers} T5 decoder blocks, d_model {settings.d_model})")
