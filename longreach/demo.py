@@ -16,7 +16,7 @@ What it does, end to end, with no network and no argument:
    ``DataCollatorForSeq2Seq`` (progress bar and loss on the way).
 5. **Summarization training** on the (document, summary) pairs, mixed with copy pairs so the model keeps copying.
 6. **Evaluation.** Summaries of the held-out documents (never trained on, read whole) with ``generate()``, scored
-   with ROUGE-1/2/Lsum (``rouge_score``), next to the lead baseline (the document's first sentence, 12 words at most).
+   with ROUGE-1/2/Lsum (``rouge_score``), next to the lead baseline (the document's first statement, 12 words at most).
 7. **Hub-ready save** to ``--output_dir`` (``./longreach-demo`` by default, kept): weights (safetensors), code files,
    ``auto_map``, ``custom_pipelines``, tokenizer and model card, written beside the folder and renamed into place. A
    rerun replaces a model an earlier demo left there; any other non-empty folder is refused before training.
@@ -195,7 +195,7 @@ _SECTION_ADORNMENT = re.compile(r"^\s*([=\-~^*#+`'\"_.:])\1{2,}\s*$")
 def _drop_section_adornments(text: str) -> str:
     """Remove title underlines and overlines (reStructuredText sections, Markdown setext headings): a line of one
     repeated punctuation character at least as long as the title line above it, or such a line two lines above an
-    identical one (an overline). Done before code fences are found: a "~~~~" underline is not the start of a code block."""
+    identical one (an overline). Done before code fences are found: a "~~~~" underline does not open a code block."""
     lines = text.splitlines()
     adornment = [bool(_SECTION_ADORNMENT.match(line)) for line in lines]
     keep = []
