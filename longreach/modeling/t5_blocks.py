@@ -232,8 +232,8 @@ class _ReproducibleSoftmax(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor) -> torch.Tensor:
-        (probabilities,) = ctx.saved_tensors  # softmax's own backward, as torch.softmax's autograd
-        return torch._softmax_backward_data(grad_output, probabilities, -1, probabilities.dtype)
+        (probabilities,) = ctx.saved_tensors  # softmax's backward: p ⊙ (g − Σ g ⊙ p)
+        return probabilities * (grad_output - (grad_output * probabilities).sum(dim=-1, keepdim=True))
 
 
 def reproducible_softmax(scores: torch.Tensor) -> torch.Tensor:
