@@ -359,10 +359,14 @@ def train_tokenizer(texts: list[str], vocab_size: int):
     )
 
 
+#: Where one sentence ends and the next begins (after ".", "!" or "?").
+_SENTENCE_BOUNDARY = re.compile(r"(?<=[.!?])\s+")
+
+
 def lead_sentence(document: str) -> str:
     """The document's first sentence that is a statement: questions ("What is this?") and sentences of fewer than
     three words (headings such as "Overview.") are skipped; the first sentence if every one is."""
-    sentences = re.split(r"(?<=[.!?])\s+", document.strip())
+    sentences = _SENTENCE_BOUNDARY.split(document.strip())
     for sentence in sentences:
         if not sentence.endswith("?") and len(sentence.split()) >= 3:
             return sentence
@@ -392,7 +396,7 @@ def lead_pretraining_examples(train: list[dict], num_words: int, random_windows:
     for example in train:
         words = example["document"].split()
         start = 0
-        for sentence in re.split(r"(?<=[.!?])\s+", example["document"].strip()):
+        for sentence in _SENTENCE_BOUNDARY.split(example["document"].strip()):
             text = words[start:]
             if len(text) >= 15 and (start or document_starts):
                 pairs.append({"document": " ".join(text), "summary": lead_baseline(" ".join(text), num_words)})
