@@ -47,23 +47,31 @@ def _exp_complex128(exponent: torch.Tensor) -> torch.Tensor:
     return torch.complex(magnitude * torch.cos(imag), magnitude * torch.sin(imag))
 
 
-def _square_powers(base: torch.Tensor, count: int) -> list[torch.Tensor]:
-    """``[base, base², base⁴, …]`` (count of them) by repeated squaring in complex128, returned in complex64."""
-    powers = [base]
-    for _ in range(count - 1):
-        powers.append(powers[-1] * powers[-1])
-    return [power.to(torch.complex64) for power in powers]
+def _square_powers(base: torch.Tensor, count: int) -> torch.Tensor:
+    """``[base, base², base⁴, …]`` (count of them, stacked on a new first dim) by repeated squaring of a complex128
+    ``base`` (relative error about 2^i·2^-53 for the 2^i-th power), returned in complex64. Without autograd the
+    squares are written into one buffer."""
+    if torch.is_grad_enabled() and base.requires_grad:
+        powers = [base]
+        for _ in range(count - 1):
+            powers.append(powers[-1] * powers[-1])
+        return torch.stack(powers).to(torch.complex64)
+    powers = base.new_empty(count, *base.shape)
+    powers[0] = base
+    for index in range(1, count):
+        torch.mul(powers[index - 1], powers[index - 1], out=powers[index])
+    return powers.to(torch.complex64)
 
 
-def _geometric(first: torch.Tensor, ratio_powers: list[torch.Tensor], count: int, in_place: bool) -> torch.Tensor:
+def _geometric(first: torch.Tensor, ratio_powers, count: int, out: torch.Tensor | None = None) -> torch.Tensor:
     """``first · r^k`` for k < count along dim −2 (``first`` has size 1 there), ``ratio_powers[i] = r^(2^i)``.
 
     Doubling: the first m terms times r^m give the next m, so every term is a product of at most log2(count) + 1
-    factors (relative error O(log(count)·ε)) and costs one complex multiplication. ``in_place`` fills one
-    preallocated tensor (no autograd); otherwise the pieces are concatenated.
+    factors (relative error O(log(count)·ε)) and costs one complex multiplication. With ``out`` (no autograd) the
+    terms are written into it; otherwise the pieces are concatenated.
     """
-    if in_place:
-        terms = first.new_empty(*first.shape[:-2], count, first.shape[-1])
+    if out is not None:
+        terms = out
         terms[..., :1, :] = first
     else:
         terms = first
@@ -72,7 +80,7 @@ def _geometric(first: torch.Tensor, ratio_powers: list[torch.Tensor], count: int
         if filled >= count:
             break
         size = min(filled, count - filled)
-        if in_place:
+        if out is not None:
             torch.mul(terms[..., :size, :], ratio, out=terms[..., filled:filled + size, :])
         else:
             terms = torch.cat([terms, terms[..., :size, :] * ratio], dim=-2)
@@ -81,7 +89,7 @@ def _geometric(first: torch.Tensor, ratio_powers: list[torch.Tensor], count: int
 
 
 #: Channels whose kernels are computed together on CPU (see `BidirectionalS4DConvolution.kernel`).
-KERNEL_CHANNEL_BLOCK = 16
+KERNEL_CHANNEL_BLOCK = 32
 
 
 class Float32ParametersModule(nn.Module):
@@ -243,21 +251,39 @@ class BidirectionalS4DConvolution(Float32ParametersModule):
         balanced = 2 ** round(math.log2(math.sqrt(directions * length)))
         chunk = max(1, min(self.kernel_chunk_size, balanced, length))
         num_chunks = -(-length // chunk)
-        step = _square_powers(torch.conj_physical(z), max(1, (chunk - 1).bit_length()))  # z̄^(2^i), for P̄
-        stride = _square_powers(_exp_complex128(dtA * chunk), max(1, (num_chunks - 1).bit_length()))  # z^(chunk·2^i)
+        step_count, stride_count = (chunk - 1).bit_length(), (num_chunks - 1).bit_length()
         in_place = not (torch.is_grad_enabled() and (dtA.requires_grad or C_hat.requires_grad))
+        if chunk & (chunk - 1) == 0:  # a power of two: z^(chunk·2^i) = z^(2^(log2(chunk) + i)), one squaring chain
+            chain = _square_powers(z, max(1, step_count + stride_count))
+            step, stride = chain[:step_count], chain[step_count:]
+        else:
+            step = _square_powers(z, max(1, step_count))[:step_count]
+            stride = _square_powers(_exp_complex128(dtA * chunk), max(1, stride_count))  # z^(chunk·2^i)
+        if in_place:  # z̄^(2^i), for P̄: negate the imaginary parts where they are
+            torch.view_as_real(step)[..., 1].neg_()
+        else:
+            step = torch.conj_physical(step)
         block = KERNEL_CHANNEL_BLOCK if dtA.device.type == "cpu" and in_place else width
-        values = dtA.real.new_empty(width, directions * num_chunks, chunk) if in_place else []
-        ones = torch.ones(1, dtype=C_hat.dtype, device=C_hat.device)
-        for first in range(0, width, block):
+        weights_first = (2.0 * C_hat).transpose(0, 1)[:, :, None, :]  # 2·Ĉ [h, dirs, 1, N/2]
+        ones = torch.ones(1, dtype=C_hat.dtype, device=C_hat.device).expand(width, 1, self.modes)
+        if in_place:  # one output and one pair of term buffers, reused by every block
+            values = dtA.real.new_empty(width, directions * num_chunks, chunk)
+            powers_buffer = C_hat.new_empty(min(block, width), chunk, self.modes)
+            weights_buffer = C_hat.new_empty(min(block, width), directions, num_chunks, self.modes)
+        else:
+            values = []
+        step_blocks = step[:, :, None, :].split(block, dim=1)  # the ratios of each block, sliced once
+        stride_blocks = stride[:, :, None, None, :].split(block, dim=1)
+        for index, first in enumerate(range(0, width, block)):
             rows = slice(first, first + block)
+            size = step_blocks[index].shape[1]
             # P̄ [h, chunk, N/2] (conjugate, so that the matmul gives Re W·Re P − Im W·Im P); W [h, dirs, chunks, N/2]
-            powers = _geometric(ones.expand(dtA[rows].shape[0], 1, self.modes),
-                                [ratio[rows, None, :] for ratio in step], chunk, in_place)
-            weights = _geometric(2.0 * C_hat[:, rows].transpose(0, 1)[:, :, None, :],
-                                 [ratio[rows, None, None, :] for ratio in stride], num_chunks, in_place)
-            left = torch.view_as_real(weights).reshape(powers.shape[0], directions * num_chunks, 2 * self.modes)
-            right = torch.view_as_real(powers).reshape(powers.shape[0], chunk, 2 * self.modes).transpose(1, 2)
+            powers = _geometric(ones[rows], step_blocks[index].unbind(), chunk,
+                                powers_buffer[:size] if in_place else None)
+            weights = _geometric(weights_first[rows], stride_blocks[index].unbind(), num_chunks,
+                                 weights_buffer[:size] if in_place else None)
+            left = torch.view_as_real(weights).reshape(size, directions * num_chunks, 2 * self.modes)
+            right = torch.view_as_real(powers).reshape(size, chunk, 2 * self.modes).transpose(1, 2)
             if in_place:
                 torch.bmm(left, right, out=values[rows])
             else:
