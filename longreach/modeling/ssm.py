@@ -22,11 +22,12 @@ emptied by ``.train()``.
 
 Memory and time: the authors materialise exp(ΔA·l) as [H, N/2, L] (51 GB at the released size and 16K tokens, and
 L complex exponentials per mode). We split the lags into chunks l = l0 + j and use z^(l0 + j) = z^l0 · z^j with
-z = exp(ΔA): two exponentials per mode, the powers by doubling (one complex multiplication each, about
-(1 + directions)·√L per mode), one real batched matmul per block of 16 channels, and (without autograd) no tensor
-larger than O(16·N/2·√L) besides the [directions, H, L] kernel itself. At the released size on one CPU thread the
-kernel took 57 ms at 1K lags and 436 ms at 16K against 19 ms and 295 ms for a plain matmul of its multiply-adds
-(busy shared machine: noisy; ``benchmarks/run_all.py`` measures the ratio).
+z = exp(ΔA): one exponential per mode, its power-of-two powers by squaring in float64, the chunk's powers by doubling
+(one complex multiplication each, about (1 + directions)·√L per mode), one real batched matmul per block of 32
+channels, and (without autograd) no tensor larger than O(32·N/2·√L) besides the [directions, H, L] kernel and the
+squarings. At the released size on one idle CPU thread the kernel takes about 40 ms at 1K lags, 100 ms at 4K and
+400 ms at 16K against 16, 64 and 259 ms for a plain matmul of its multiply-adds (``benchmarks/run_all.py`` measures
+the ratio); at 1K about half of it is that matmul and the rest the elementwise work and per-block overhead.
 """
 
 from __future__ import annotations
@@ -56,11 +57,12 @@ def _square_powers(base: torch.Tensor, count: int) -> torch.Tensor:
         for _ in range(count - 1):
             powers.append(powers[-1] * powers[-1])
         return torch.stack(powers).to(torch.complex64)
-    powers = base.new_empty(count, *base.shape)
+    powers = torch.empty(count, *base.shape, dtype=torch.complex64, device=base.device)
     powers[0] = base
-    for index in range(1, count):
-        torch.mul(powers[index - 1], powers[index - 1], out=powers[index])
-    return powers.to(torch.complex64)
+    for index in range(1, count):  # one complex128 square at a time: no [count, ...] complex128 buffer
+        base = base * base
+        powers[index] = base
+    return powers
 
 
 def _geometric(first: torch.Tensor, ratio_powers, count: int, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -90,6 +92,8 @@ def _geometric(first: torch.Tensor, ratio_powers, count: int, out: torch.Tensor 
 
 #: Channels whose kernels are computed together on CPU (see `BidirectionalS4DConvolution.kernel`).
 KERNEL_CHANNEL_BLOCK = 32
+#: Channels whose kernel is recomputed together in the backward pass of a training step (any device).
+TRAINING_KERNEL_CHANNEL_BLOCK = 64
 
 
 class Float32ParametersModule(nn.Module):
@@ -161,12 +165,12 @@ class BidirectionalS4DConvolution(Float32ParametersModule):
         dtA, _, C_hat = self._discretized()
         return dtA, C_hat
 
-    def _discretized(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """ΔA and Ĉ (complex64) and z = exp(ΔA) (complex128)."""
-        dt = torch.exp(self.log_dt.float())
-        A = torch.complex(-torch.exp(self.inv_A_real.float()), self.A_imag.float())
-        B = torch.view_as_complex(self.B.float().contiguous())
-        C = torch.view_as_complex(self.C.float().contiguous())
+    def _discretized(self, channels: slice = slice(None)) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """ΔA and Ĉ (complex64) and z = exp(ΔA) (complex128) of the given channels."""
+        dt = torch.exp(self.log_dt.float()[channels])
+        A = torch.complex(-torch.exp(self.inv_A_real.float()[channels]), self.A_imag.float()[channels])
+        B = torch.view_as_complex(self.B.float()[channels].contiguous())
+        C = torch.view_as_complex(self.C.float()[:, channels].contiguous())
         dtA = dt[:, None] * A
         z = _exp_complex128(dtA)
         C_hat = C * (B * (z.to(torch.complex64) - 1.0) / A)
@@ -215,12 +219,20 @@ class BidirectionalS4DConvolution(Float32ParametersModule):
         return spectrum
 
     def _recorded_circular_kernel(self, length: int) -> torch.Tensor:
-        """``circular_kernel(length)``; when autograd records it, its intermediates (the powers and partial sums of
-        every chunk, several times the kernel's size) are not kept for the backward pass but recomputed there, as
-        activation checkpointing does: a training step then holds one [H, 2L] kernel per layer instead of about 1 GB
-        per layer at 4K tokens (released size)."""
+        """``circular_kernel(length)``; when autograd records it, it is computed in blocks of
+        ``TRAINING_KERNEL_CHANNEL_BLOCK`` channels, each under activation checkpointing: the intermediates (the powers
+        and partial sums of every chunk, several times the kernel's size) are not kept for the backward pass but
+        recomputed there one block at a time. A training step then holds one [H, 2L] kernel per layer, plus one
+        block's intermediates during the backward pass (at 4K tokens and the released size: about 1/12 of the 1 GB
+        that all channels at once took)."""
         if torch.is_grad_enabled() and any(p.requires_grad for p in self._kernel_parameters()):
-            return torch.utils.checkpoint.checkpoint(self.circular_kernel, length, use_reentrant=False)
+            block = TRAINING_KERNEL_CHANNEL_BLOCK
+            blocks = [
+                torch.utils.checkpoint.checkpoint(self.circular_kernel, length, slice(first, first + block),
+                                                  use_reentrant=False)
+                for first in range(0, self.channels, block)
+            ]
+            return blocks[0] if len(blocks) == 1 else torch.cat(blocks)
         return self.circular_kernel(length)
 
     def clear_kernel_cache(self) -> None:
@@ -237,15 +249,15 @@ class BidirectionalS4DConvolution(Float32ParametersModule):
         With l = l0 + j (chunk starts l0 = c·chunk, offsets j < chunk): K_c[h, l0 + j] = 2·Re Σ_n W_chn[c] P_hn[j],
         W = Ĉ·z^l0 and P = z^j, one real batched matmul per channel over the interleaved (real, imaginary) parts
         (2·Re(W·P) = Re W·Re P + Im W·Im P̄ twice). W and P are geometric sequences, built by doubling
-        (``_geometric``): one complex multiplication per term and no transcendental beyond exp(ΔA) and
-        exp(ΔA·chunk) per mode (in float64, their power-of-two powers by squaring). A chunk of √(directions·L) lags
+        (``_geometric``): one complex multiplication per term and no transcendental beyond exp(ΔA) per mode (in
+        float64; z^(2^i) by squaring, one chain for the ratios of P and of W when the chunk is a power of two, else
+        a second one from exp(ΔA·chunk)). A chunk of √(directions·L) lags
         balances P (chunk terms per mode) and W (directions·L/chunk terms); the work besides the matmul is then
         O(H·N/2·√L) against its O(H·N·L) multiply-adds. Without autograd the terms are written in place and, on
         CPU, channels go in blocks of ``KERNEL_CHANNEL_BLOCK`` (a block's terms stay in the caches); on accelerators
         all channels go in one block.
         """
-        dtA, z, C_hat = self._discretized()
-        dtA, z, C_hat = dtA[channels], z[channels], C_hat[:, channels]
+        dtA, z, C_hat = self._discretized(channels)
         directions, width = C_hat.shape[0], dtA.shape[0]
         # a power of two near √(directions·L): the matmul's shapes matter as much as the balance (measured on CPU)
         balanced = 2 ** round(math.log2(math.sqrt(directions * length)))
@@ -253,16 +265,22 @@ class BidirectionalS4DConvolution(Float32ParametersModule):
         num_chunks = -(-length // chunk)
         step_count, stride_count = (chunk - 1).bit_length(), (num_chunks - 1).bit_length()
         in_place = not (torch.is_grad_enabled() and (dtA.requires_grad or C_hat.requires_grad))
-        if chunk & (chunk - 1) == 0:  # a power of two: z^(chunk·2^i) = z^(2^(log2(chunk) + i)), one squaring chain
-            chain = _square_powers(z, max(1, step_count + stride_count))
-            step, stride = chain[:step_count], chain[step_count:]
-        else:
-            step = _square_powers(z, max(1, step_count))[:step_count]
-            stride = _square_powers(_exp_complex128(dtA * chunk), max(1, stride_count))  # z^(chunk·2^i)
-        if in_place:  # z̄^(2^i), for P̄: negate the imaginary parts where they are
-            torch.view_as_real(step)[..., 1].neg_()
-        else:
-            step = torch.conj_physical(step)
+
+        def ratios(rows: slice) -> tuple[torch.Tensor, torch.Tensor]:
+            """The doubling ratios of a block of channels: z̄^(2^i) for P̄ and z^(chunk·2^i) for W."""
+            if chunk & (chunk - 1) == 0:  # a power of two: z^(chunk·2^i) = z^(2^(log2(chunk) + i)), one chain
+                chain = _square_powers(z[rows], max(1, step_count + stride_count))
+                step, stride = chain[:step_count], chain[step_count:]
+            else:
+                step = _square_powers(z[rows], max(1, step_count))[:step_count]
+                stride = _square_powers(_exp_complex128(dtA[rows] * chunk), max(1, stride_count))
+            if in_place:  # conjugate where the terms are
+                torch.view_as_real(step)[..., 1].neg_()
+            else:
+                step = torch.conj_physical(step)
+            return step[:, :, None, :], stride[:, :, None, None, :]
+
+        # on CPU without autograd, channels go in blocks whose terms (and ratios) stay in the caches
         block = KERNEL_CHANNEL_BLOCK if dtA.device.type == "cpu" and in_place else width
         weights_first = (2.0 * C_hat).transpose(0, 1)[:, :, None, :]  # 2·Ĉ [h, dirs, 1, N/2]
         ones = torch.ones(1, dtype=C_hat.dtype, device=C_hat.device).expand(width, 1, self.modes)
@@ -272,15 +290,13 @@ class BidirectionalS4DConvolution(Float32ParametersModule):
             weights_buffer = C_hat.new_empty(min(block, width), directions, num_chunks, self.modes)
         else:
             values = []
-        step_blocks = step[:, :, None, :].split(block, dim=1)  # the ratios of each block, sliced once
-        stride_blocks = stride[:, :, None, None, :].split(block, dim=1)
-        for index, first in enumerate(range(0, width, block)):
+        for first in range(0, width, block):
             rows = slice(first, first + block)
-            size = step_blocks[index].shape[1]
+            step, stride = ratios(rows)
+            size = step.shape[1]
             # P̄ [h, chunk, N/2] (conjugate, so that the matmul gives Re W·Re P − Im W·Im P); W [h, dirs, chunks, N/2]
-            powers = _geometric(ones[rows], step_blocks[index].unbind(), chunk,
-                                powers_buffer[:size] if in_place else None)
-            weights = _geometric(weights_first[rows], stride_blocks[index].unbind(), num_chunks,
+            powers = _geometric(ones[rows], step.unbind(), chunk, powers_buffer[:size] if in_place else None)
+            weights = _geometric(weights_first[rows], stride.unbind(), num_chunks,
                                  weights_buffer[:size] if in_place else None)
             left = torch.view_as_real(weights).reshape(size, directions * num_chunks, 2 * self.modes)
             right = torch.view_as_real(powers).reshape(size, chunk, 2 * self.modes).transpose(1, 2)
