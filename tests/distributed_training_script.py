@@ -64,6 +64,11 @@ def main() -> None:
         trainer.save_model(Path(output_dir) / "final")
         losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
         (Path(output_dir) / "losses.json").write_text(json.dumps(losses))
+    if torch.distributed.is_initialized():
+        # every rank waits for rank 0's files, then the process group's threads are stopped before exit (left
+        # running, a rank could abort at exit with "terminate called without an active exception": seen once)
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
