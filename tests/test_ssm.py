@@ -137,6 +137,7 @@ def test_training_recomputes_the_kernel_in_backward_with_the_same_gradients(monk
     """Autograd keeps only the kernel, not its intermediates (recomputed in backward, in blocks of channels): same
     values and gradients."""
     monkeypatch.setattr(ssm, "TRAINING_KERNEL_CHANNEL_BLOCK", training_block)
+    monkeypatch.setattr(ssm, "TRAINING_KERNEL_ONE_BLOCK_SIZE", 0)  # blocks even for this small kernel
     torch.manual_seed(0)
     conv = BidirectionalS4DConvolution(8, 8).train()
     x = torch.randn(2, 24, 8, requires_grad=True)

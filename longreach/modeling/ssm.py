@@ -92,8 +92,10 @@ def _geometric(first: torch.Tensor, ratio_powers, count: int, out: torch.Tensor 
 
 #: Channels whose kernels are computed together on CPU (see `BidirectionalS4DConvolution.kernel`).
 KERNEL_CHANNEL_BLOCK = 32
-#: Channels whose kernel is recomputed together in the backward pass of a training step (any device).
+#: Channels whose kernel is recomputed together in the backward pass of a training step (any device), unless
+#: channels x modes x lags is at most TRAINING_KERNEL_ONE_BLOCK_SIZE (then all channels go in one block).
 TRAINING_KERNEL_CHANNEL_BLOCK = 64
+TRAINING_KERNEL_ONE_BLOCK_SIZE = 2**24
 
 
 class Float32ParametersModule(nn.Module):
@@ -227,6 +229,8 @@ class BidirectionalS4DConvolution(Float32ParametersModule):
         that all channels at once took)."""
         if torch.is_grad_enabled() and any(p.requires_grad for p in self._kernel_parameters()):
             block = TRAINING_KERNEL_CHANNEL_BLOCK
+            if self.channels * self.modes * length <= TRAINING_KERNEL_ONE_BLOCK_SIZE:
+                block = self.channels  # small: one block (each checkpointed block costs time on small models)
             blocks = [
                 torch.utils.checkpoint.checkpoint(self.circular_kernel, length, slice(first, first + block),
                                                   use_reentrant=False)
