@@ -222,7 +222,8 @@ class BidirectionalS4DConvolution(Float32ParametersModule):
 
     def _recorded_circular_kernel(self, length: int) -> torch.Tensor:
         """``circular_kernel(length)``; when autograd records it, it is computed in blocks of
-        ``TRAINING_KERNEL_CHANNEL_BLOCK`` channels, each under activation checkpointing: the intermediates (the powers
+        ``TRAINING_KERNEL_CHANNEL_BLOCK`` channels (one block when channels x modes x lags is at most
+        ``TRAINING_KERNEL_ONE_BLOCK_SIZE``), each under activation checkpointing: the intermediates (the powers
         and partial sums of every chunk, several times the kernel's size) are not kept for the backward pass but
         recomputed there one block at a time. A training step then holds one [H, 2L] kernel per layer, plus one
         block's intermediates during the backward pass (at 4K tokens and the released size: about 1/12 of the 1 GB
