@@ -136,8 +136,7 @@ def test_kernel_by_doubling_matches_direct_powers_with_and_without_autograd(leng
 def test_training_recomputes_the_kernel_in_backward_with_the_same_gradients(monkeypatch, training_block):
     """Autograd keeps only the kernel, not its intermediates (recomputed in backward, in blocks of channels): same
     values and gradients."""
-    monkeypatch.setattr(ssm, "TRAINING_KERNEL_CHANNEL_BLOCK", training_block)
-    monkeypatch.setattr(ssm, "TRAINING_KERNEL_ONE_BLOCK_SIZE", 0)  # blocks even for this small kernel
+    monkeypatch.setattr(ssm, "TRAINING_KERNEL_BLOCK_ELEMENTS", training_block * 4 * 24)  # channels x 4 modes x 24 lags
     torch.manual_seed(0)
     conv = BidirectionalS4DConvolution(8, 8).train()
     x = torch.randn(2, 24, 8, requires_grad=True)

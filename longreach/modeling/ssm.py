@@ -50,19 +50,12 @@ def _exp_complex128(exponent: torch.Tensor) -> torch.Tensor:
 
 def _square_powers(base: torch.Tensor, count: int) -> torch.Tensor:
     """``[base, base², base⁴, …]`` (count of them, stacked on a new first dim) by repeated squaring of a complex128
-    ``base`` (relative error about 2^i·2^-53 for the 2^i-th power), returned in complex64. Without autograd the
-    squares are written into one buffer."""
-    if torch.is_grad_enabled() and base.requires_grad:
-        powers = [base]
-        for _ in range(count - 1):
-            powers.append(powers[-1] * powers[-1])
-        return torch.stack(powers).to(torch.complex64)
-    powers = torch.empty(count, *base.shape, dtype=torch.complex64, device=base.device)
-    powers[0] = base
-    for index in range(1, count):  # one complex128 square at a time: no [count, ...] complex128 buffer
+    ``base`` (relative error about 2^i·2^-53 for the 2^i-th power), each rounded to complex64 as it is made."""
+    powers = [base.to(torch.complex64)]
+    for _ in range(count - 1):
         base = base * base
-        powers[index] = base
-    return powers
+        powers.append(base.to(torch.complex64))
+    return torch.stack(powers)
 
 
 def _geometric(first: torch.Tensor, ratio_powers, count: int, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -92,10 +85,10 @@ def _geometric(first: torch.Tensor, ratio_powers, count: int, out: torch.Tensor 
 
 #: Channels whose kernels are computed together on CPU (see `BidirectionalS4DConvolution.kernel`).
 KERNEL_CHANNEL_BLOCK = 32
-#: Channels whose kernel is recomputed together in the backward pass of a training step (any device), unless
-#: channels x modes x lags is at most TRAINING_KERNEL_ONE_BLOCK_SIZE (then all channels go in one block).
-TRAINING_KERNEL_CHANNEL_BLOCK = 64
-TRAINING_KERNEL_ONE_BLOCK_SIZE = 2**24
+#: In the backward pass of a training step the kernel is recomputed in blocks of channels of at most this many
+#: (channel, mode, lag) elements (any device): 64 channels at the released size and 4K tokens, one block for small
+#: models.
+TRAINING_KERNEL_BLOCK_ELEMENTS = 2**26
 
 
 class Float32ParametersModule(nn.Module):
@@ -221,17 +214,15 @@ class BidirectionalS4DConvolution(Float32ParametersModule):
         return spectrum
 
     def _recorded_circular_kernel(self, length: int) -> torch.Tensor:
-        """``circular_kernel(length)``; when autograd records it, it is computed in blocks of
-        ``TRAINING_KERNEL_CHANNEL_BLOCK`` channels (one block when channels x modes x lags is at most
-        ``TRAINING_KERNEL_ONE_BLOCK_SIZE``), each under activation checkpointing: the intermediates (the powers
+        """``circular_kernel(length)``; when autograd records it, it is computed in blocks of channels of at most
+        ``TRAINING_KERNEL_BLOCK_ELEMENTS`` (channel, mode, lag) elements (one block for small models, where each
+        checkpointed block costs time), each under activation checkpointing: the intermediates (the powers
         and partial sums of every chunk, several times the kernel's size) are not kept for the backward pass but
         recomputed there one block at a time. A training step then holds one [H, 2L] kernel per layer, plus one
         block's intermediates during the backward pass (at 4K tokens and the released size: about 1/12 of the 1 GB
         that all channels at once took)."""
         if torch.is_grad_enabled() and any(p.requires_grad for p in self._kernel_parameters()):
-            block = TRAINING_KERNEL_CHANNEL_BLOCK
-            if self.channels * self.modes * length <= TRAINING_KERNEL_ONE_BLOCK_SIZE:
-                block = self.channels  # small: one block (each checkpointed block costs time on small models)
+            block = max(1, TRAINING_KERNEL_BLOCK_ELEMENTS // (self.modes * length))
             blocks = [
                 torch.utils.checkpoint.checkpoint(self.circular_kernel, length, slice(first, first + block),
                                                   use_reentrant=False)
@@ -279,11 +270,7 @@ class BidirectionalS4DConvolution(Float32ParametersModule):
             else:
                 step = _square_powers(z[rows], max(1, step_count))[:step_count]
                 stride = _square_powers(_exp_complex128(dtA[rows] * chunk), max(1, stride_count))
-            if in_place:  # conjugate where the terms are
-                torch.view_as_real(step)[..., 1].neg_()
-            else:
-                step = torch.conj_physical(step)
-            return step[:, :, None, :], stride[:, :, None, None, :]
+            return torch.conj_physical(step)[:, :, None, :], stride[:, :, None, None, :]
 
         # on CPU without autograd, channels go in blocks whose terms (and ratios) stay in the caches
         block = KERNEL_CHANNEL_BLOCK if dtA.device.type == "cpu" and in_place else width
