@@ -65,6 +65,10 @@ def ffn_activation(config) -> tuple[bool, str]:
     act = "gelu_new" if config.feed_forward_proj == "gated-gelu" else parts[-1]
     if act not in ACT2FN:
         raise ValueError(f"`feed_forward_proj` names an unknown activation {parts[-1]!r}; known: {sorted(ACT2FN)}.")
+    if act == "gelu_new":
+        # T5's tanh GELU as one fused op (torch's gelu(approximate="tanh"), equal up to float rounding): autograd keeps
+        # its input only, where transformers' NewGELUActivation, written as five ops, keeps five [*, d_ff] tensors.
+        act = "gelu_pytorch_tanh"
     return is_gated, act
 
 
