@@ -151,3 +151,39 @@ def test_training_recomputes_the_kernel_in_backward_with_the_same_gradients(monk
     tolerance = {"atol": 0, "rtol": 0} if training_block >= 8 else {"atol": 1e-6, "rtol": 1e-5}
     for got, expected in zip(recomputed, kept):
         torch.testing.assert_close(got, expected, **tolerance)
+
+
+@pytest.mark.parametrize("length, fft_size, kernel_length", [(7, 14, 7), (7, 16, 8), (12, 24, 12)])
+def test_fft_convolution_backward_is_the_exact_adjoint(length, fft_size, kernel_length):
+    """The FFT convolution's own backward (x and the kernel spectrum kept) against finite differences, for the exact
+    2L size and the authors' power-of-two size, with a batch sharing one kernel; and its forward against the plain
+    FFT product."""
+    torch.manual_seed(0)
+    signal = torch.randn(3, 4, length, dtype=torch.float64, requires_grad=True)
+    kernel = torch.randn(4, kernel_length, dtype=torch.float64, requires_grad=True)
+    convolve = lambda x, k: ssm._FFTConvolution.apply(x, k, None, fft_size)  # noqa: E731
+    assert torch.autograd.gradcheck(convolve, (signal, kernel))
+    assert torch.autograd.gradcheck(lambda x: convolve(x, kernel.detach()), (signal,))
+    assert torch.autograd.gradcheck(lambda k: convolve(signal.detach(), k), (kernel,))
+    spectrum = torch.fft.rfft(kernel.detach(), n=fft_size)
+    assert torch.autograd.gradcheck(lambda x: ssm._FFTConvolution.apply(x, None, spectrum, fft_size), (signal,))
+    plain = torch.fft.irfft(torch.fft.rfft(signal, n=fft_size) * torch.fft.rfft(kernel, n=fft_size), n=fft_size)
+    torch.testing.assert_close(convolve(signal, kernel), plain[..., :length], atol=1e-12, rtol=0)
+
+
+def test_a_training_forward_keeps_only_the_input_and_the_kernel_spectrum():
+    """What autograd keeps for one convolution in training: its input, the kernel's spectrum and D; not the padded
+    input, the input's spectrum or the [H, 2L] kernel (those are recomputed in the backward pass)."""
+    torch.manual_seed(0)
+    conv = BidirectionalS4DConvolution(16, 8).train()
+    x = torch.randn(2, 64, 16, requires_grad=True)
+    kept = {}
+
+    def pack(tensor):
+        kept[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        conv(x)
+    spectrum_bytes = 16 * (64 + 1) * 8  # [H, L + 1] complex64
+    assert sum(kept.values()) == x.numel() * 4 + spectrum_bytes + 16 * 4

@@ -83,6 +83,42 @@ def _geometric(first: torch.Tensor, ratio_powers, count: int, out: torch.Tensor 
     return terms
 
 
+class _FFTConvolution(torch.autograd.Function):
+    """``y = irfft(rfft(x, n) · rfft(k, n), n)[..., :L]`` (circular convolution over n points, cut to x's L steps).
+
+    Autograd through the FFTs would keep the zero-padded x, its spectrum, the kernel and its spectrum (8 [B, H, L]
+    float tensors at n = 2L); this keeps x and the kernel's spectrum (3) and recomputes x's spectrum in the
+    backward pass. The adjoints are circular cross-correlations over the same n points: with G = rfft(∂y, n),
+    ∂x = irfft(G · conj(K), n)[..., :L] and ∂k = Σ_batch irfft(G · conj(X), n)[..., :len(k)].
+    Pass either the real kernel ``k [h, len(k)]`` (differentiable) or its precomputed ``spectrum`` (not).
+    """
+
+    @staticmethod
+    def forward(ctx, signal, kernel, spectrum, fft_size):
+        if spectrum is None:
+            spectrum = torch.fft.rfft(kernel, n=fft_size)
+        length = signal.shape[-1]
+        output = torch.fft.irfft(torch.fft.rfft(signal, n=fft_size) * spectrum, n=fft_size)[..., :length]
+        ctx.save_for_backward(signal, spectrum)
+        ctx.fft_size = fft_size
+        ctx.kernel_length = None if kernel is None else kernel.shape[-1]
+        return output
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        signal, spectrum = ctx.saved_tensors
+        fft_size, length = ctx.fft_size, signal.shape[-1]
+        grad_spectrum = torch.fft.rfft(grad_output, n=fft_size)
+        grad_signal = grad_kernel = None
+        if ctx.needs_input_grad[0]:
+            grad_signal = torch.fft.irfft(grad_spectrum * spectrum.conj(), n=fft_size)[..., :length]
+        if ctx.needs_input_grad[1]:
+            cross = grad_spectrum * torch.fft.rfft(signal, n=fft_size).conj()
+            cross = cross.sum(dim=tuple(range(cross.dim() - spectrum.dim())))  # the kernel is shared by the batch
+            grad_kernel = torch.fft.irfft(cross, n=fft_size)[..., :ctx.kernel_length]
+        return grad_signal, grad_kernel, None, None
+
+
 #: Channels whose kernels are computed together on CPU (see `BidirectionalS4DConvolution.kernel`).
 KERNEL_CHANNEL_BLOCK = 32
 #: In the backward pass of a training step the kernel is recomputed in blocks of channels of at most this many
@@ -188,6 +224,10 @@ class BidirectionalS4DConvolution(Float32ParametersModule):
             return False
         return not (torch.is_grad_enabled() and any(p.requires_grad for p in self._kernel_parameters()))
 
+    def _records_kernel_graph(self) -> bool:
+        """Whether autograd records the kernel (a training step of the SSM parameters)."""
+        return torch.is_grad_enabled() and any(p.requires_grad for p in self._kernel_parameters())
+
     def kernel_spectrum(self, length: int, fft_size: int) -> torch.Tensor:
         """``rfft(circular_kernel(length), n=fft_size)`` [H, fft_size//2 + 1], from the kernel cache when allowed."""
         if not self._cacheable():
@@ -221,7 +261,7 @@ class BidirectionalS4DConvolution(Float32ParametersModule):
         recomputed there one block at a time. A training step then holds one [H, 2L] kernel per layer, plus one
         block's intermediates during the backward pass (at 4K tokens and the released size: about 1/12 of the 1 GB
         that all channels at once took)."""
-        if torch.is_grad_enabled() and any(p.requires_grad for p in self._kernel_parameters()):
+        if self._records_kernel_graph():
             block = max(1, TRAINING_KERNEL_BLOCK_ELEMENTS // (self.modes * length))
             blocks = [
                 torch.utils.checkpoint.checkpoint(self.circular_kernel, length, slice(first, first + block),
@@ -343,9 +383,12 @@ class BidirectionalS4DConvolution(Float32ParametersModule):
         else:
             kernel_length, fft_size = length, 2 * length  # the period of the packed kernel: exact convolution
         spectrum_bytes = self.channels * (fft_size // 2 + 1) * 8  # complex64
-        if channels == slice(None) or (self._cacheable() and spectrum_bytes <= self.kernel_cache_bytes):
-            kernel_f = self.kernel_spectrum(kernel_length, fft_size)[channels]  # all channels, cached when allowed
-        else:  # a group of channels of a long input: computed for this group only
-            kernel_f = torch.fft.rfft(self.circular_kernel(kernel_length, channels), n=fft_size)
-        y = torch.fft.irfft(torch.fft.rfft(signal, n=fft_size) * kernel_f, n=fft_size)[..., :length]
+        if channels == slice(None) and self._records_kernel_graph():  # training: gradients flow into the kernel
+            y = _FFTConvolution.apply(signal, self._recorded_circular_kernel(kernel_length), None, fft_size)
+        else:
+            if channels == slice(None) or (self._cacheable() and spectrum_bytes <= self.kernel_cache_bytes):
+                kernel_f = self.kernel_spectrum(kernel_length, fft_size)[channels]  # all channels, cached when allowed
+            else:  # a group of channels of a long input: computed for this group only
+                kernel_f = torch.fft.rfft(self.circular_kernel(kernel_length, channels), n=fft_size)
+            y = _FFTConvolution.apply(signal, None, kernel_f, fft_size)
         return y + signal * self.D.float()[channels, None]
