@@ -102,3 +102,61 @@ def test_tuple_encoder_outputs_are_understood():
     assert as_encoder_output((last, extra)).hidden_states is None
     out = as_encoder_output((last, layers, extra))
     assert out.last_hidden_state is last and out.hidden_states is layers and out.attentions is None
+
+
+def _norm_reference(hidden_states, weight, eps):
+    """T5's RMSNorm as separate autograd ops (transformers' T5LayerNorm)."""
+    variance = hidden_states.to(torch.float32).pow(2).mean(-1, keepdim=True)
+    hidden_states = hidden_states * torch.rsqrt(variance + eps)
+    if weight.dtype in (torch.float16, torch.bfloat16):
+        hidden_states = hidden_states.to(weight.dtype)
+    return weight * hidden_states
+
+
+@pytest.mark.parametrize("input_dtype, weight_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                                       (torch.bfloat16, torch.float32)])
+def test_norm_and_gated_gelu_backward_keep_less_and_give_the_same_gradients(input_dtype, weight_dtype):
+    """The RMSNorm and gated tanh-GELU autograd functions (fewer tensors kept for the backward pass) give the
+    outputs and gradients of the same formulas written as separate autograd ops."""
+    from longreach.modeling.t5_blocks import T5LayerNorm, _GatedTanhGELU
+
+    torch.manual_seed(0)
+    norm = T5LayerNorm(16).to(weight_dtype)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+    x = (torch.randn(2, 5, 16) * 3).to(input_dtype).requires_grad_()
+    reference_weight = norm.weight.detach().clone().requires_grad_()
+    x_reference = x.detach().clone().requires_grad_()
+    kept = {}
+
+    def pack(tensor):
+        kept[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        out = norm(x)  # keeps x, 1/rms [2, 5, 1] float32 and the weight
+    assert sum(kept.values()) == x.numel() * x.element_size() + 10 * 4 + 16 * norm.weight.element_size()
+    expected = _norm_reference(x_reference, reference_weight, norm.variance_epsilon)
+    grad = torch.randn_like(expected)
+    out.backward(grad)
+    expected.backward(grad)
+    assert out.dtype == expected.dtype and x.grad.dtype == x_reference.grad.dtype
+    tolerance = {"atol": 1e-5, "rtol": 1e-5} if input_dtype == weight_dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
+    torch.testing.assert_close(out, expected, atol=0, rtol=0)
+    torch.testing.assert_close(x.grad, x_reference.grad, **tolerance)
+    torch.testing.assert_close(norm.weight.grad, reference_weight.grad, **tolerance)
+
+    gate, value = (torch.randn(2, 5, 32) * 3).to(input_dtype), torch.randn(2, 5, 32).to(input_dtype)
+    gate, value = gate.requires_grad_(), value.requires_grad_()
+    gate_reference, value_reference = gate.detach().clone().requires_grad_(), value.detach().clone().requires_grad_()
+    kept.clear()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        out = _GatedTanhGELU.apply(gate, value)  # keeps gate and value, not the activation
+    assert sum(kept.values()) == 2 * gate.numel() * gate.element_size()
+    expected = torch.nn.functional.gelu(gate_reference, approximate="tanh") * value_reference
+    grad = torch.randn_like(expected)
+    out.backward(grad)
+    expected.backward(grad)
+    torch.testing.assert_close(out, expected, atol=0, rtol=0)
+    torch.testing.assert_close(gate.grad, gate_reference.grad, atol=0, rtol=0)
+    torch.testing.assert_close(value.grad, value_reference.grad, atol=0, rtol=0)

@@ -20,7 +20,7 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
-from transformers.activations import ACT2FN
+from transformers.activations import ACT2FN, GELUTanh
 from transformers.cache_utils import Cache, DynamicCache, EncoderDecoderCache
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import (
@@ -38,8 +38,50 @@ from .input_checks import cache_field, cache_of, check_token_ids, cut_to_length,
 # ---------------------------------------------------------------------------------------------------------------------
 
 
+class _RMSNormFunction(torch.autograd.Function):
+    """T5's RMSNorm (see `T5LayerNorm`) whose backward keeps the input and 1/rms, not the normalised input too.
+
+    With n = x·r, r = 1/sqrt(mean(x²) + eps) and y = w·n: ∂w = Σ ∂y·n and ∂x = r·(g − n·mean(g·n)), g = ∂y·w.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden_states, weight, eps):
+        inverse_rms = torch.rsqrt(hidden_states.to(torch.float32).pow(2).mean(-1, keepdim=True) + eps)
+        ctx.save_for_backward(hidden_states, inverse_rms, weight)
+        return weight * _normalized(hidden_states, inverse_rms, weight)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_output):
+        hidden_states, inverse_rms, weight = ctx.saved_tensors
+        normalized = hidden_states.to(torch.float32) * inverse_rms
+        grad_input = grad_weight = None
+        if ctx.needs_input_grad[1]:
+            products = grad_output * normalized.to(_normalized_dtype(hidden_states, weight))
+            grad_weight = products.reshape(-1, products.shape[-1]).sum(0).to(weight.dtype)
+        if ctx.needs_input_grad[0]:
+            grad_normalized = (grad_output * weight).to(torch.float32)
+            mean = (grad_normalized * normalized).mean(-1, keepdim=True)
+            grad_input = (inverse_rms * (grad_normalized - normalized * mean)).to(hidden_states.dtype)
+        return grad_input, grad_weight, None
+
+
+def _normalized_dtype(hidden_states: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+    if weight.dtype in (torch.float16, torch.bfloat16):
+        return weight.dtype
+    return torch.promote_types(hidden_states.dtype, torch.float32)
+
+
+def _normalized(hidden_states: torch.Tensor, inverse_rms: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x·r in float32 (or wider), cast to the weight's dtype when that is half precision (as T5)."""
+    return (hidden_states * inverse_rms).to(_normalized_dtype(hidden_states, weight))
+
+
 class T5LayerNorm(nn.Module):
-    """RMSNorm: ``y = weight * x / sqrt(mean(x**2) + eps)``; variance in float32, no mean subtraction, no bias."""
+    """RMSNorm: ``y = weight * x / sqrt(mean(x**2) + eps)``; variance in float32, no mean subtraction, no bias.
+
+    When autograd records, it runs as one function that keeps x and 1/rms for the backward pass (one tensor of x's
+    size per norm less than the same formula as separate ops)."""
 
     def __init__(self, hidden_size: int, eps: float = 1e-6):
         super().__init__()
@@ -47,11 +89,10 @@ class T5LayerNorm(nn.Module):
         self.variance_epsilon = eps
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        if torch.is_grad_enabled() and (hidden_states.requires_grad or self.weight.requires_grad):
+            return _RMSNormFunction.apply(hidden_states, self.weight, self.variance_epsilon)
         variance = hidden_states.to(torch.float32).pow(2).mean(-1, keepdim=True)
-        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
-        if self.weight.dtype in (torch.float16, torch.bfloat16):
-            hidden_states = hidden_states.to(self.weight.dtype)
-        return self.weight * hidden_states
+        return self.weight * _normalized(hidden_states, torch.rsqrt(variance + self.variance_epsilon), self.weight)
 
 
 def ffn_activation(config) -> tuple[bool, str]:
@@ -96,6 +137,27 @@ class T5DenseActDense(nn.Module):
         return self.wo(_to_weight_dtype(hidden_states, self.wo))
 
 
+class _GatedTanhGELU(torch.autograd.Function):
+    """``gelu_tanh(gate) * value`` keeping gate and value for the backward pass, where the activation is recomputed
+    (autograd would keep the activation's output too: one [*, d_ff] tensor more per feed-forward)."""
+
+    @staticmethod
+    def forward(ctx, gate, value):
+        ctx.save_for_backward(gate, value)
+        return nn.functional.gelu(gate, approximate="tanh") * value
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_output):
+        gate, value = ctx.saved_tensors
+        grad_gate = grad_value = None
+        if ctx.needs_input_grad[0]:
+            grad_gate = torch.ops.aten.gelu_backward(grad_output * value, gate, approximate="tanh")
+        if ctx.needs_input_grad[1]:
+            grad_value = grad_output * nn.functional.gelu(gate, approximate="tanh")
+        return grad_gate, grad_value
+
+
 class T5DenseGatedActDense(nn.Module):
     """``wo(dropout(act(wi_0 x) * wi_1 x))`` (T5 v1.1, gated-GELU with the tanh GELU)."""
 
@@ -111,7 +173,10 @@ class T5DenseGatedActDense(nn.Module):
         self.act = ACT2FN[activation]
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        hidden_states = self.act(self.wi_0(hidden_states)) * self.wi_1(hidden_states)
+        if isinstance(self.act, GELUTanh) and torch.is_grad_enabled():
+            hidden_states = _GatedTanhGELU.apply(self.wi_0(hidden_states), self.wi_1(hidden_states))
+        else:
+            hidden_states = self.act(self.wi_0(hidden_states)) * self.wi_1(hidden_states)
         hidden_states = self.dropout(hidden_states)
         return self.wo(_to_weight_dtype(hidden_states, self.wo))
 
