@@ -160,3 +160,42 @@ def test_norm_and_gated_gelu_backward_keep_less_and_give_the_same_gradients(inpu
     torch.testing.assert_close(out, expected, atol=0, rtol=0)
     torch.testing.assert_close(gate.grad, gate_reference.grad, atol=0, rtol=0)
     torch.testing.assert_close(value.grad, value_reference.grad, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("implementation", ["eager", "sdpa"])
+def test_attention_with_dropout_is_recomputed_in_backward_with_the_same_gradients(monkeypatch, implementation):
+    """In training with attention dropout on CPU, the attention weights are not kept for the backward pass but
+    recomputed there with the same dropout mask: same loss and gradients as keeping them, less memory kept."""
+    import longreach.modeling.t5_blocks as t5_blocks
+
+    config = T5Config(vocab_size=99, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2, num_heads=4,
+                      feed_forward_proj="gated-gelu", decoder_start_token_id=0, dropout_rate=0.2)
+    config._attn_implementation = implementation
+    torch.manual_seed(0)
+    model = BlocksT5ForConditionalGeneration(config).train()
+    input_ids, attention_mask = _batch()
+    labels = torch.randint(2, 99, (3, 6))
+
+    def step():
+        kept = {}
+
+        def pack(tensor):
+            kept[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+            return tensor
+
+        model.zero_grad()
+        torch.manual_seed(1)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            loss = model(input_ids, attention_mask=attention_mask, labels=labels).loss
+        loss.backward()
+        return loss.detach(), [p.grad.clone() for p in model.parameters()], sum(kept.values())
+
+    loss, grads, kept_bytes = step()
+    monkeypatch.setattr(t5_blocks.torch.utils.checkpoint, "checkpoint",
+                        lambda function, *args, **kwargs: function(*args))  # keep everything
+    kept_loss, kept_grads, all_bytes = step()
+    torch.testing.assert_close(loss, kept_loss, atol=0, rtol=0)
+    for got, expected in zip(grads, kept_grads):
+        torch.testing.assert_close(got, expected, atol=0, rtol=0)
+    weights_bytes = 3 * 4 * (17 * 17 + 6 * 6 + 6 * 17) * 4  # per layer: batch 3, 4 heads, one weights tensor
+    assert kept_bytes <= all_bytes - 2 * weights_bytes, (kept_bytes, all_bytes, weights_bytes)  # at least the weights and the dropout mask of each layer

@@ -19,6 +19,7 @@ import math
 from collections.abc import Callable
 
 import torch
+import torch.utils.checkpoint
 from torch import nn
 from transformers.activations import ACT2FN, GELUTanh
 from transformers.cache_utils import Cache, DynamicCache, EncoderDecoderCache
@@ -429,16 +430,21 @@ class T5Attention(nn.Module):
         attention: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager_attention_forward)
         if attention_bias is not None:
             attention_bias = attention_bias.to(query.dtype)
-        output, weights = attention(
-            self,
-            query,
-            key,
-            value,
-            attention_bias,
-            dropout=self.dropout if self.training else 0.0,
-            scaling=self.scaling,
-            is_causal=False,  # causality is inside attention_bias
-        )
+        dropout = self.dropout if self.training else 0.0
+        arguments = (self, query, key, value, attention_bias)
+        options = {"dropout": dropout, "scaling": self.scaling, "is_causal": False}  # causality is in the bias
+        if (dropout > 0 and not output_attentions and torch.is_grad_enabled()
+                and (implementation == "eager" or query.device.type == "cpu")):
+            # Selective recomputation (Megatron-LM's "selective activation recomputation"): where the attention keeps
+            # [batch, heads, Lq, Lk] tensors for the backward pass (eager always; sdpa on CPU with dropout, which
+            # falls back to its math path: scores, dropout mask and dropped weights), keep q, k, v and the bias
+            # instead and recompute the rest there, with the same dropout mask (the RNG state is replayed). At 16K
+            # encoder tokens that is ~600 MB per decoder layer's cross-attention for 256 target tokens.
+            output, weights = torch.utils.checkpoint.checkpoint(
+                lambda *tensors: attention(*arguments[:1], *tensors, **options), *arguments[1:], use_reentrant=False
+            )
+        else:
+            output, weights = attention(*arguments, **options)
         output = self.o(output.reshape(*hidden_states.shape[:-1], self.inner_dim).contiguous())
         return output, (weights if output_attentions else None)
 
