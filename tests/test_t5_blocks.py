@@ -199,3 +199,23 @@ def test_attention_with_dropout_is_recomputed_in_backward_with_the_same_gradient
         torch.testing.assert_close(got, expected, atol=0, rtol=0)
     weights_bytes = 3 * 4 * (17 * 17 + 6 * 6 + 6 * 17) * 4  # per layer: batch 3, 4 heads, one weights tensor
     assert kept_bytes <= all_bytes - 2 * weights_bytes, (kept_bytes, all_bytes, weights_bytes)  # at least the weights and the dropout mask of each layer
+
+
+def test_dropout_keeps_a_bool_mask_and_equals_torch_dropout_bit_for_bit():
+    from longreach.modeling.t5_blocks import Dropout
+
+    ours, theirs = Dropout(0.3).train(), torch.nn.Dropout(0.3).train()
+    x = torch.randn(4, 33, 40, requires_grad=True)
+    x_reference = x.detach().clone().requires_grad_()
+    kept = []
+    torch.manual_seed(5)
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(t.dtype) or t, lambda t: t):
+        out = ours(x)
+    torch.manual_seed(5)
+    expected = theirs(x_reference)
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    expected.backward(grad)
+    assert kept == [torch.bool]
+    assert torch.equal(out, expected) and torch.equal(x.grad, x_reference.grad)
+    assert torch.equal(ours.eval()(x), x)

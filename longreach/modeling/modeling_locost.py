@@ -28,6 +28,7 @@ from .input_checks import check_mask, check_rows_not_empty, check_token_ids, rej
 from .remote_code import HubReadyMixin
 from .ssm import BidirectionalS4DConvolution
 from .t5_blocks import (
+    Dropout,
     T5DecoderStack,
     T5LayerFF,
     T5LayerNorm,
@@ -82,7 +83,7 @@ class LocostLayerSSM(nn.Module):
         super().__init__()
         self.layer_norm = T5LayerNorm(config.d_model, eps=config.layer_norm_epsilon)
         self.ssm = LocostGatedSSM(config)
-        self.dropout = nn.Dropout(config.dropout_rate)
+        self.dropout = Dropout(config.dropout_rate)
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         return hidden_states + self.dropout(self.ssm(self.layer_norm(hidden_states), attention_mask))
@@ -135,7 +136,7 @@ class LocostEncoder(nn.Module):
         self.embed_tokens = embed_tokens
         self.block = nn.ModuleList([LocostEncoderBlock(config) for _ in range(config.num_layers)])
         self.final_layer_norm = T5LayerNorm(config.d_model, eps=config.layer_norm_epsilon)
-        self.dropout = nn.Dropout(config.dropout_rate)
+        self.dropout = Dropout(config.dropout_rate)
         self.chunk_length = config.encoder_chunk_length
 
     def forward(

@@ -44,6 +44,7 @@ from ..configuration.configuration_vcc_t5 import VCCT5Config
 from .input_checks import check_mask, check_rows_not_empty, check_token_ids, cut_to_length, describe, pad_right, reject_head_masks, take_cache_argument
 from .remote_code import HubReadyMixin
 from .t5_blocks import (
+    Dropout,
     T5Block,
     T5DecoderStack,
     T5LayerNorm,
@@ -242,7 +243,7 @@ class VCCT5Encoder(nn.Module):
         for block in self.block[config.num_vanilla_layers:]:
             block.layer[0].SelfAttention.dropout = 0.0  # spec §5: no attention-probability dropout in VCC layers
         self.final_layer_norm = T5LayerNorm(config.d_model, eps=config.layer_norm_epsilon)
-        self.dropout = nn.Dropout(config.dropout_rate)
+        self.dropout = Dropout(config.dropout_rate)
 
     def relative_bias(self, query_positions: torch.Tensor, key_positions: torch.Tensor, max_position: int) -> torch.Tensor:
         """T5's bidirectional relative position bias from the shared table, `[B or 1, heads, Lq, Lk]`, for positions

@@ -96,6 +96,35 @@ class T5LayerNorm(nn.Module):
         return self.weight * _normalized(hidden_states, torch.rsqrt(variance + self.variance_epsilon), self.weight)
 
 
+class _BoolMaskDropout(torch.autograd.Function):
+    """``x · mask / (1 − p)`` keeping the mask as bool for the backward pass. torch's CPU dropout computes the same
+    values from the same random draws (bit for bit) but keeps the mask as a float tensor, 4 bytes per element."""
+
+    @staticmethod
+    def forward(ctx, hidden_states, p):
+        mask = torch.empty_like(hidden_states, dtype=torch.bool).bernoulli_(1 - p)
+        ctx.save_for_backward(mask)
+        ctx.p = p
+        return hidden_states * mask.to(hidden_states.dtype).div_(1 - p)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_output):
+        (mask,) = ctx.saved_tensors
+        return grad_output * mask.to(grad_output.dtype).div_(1 - ctx.p), None
+
+
+class Dropout(nn.Dropout):
+    """``nn.Dropout``; in CPU training it keeps a bool mask for the backward pass instead of torch's float one (the
+    same outputs and gradients, bit for bit; on accelerators torch's fused dropout already keeps a bool mask)."""
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        if (self.training and 0 < self.p < 1 and not self.inplace and hidden_states.device.type == "cpu"
+                and torch.is_grad_enabled() and hidden_states.requires_grad):
+            return _BoolMaskDropout.apply(hidden_states, self.p)
+        return super().forward(hidden_states)
+
+
 def ffn_activation(config) -> tuple[bool, str]:
     """``(is_gated, activation name)`` from T5's ``feed_forward_proj`` ("relu", "gated-gelu", "gated-silu", ...)."""
     parts = config.feed_forward_proj.split("-")
@@ -130,7 +159,7 @@ class T5DenseActDense(nn.Module):
         self.wo = nn.Linear(config.d_ff, config.d_model, bias=False)
         _set_t5_init_std(self.wi, config.d_model**-0.5)
         _set_t5_init_std(self.wo, config.d_ff**-0.5)
-        self.dropout = nn.Dropout(config.dropout_rate)
+        self.dropout = Dropout(config.dropout_rate)
         self.act = ACT2FN[activation]
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -170,7 +199,7 @@ class T5DenseGatedActDense(nn.Module):
         _set_t5_init_std(self.wi_0, config.d_model**-0.5)
         _set_t5_init_std(self.wi_1, config.d_model**-0.5)
         _set_t5_init_std(self.wo, config.d_ff**-0.5)
-        self.dropout = nn.Dropout(config.dropout_rate)
+        self.dropout = Dropout(config.dropout_rate)
         self.act = ACT2FN[activation]
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -191,7 +220,7 @@ class T5LayerFF(nn.Module):
         dense_class = T5DenseGatedActDense if is_gated else T5DenseActDense
         self.DenseReluDense = dense_class(config, activation)
         self.layer_norm = T5LayerNorm(config.d_model, eps=config.layer_norm_epsilon)
-        self.dropout = nn.Dropout(config.dropout_rate)
+        self.dropout = Dropout(config.dropout_rate)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return hidden_states + self.dropout(self.DenseReluDense(self.layer_norm(hidden_states)))
@@ -457,7 +486,7 @@ class T5LayerSelfAttention(nn.Module):
             config, has_relative_attention_bias, bidirectional=not is_decoder, layer_idx=layer_idx, is_causal=is_decoder
         )
         self.layer_norm = T5LayerNorm(config.d_model, eps=config.layer_norm_epsilon)
-        self.dropout = nn.Dropout(config.dropout_rate)
+        self.dropout = Dropout(config.dropout_rate)
 
     def forward(self, hidden_states, attention_bias=None, past_key_values=None, output_attentions=False):
         output, weights = self.SelfAttention(
@@ -472,7 +501,7 @@ class T5LayerCrossAttention(nn.Module):
         super().__init__()
         self.EncDecAttention = T5Attention(config, has_relative_attention_bias=False, layer_idx=layer_idx)
         self.layer_norm = T5LayerNorm(config.d_model, eps=config.layer_norm_epsilon)
-        self.dropout = nn.Dropout(config.dropout_rate)
+        self.dropout = Dropout(config.dropout_rate)
 
     def forward(self, hidden_states, key_value_states, attention_bias=None, past_key_values=None,
                 output_attentions=False):
@@ -573,7 +602,7 @@ class T5EncoderStack(nn.Module):
             [T5Block(config, has_relative_attention_bias=(i == 0), layer_idx=i) for i in range(config.num_layers)]
         )
         self.final_layer_norm = T5LayerNorm(config.d_model, eps=config.layer_norm_epsilon)
-        self.dropout = nn.Dropout(config.dropout_rate)
+        self.dropout = Dropout(config.dropout_rate)
 
     def forward(self, input_ids=None, attention_mask=None, inputs_embeds=None, output_attentions=False,
                 output_hidden_states=False, return_dict=True, **kwargs) -> BaseModelOutput:
@@ -620,7 +649,7 @@ class T5DecoderStack(nn.Module):
             ]
         )
         self.final_layer_norm = T5LayerNorm(config.d_model, eps=config.layer_norm_epsilon)
-        self.dropout = nn.Dropout(config.dropout_rate)
+        self.dropout = Dropout(config.dropout_rate)
 
     def forward(
         self,
