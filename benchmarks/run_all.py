@@ -12,9 +12,9 @@ LED with the same widths and a 512-token window), random weights (cost does not 
 * ``scale``: LOCOST alone, encode at ``--scale_lengths`` (default 100K to 1M tokens, the long-input path).
 
 Each cell runs in its own Python process. It reports the median time of ``--repeats`` runs after one counted warm-up
-run, the peak memory *above the weights* (CUDA: peak allocated minus allocated before the first run; CPU: the peak
-RSS of the process since just before the first run, Linux ``VmHWM`` reset through ``/proc/self/clear_refs``, minus
-the RSS then), the matmul FLOPs of one run (``torch.utils.flop_counter``: matmuls, convolutions and attention; FFTs
+run, the peak tensor memory *above the weights* allocated during the first run (CUDA: the allocator's peak; CPU: the
+running total that torch's CPU allocator reports to the profiler; see ``peak_tensor_bytes``; the process's peak RSS
+is kept in the cells too), the matmul FLOPs of one run (``torch.utils.flop_counter``: matmuls, convolutions and attention; FFTs
 and elementwise work not counted), the achieved GFLOP/s and, measured in the same process, the GFLOP/s of plain square
 matmuls of the same FLOPs (the roofline). LOCOST cells also time the layer-0 SSM kernel against the matmul of its own
 multiply-adds. Ratios in the report come from cells of the same run.
@@ -116,6 +116,47 @@ def reset_peak_rss() -> bool:
         return False
 
 
+def peak_tensor_bytes(run, device) -> tuple[int | None, str, int | None]:
+    """``(peak tensor bytes allocated during run() above those allocated before it, how it was measured, peak RSS
+    above the RSS before it)``.
+
+    CUDA: the caching allocator's statistics. CPU: the running total of allocated bytes that torch's CPU allocator
+    reports to the profiler (``profile_memory=True``) with every allocation and free, the CPU counterpart of
+    ``max_memory_allocated`` (frees of tensors allocated before the run are not counted, which can only overstate
+    the peak). The process's peak RSS (Linux ``VmHWM`` reset through ``/proc/self/clear_refs``) is kept beside it:
+    it is what the machine must have, but glibc keeps freed heap memory and its fragmentation depends on the order of
+    allocations, so at 2K tokens a LOCOST training step with checkpointing had a tensor peak of 1.1 GB and an RSS peak
+    of 3.6 to 4.8 GB from run to run of the same code: not a measure to compare models by.
+    """
+    import torch
+
+    rss_reset = device.type == "cpu" and reset_peak_rss()
+    rss_before = rss_bytes() if rss_reset else None
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        run()
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - before, "cuda max_memory_allocated", None
+    if device.type != "cpu":
+        run()
+        return None, "unavailable", None
+    from torch._C._profiler import _EventType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as profiler:
+        run()
+    rss_above = rss_bytes("VmHWM") - rss_before if rss_before is not None else None
+    nodes, peak = list(profiler.profiler.kineto_results.experimental_event_tree()), 0
+    while nodes:
+        node = nodes.pop()
+        nodes.extend(node.children)
+        if node.tag == _EventType.Allocation and str(node.extra_fields.device) == "cpu":
+            peak = max(peak, node.extra_fields.total_allocated)
+    return peak, "cpu allocator total (profiler)", rss_above
+
+
 def matmul_seconds(flops: float, dtype, device, size: int = 1024) -> float:
     """Time of plain [size, size] @ [size, size] matmuls, scaled to ``flops``."""
     import torch
@@ -206,21 +247,9 @@ def run_cell(cell: dict) -> dict:
         raise ValueError(f"`task` must be one of {TASKS + ['scale']}, got {task!r}.")
 
     gc.collect()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        baseline = torch.cuda.memory_allocated()
-    else:
-        peak_reset = reset_peak_rss()
-        baseline = rss_bytes()
-    run()  # the warm-up run: also the memory run (not under the FLOP counter, which keeps tensors alive and so
-    synchronize(device)  # inflated the peak of gradient-checkpointed steps, e.g. 1.9 -> 4.1 GB)
-    if device.type == "cuda":
-        peak_above = torch.cuda.max_memory_allocated() - baseline
-        memory_method = "cuda max_memory_allocated"
-    else:
-        peak_above = (rss_bytes("VmHWM") - baseline) if peak_reset and baseline is not None else None
-        memory_method = "VmHWM after clear_refs" if peak_above is not None else "unavailable"
+    # the warm-up run is also the memory run (not under the FLOP counter, which keeps tensors alive and so inflated
+    # the peak of gradient-checkpointed steps, e.g. 1.9 -> 4.1 GB)
+    peak_above, memory_method, rss_above = peak_tensor_bytes(run, device)
     counter = FlopCounterMode(display=False)
     with counter:  # one more run to count the FLOPs
         run()
@@ -238,6 +267,7 @@ def run_cell(cell: dict) -> dict:
         "seconds_all": times,
         "peak_memory_above_weights_bytes": peak_above,
         "memory_method": memory_method,
+        "peak_rss_above_start_bytes": rss_above,
         "parameter_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
         "flops": flops,
         "threads_used": torch.get_num_threads(),
@@ -329,7 +359,7 @@ def markdown(cells: list[dict]) -> str:
     for task in [t for t in TASKS + ["scale"] if any(c["task"] == t for c in cells)]:
         models = [m for m in MODELS if any(c["model"] == m and c["task"] == task for c in cells)]
         lines += [f"### {task}", "",
-                  "| tokens | model | time (s) | peak above weights (MiB) | GFLOP/s | matmul GFLOP/s | "
+                  "| tokens | model | time (s) | peak tensor memory above weights (MiB) | GFLOP/s | matmul GFLOP/s | "
                   "time / LOCOST | memory / LOCOST |",
                   "| --- | --- | --- | --- | --- | --- | --- | --- |"]
         for length in sorted({c["length"] for c in cells if c["task"] == task}):
@@ -345,7 +375,7 @@ def markdown(cells: list[dict]) -> str:
                 if model != "locost" and locost and "error" not in locost:
                     ratio_time = f"{cell['seconds'] / locost['seconds']:.2f}"
                     memory, locost_memory = (c["peak_memory_above_weights_bytes"] for c in (cell, locost))
-                    if memory and locost_memory:
+                    if memory and locost_memory and cell.get("memory_method") == locost.get("memory_method"):
                         ratio_memory = f"{memory / locost_memory:.2f}"
                 gflops = f"{cell['gflops']:.1f}" if "gflops" in cell else "-"
                 roofline = f"{cell['matmul_gflops']:.1f}" if "matmul_gflops" in cell else "-"
