@@ -14,7 +14,7 @@ LED with the same widths and a 512-token window), random weights (cost does not 
 Each cell runs in its own Python process. It reports the median time of ``--repeats`` runs after one counted warm-up
 run, the peak tensor memory *above the weights* allocated during the first run (CUDA: the allocator's peak; CPU: the
 running total that torch's CPU allocator reports to the profiler; see ``peak_tensor_bytes``; the process's peak RSS
-is kept in the cells too), the matmul FLOPs of one run (``torch.utils.flop_counter``: matmuls, convolutions and attention; FFTs
+is kept in the cells too), the matmul FLOPs of one run counted in another process (``torch.utils.flop_counter``: matmuls, convolutions and attention; FFTs
 and elementwise work not counted), the achieved GFLOP/s and, measured in the same process, the GFLOP/s of plain square
 matmuls of the same FLOPs (the roofline). LOCOST cells also time the layer-0 SSM kernel against the matmul of its own
 multiply-adds. Ratios in the report come from cells of the same run.
@@ -247,13 +247,15 @@ def run_cell(cell: dict) -> dict:
         raise ValueError(f"`task` must be one of {TASKS + ['scale']}, got {task!r}.")
 
     gc.collect()
-    # the warm-up run is also the memory run (not under the FLOP counter, which keeps tensors alive and so inflated
-    # the peak of gradient-checkpointed steps, e.g. 1.9 -> 4.1 GB)
+    if cell.get("count_flops"):
+        # a process of its own (see run_counted_cell): the counter keeps tensors alive (a checkpointed step's peak
+        # went from 1.9 to 4.1 GB), which ran LongT5 with transient-global attention out of memory at 16K tokens
+        counter = FlopCounterMode(display=False)
+        with counter:
+            run()
+        return {"flops": counter.get_total_flops()}
+    # the warm-up run is also the memory run
     peak_above, memory_method, rss_above = peak_tensor_bytes(run, device)
-    counter = FlopCounterMode(display=False)
-    with counter:  # one more run to count the FLOPs
-        run()
-    flops = counter.get_total_flops()
     times = []
     for _ in range(cell["repeats"]):
         start = time.perf_counter()
@@ -269,13 +271,10 @@ def run_cell(cell: dict) -> dict:
         "memory_method": memory_method,
         "peak_rss_above_start_bytes": rss_above,
         "parameter_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
-        "flops": flops,
         "threads_used": torch.get_num_threads(),
+        # the roofline, in this process: GFLOP/s of plain [1024, 1024] matmuls
+        "matmul_gflops": 20 * 2 * 1024**3 / matmul_seconds(20 * 2 * 1024**3, dtype, device) / 1e9,  # 20 matmuls
     }
-    if flops:
-        matmul = matmul_seconds(flops, dtype, device)
-        result.update(gflops=flops / seconds / 1e9, matmul_gflops=flops / matmul / 1e9,
-                      fraction_of_matmul=matmul / seconds)
     if cell["model"] == "locost" and task == "encode":
         result.update(kernel_versus_matmul(model, length, device=device, dtype=dtype))
     return result
@@ -314,6 +313,23 @@ def run_in_subprocess(cell: dict, timeout: int) -> dict:
         lines = (result.stderr or result.stdout).strip().splitlines()
         return {**cell, "error": f"exit {result.returncode}: {lines[-1] if lines else 'killed (out of memory?)'}"}
     return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def run_counted_cell(cell: dict, timeout: int) -> dict:
+    """The cell's time and memory (one process), then its matmul FLOPs (``torch.utils.flop_counter``, another
+    process, so that a count that runs out of memory loses only the FLOP figures) and the achieved GFLOP/s."""
+    result = run_in_subprocess(cell, timeout)
+    if "error" in result:
+        return result
+    counted = run_in_subprocess({**cell, "count_flops": True}, timeout)
+    if "error" in counted:
+        return {**result, "flops_error": counted["error"]}
+    flops = counted["flops"]
+    result.update(flops=flops)
+    if flops:
+        gflops = flops / result["seconds"] / 1e9
+        result.update(gflops=gflops, fraction_of_matmul=gflops / result["matmul_gflops"])
+    return result
 
 
 def locost_cells(args) -> list[dict]:
@@ -480,7 +496,7 @@ def main(argv=None) -> Path:
         for cell in locost_cells(args):
             if cell_key(cell) in done:
                 continue
-            result = run_in_subprocess(cell, args.timeout)
+            result = run_counted_cell(cell, args.timeout)
             append_cell(results, result)
             print(json.dumps(result), flush=True)
     sections = [f"# Benchmarks\n\n{platform.platform()}, {platform.processor() or platform.machine()}, "
