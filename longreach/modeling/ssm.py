@@ -28,6 +28,11 @@ channels, and (without autograd) no tensor larger than O(32·N/2·√L) besides 
 squarings. At the released size on one idle CPU thread the kernel takes about 40 ms at 1K lags, 100 ms at 4K and
 400 ms at 16K against 16, 64 and 259 ms for a plain matmul of its multiply-adds (``benchmarks/run_all.py`` measures
 the ratio); at 1K about half of it is that matmul and the rest the elementwise work and per-block overhead.
+
+Training memory: the convolution is one autograd function (``_FFTConvolution``) that keeps its input and the
+kernel's spectrum for the backward pass (autograd through the FFTs kept the padded input, both spectra and the
+[H, 2L] kernel), and the kernel's own intermediates are recomputed there in blocks of channels
+(``_recorded_circular_kernel``).
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ from collections.abc import Callable
 import torch
 import torch.utils.checkpoint
 from torch import nn
-from transformers.activations import ACT2FN, GELUTanh
+from transformers.activations import ACT2FN
 from transformers.cache_utils import Cache, DynamicCache, EncoderDecoderCache
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import (
@@ -201,9 +201,10 @@ class T5DenseGatedActDense(nn.Module):
         _set_t5_init_std(self.wo, config.d_ff**-0.5)
         self.dropout = Dropout(config.dropout_rate)
         self.act = ACT2FN[activation]
+        self._tanh_gelu = activation == "gelu_pytorch_tanh"
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        if isinstance(self.act, GELUTanh) and torch.is_grad_enabled():
+        if self._tanh_gelu and torch.is_grad_enabled():
             hidden_states = _GatedTanhGELU.apply(self.wi_0(hidden_states), self.wi_1(hidden_states))
         else:
             hidden_states = self.act(self.wi_0(hidden_states)) * self.wi_1(hidden_states)
