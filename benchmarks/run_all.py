@@ -321,6 +321,8 @@ def run_counted_cell(cell: dict, timeout: int) -> dict:
     result = run_in_subprocess(cell, timeout)
     if "error" in result:
         return result
+    if cell.get("skip_flops"):
+        return result
     counted = run_in_subprocess({**cell, "count_flops": True}, timeout)
     if "error" in counted:
         return {**result, "flops_error": counted["error"]}
@@ -334,7 +336,7 @@ def run_counted_cell(cell: dict, timeout: int) -> dict:
 
 def locost_cells(args) -> list[dict]:
     common = dict(suite="locost", device=args.device, dtype=args.dtype, quick=args.quick, repeats=args.repeats,
-                  threads=args.threads)
+                  threads=args.threads, **({"skip_flops": True} if args.skip_flops else {}))
     cells = [dict(common, model=model, task=task, length=length)
              for task in args.tasks if task != "scale" for length in args.lengths for model in args.models]
     if "scale" in args.tasks and "locost" in args.models:
@@ -464,6 +466,8 @@ def parse_args(argv=None):
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
     parser.add_argument("--quick", action="store_true", help="Tiny models and lengths: a smoke run.")
     parser.add_argument("--fresh", action="store_true", help="Forget earlier cells in --out.")
+    parser.add_argument("--skip_flops", action="store_true",
+                        help="Do not count FLOPs (one more run per cell, in its own process): no GFLOP/s.")
     parser.add_argument("--report_only", action="store_true",
                         help="Run nothing: rewrite the report and plots from every cell already in --out (cells of "
                              "several runs, e.g. lengths or tasks run separately).")
