@@ -27,14 +27,18 @@ What it does, end to end, with no network and no argument:
 The result depends only on the Python version and the installed distributions (and the thread count, through
 floating-point summation order); on one machine, two runs give the same numbers.
 
-Measured on an idle 2-core CPU machine (Python 3.11, torch 2.13 CPU; 1,493 training and 48 held-out documents): 550
-seconds end to end (lead pretraining 268 s, summarization 245 s, beam-search evaluation 30 s), peak RSS 5.1 GB (the
-evaluation batch: 32 whole documents times 4 beams). Held-out ROUGE-1/2/Lsum 22.46 / 9.38 / 20.15 against 23.63 /
-10.35 / 21.00 for the lead baseline. The same settings with the previous SSM kernel code gave 23.33 / 9.73 / 20.49: it
-computed z^(chunk·2^i) and its gradient from a second exponential where the kernel now squares z, a difference in
-float rounding only, and that alone moves the score by about a point. So: close to the lead but not yet above it. The
+Measured on a 2-core CPU machine (Python 3.11, torch 2.13 CPU; 1,493 training and 48 held-out documents), with
+the fused tanh GELU and the RMSNorm and FFT convolution as autograd functions that keep less (the machine otherwise
+idle but for a few seconds of model-card generation and git): 587 seconds end to end (lead pretraining 290 s,
+summarization 253 s, beam-search evaluation 30 s), peak RSS 5.1 GB (the evaluation batch: 32 whole documents times 4
+beams). Held-out ROUGE-1/2/Lsum 23.31 / 9.07 / 20.47 against 23.63 / 10.35 / 21.00 for the lead baseline. The code
+just before those changes (534ce9e) gave 22.46 / 9.38 / 20.15 in 550 s on an idle machine, and the SSM kernel code
+before that (6b54147) 23.33 / 9.73 / 20.49: the three differ in float rounding only (the GELU as one op instead of
+five and the backward passes of the norm and the convolution; the stride powers by squaring instead of a second
+exponential), and that alone moves the score by about a point. So: close to the lead but not yet above it. The
 model has learned to read a document and copy its opening, readable and about the document ("What is this? fontTools
-is a library for manipulating fonts, written in" for the longest one), but not to write abstractive summaries. What
+is a library for manipulating fonts, written in Python." for the longest one), but not to write abstractive
+summaries. What
 was tried (same machine, held-out ROUGE-1; before the data fix and the lead that skips questions, against a lead of
 22.49): summaries alone, 600 to 1,500 steps, 7.9 to 12.5 (the model ignores its input and writes "Return the ..." for
 every document); lead pretraining alone 21.7; lead pretraining then summaries alone 10.0 to 15.0 (the copying is
@@ -138,7 +142,7 @@ def _replaced_atomically(output_dir: Path):
 
 @dataclass(frozen=True)
 class DemoSettings:
-    """Sizes and schedule of one demo run (the defaults: 550 s end to end on an idle 2-core CPU machine)."""
+    """Sizes and schedule of one demo run (the defaults: 550 to 590 s end to end on a 2-core CPU machine)."""
 
     vocab_size: int = 4000
     d_model: int = 128
