@@ -133,11 +133,11 @@ def peak_tensor_bytes(run, device) -> tuple[int | None, str, int | None]:
     rss_reset = device.type == "cpu" and reset_peak_rss()
     rss_before = rss_bytes() if rss_reset else None
     if device.type == "cuda":
-        torch.cuda.synchronize()
+        synchronize(device)
         torch.cuda.reset_peak_memory_stats()
         before = torch.cuda.memory_allocated()
         run()
-        torch.cuda.synchronize()
+        synchronize(device)
         return torch.cuda.max_memory_allocated() - before, "cuda max_memory_allocated", None
     if device.type != "cpu":
         run()

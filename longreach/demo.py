@@ -38,10 +38,9 @@ five and the backward passes of the norm and the convolution; the stride powers 
 exponential), and that alone moves the score by about a point. So: close to the lead but not yet above it. The
 model has learned to read a document and copy its opening, readable and about the document ("What is this? fontTools
 is a library for manipulating fonts, written in Python." for the longest one), but not to write abstractive
-summaries. What
-was tried (same machine, held-out ROUGE-1; before the data fix and the lead that skips questions, against a lead of
-22.49): summaries alone, 600 to 1,500 steps, 7.9 to 12.5 (the model ignores its input and writes "Return the ..." for
-every document); lead pretraining alone 21.7; lead pretraining then summaries alone 10.0 to 15.0 (the copying is
+summaries. What was tried (same machine, held-out ROUGE-1; before the data fix and the lead that skips questions,
+against a lead of 22.49): summaries alone, 600 to 1,500 steps, 7.9 to 12.5 (the model ignores its input and writes
+"Return the ..." for every document); lead pretraining alone 21.7; lead pretraining then summaries alone 10.0 to 15.0 (the copying is
 forgotten); training on the oracle sentence (the one closest to the summary) 17.1 to 18.8; 600 summary steps mixed
 with copy pairs 20.9 (greedy with a 3-gram ban), 21.6 with beam search; 1,000 steps 22.3; 1,200 steps at 5e-4 23.3;
 3,000 lead-pretraining steps instead of 2,000, 20.7 (d_model 192 did not learn to copy at this learning rate); with

@@ -227,7 +227,7 @@ class BidirectionalS4DConvolution(Float32ParametersModule):
         """Inference only: eval mode, and no autograd graph wanted through the kernel."""
         if self.training or self.kernel_cache_lengths < 1 or self.kernel_cache_bytes < 1:
             return False
-        return not (torch.is_grad_enabled() and any(p.requires_grad for p in self._kernel_parameters()))
+        return not self._records_kernel_graph()
 
     def _records_kernel_graph(self) -> bool:
         """Whether autograd records the kernel (a training step of the SSM parameters)."""

@@ -47,7 +47,7 @@ class _RMSNormFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden_states, weight, eps):
-        inverse_rms = torch.rsqrt(hidden_states.to(torch.float32).pow(2).mean(-1, keepdim=True) + eps)
+        inverse_rms = _inverse_rms(hidden_states, eps)
         ctx.save_for_backward(hidden_states, inverse_rms, weight)
         return weight * _normalized(hidden_states, inverse_rms, weight)
 
@@ -65,6 +65,11 @@ class _RMSNormFunction(torch.autograd.Function):
             mean = (grad_normalized * normalized).mean(-1, keepdim=True)
             grad_input = (inverse_rms * (grad_normalized - normalized * mean)).to(hidden_states.dtype)
         return grad_input, grad_weight, None
+
+
+def _inverse_rms(hidden_states: torch.Tensor, eps: float) -> torch.Tensor:
+    """1/sqrt(mean(x²) + eps) over the last dim, in float32 (as T5)."""
+    return torch.rsqrt(hidden_states.to(torch.float32).pow(2).mean(-1, keepdim=True) + eps)
 
 
 def _normalized_dtype(hidden_states: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
@@ -92,8 +97,7 @@ class T5LayerNorm(nn.Module):
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         if torch.is_grad_enabled() and (hidden_states.requires_grad or self.weight.requires_grad):
             return _RMSNormFunction.apply(hidden_states, self.weight, self.variance_epsilon)
-        variance = hidden_states.to(torch.float32).pow(2).mean(-1, keepdim=True)
-        return self.weight * _normalized(hidden_states, torch.rsqrt(variance + self.variance_epsilon), self.weight)
+        return self.weight * _normalized(hidden_states, _inverse_rms(hidden_states, self.variance_epsilon), self.weight)
 
 
 class _BoolMaskDropout(torch.autograd.Function):
