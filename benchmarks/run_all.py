@@ -14,9 +14,9 @@ LED with the same widths and a 512-token window), random weights (cost does not 
 Each cell runs in its own Python process. It reports the median time of ``--repeats`` runs after one counted warm-up
 run, the peak tensor memory *above the weights* allocated during the first run (CUDA: the allocator's peak; CPU: the
 running total that torch's CPU allocator reports to the profiler; see ``peak_tensor_bytes``; the process's peak RSS
-is kept in the cells too), the matmul FLOPs of one run counted in another process (``torch.utils.flop_counter``: matmuls, convolutions and attention; FFTs
-and elementwise work not counted), the achieved GFLOP/s and, measured in the same process, the GFLOP/s of plain square
-matmuls of the same FLOPs (the roofline). LOCOST cells also time the layer-0 SSM kernel against the matmul of its own
+is kept in the cells too), the matmul FLOPs of one run counted in another process (``torch.utils.flop_counter``:
+matmuls, convolutions and attention; FFTs and elementwise work not counted), the achieved GFLOP/s and, measured in
+the timing process, the GFLOP/s of plain [1024, 1024] matmuls (the roofline). LOCOST cells also time the layer-0 SSM kernel against the matmul of its own
 multiply-adds. Ratios in the report come from cells of the same run.
 
 The VCC-T5 and Dodo suites run ``benchmark_vcc_t5.py`` (VCC-T5 vs T5) and ``benchmark_dodo.py`` (Dodo vs Llama with the

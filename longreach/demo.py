@@ -27,33 +27,34 @@ What it does, end to end, with no network and no argument:
 The result depends only on the Python version and the installed distributions (and the thread count, through
 floating-point summation order); on one machine, two runs give the same numbers.
 
-Measured on a 2-core CPU machine (Python 3.11, torch 2.13 CPU; 1,493 training and 48 held-out documents), with
-the fused tanh GELU and the RMSNorm and FFT convolution as autograd functions that keep less (the machine otherwise
-idle but for a few seconds of model-card generation and git): 587 seconds end to end (lead pretraining 290 s,
+Measured on a 2-core CPU machine (Python 3.11, torch 2.13 CPU; 1,493 training and 48 held-out documents), with the
+fused tanh GELU and the RMSNorm and FFT convolution as autograd functions that keep less (the machine otherwise idle
+but for a few seconds of model-card generation and git): 587 seconds end to end (lead pretraining 290 s,
 summarization 253 s, beam-search evaluation 30 s), peak RSS 5.1 GB (the evaluation batch: 32 whole documents times 4
 beams). Held-out ROUGE-1/2/Lsum 23.31 / 9.07 / 20.47 against 23.63 / 10.35 / 21.00 for the lead baseline. The code
 just before those changes (534ce9e) gave 22.46 / 9.38 / 20.15 in 550 s on an idle machine, and the SSM kernel code
 before that (6b54147) 23.33 / 9.73 / 20.49: the three differ in float rounding only (the GELU as one op instead of
 five and the backward passes of the norm and the convolution; the stride powers by squaring instead of a second
-exponential), and that alone moves the score by about a point. So: close to the lead but not yet above it. The
-model has learned to read a document and copy its opening, readable and about the document ("What is this? fontTools
-is a library for manipulating fonts, written in Python." for the longest one), but not to write abstractive
-summaries. What was tried (same machine, held-out ROUGE-1; before the data fix and the lead that skips questions,
-against a lead of 22.49): summaries alone, 600 to 1,500 steps, 7.9 to 12.5 (the model ignores its input and writes
-"Return the ..." for every document); lead pretraining alone 21.7; lead pretraining then summaries alone 10.0 to 15.0 (the copying is
-forgotten); training on the oracle sentence (the one closest to the summary) 17.1 to 18.8; 600 summary steps mixed
-with copy pairs 20.9 (greedy with a 3-gram ban), 21.6 with beam search; 1,000 steps 22.3; 1,200 steps at 5e-4 23.3;
-3,000 lead-pretraining steps instead of 2,000, 20.7 (d_model 192 did not learn to copy at this learning rate); with
-the released SSM timescales, copying learned on 48-token inputs failed on whole documents (5.9). After the data fix
-(against a lead of 23.63; one thread per run, two runs at a time): 1,200 steps at 5e-4 19.9, at 7e-4 22.0; with twice
-the copy pairs and random windows (the defaults) 22.5 at 5e-4, 22.4 at 3e-4. Runs differ by about 2 points with the
-learning rate alone and by about 1 with float rounding alone, so gaps of 0.3 (previous kernel code) and 1.2 (today's)
-to the lead are both within that noise, and a win would have to be larger than it to mean something. Stage 2 from one
-stage-1 checkpoint, the summaries replaced by the oracle compression of the lead (its contiguous span of at least 4
-words closest to the summary; 39.4 if it were predicted perfectly): 22.0; that span only where its ROUGE-1 F1 is at
-least 0.3: 22.3; both: 20.3. Decoding variants chosen on 120 training documents (no-repeat 4- or 6-grams, repetition
-penalty 1.2) left ROUGE-1 there at 25.8 against the lead's 26.8: the model trails the lead even on its training
-documents (copy errors such as "for example for example"), so what would close the gap is copy fidelity, not decoding.
+exponential), and that alone moves the score by about a point. So: close to the lead but not yet above it. The model
+has learned to read a document and copy its opening, readable and about the document ("What is this? fontTools is a
+library for manipulating fonts, written in Python." for the longest one), but not to write abstractive summaries.
+What was tried (same machine, held-out ROUGE-1; before the data fix and the lead that skips questions, against a
+lead of 22.49): summaries alone, 600 to 1,500 steps, 7.9 to 12.5 (the model ignores its input and writes "Return the
+..." for every document); lead pretraining alone 21.7; lead pretraining then summaries alone 10.0 to 15.0 (the
+copying is forgotten); training on the oracle sentence (the one closest to the summary) 17.1 to 18.8; 600 summary
+steps mixed with copy pairs 20.9 (greedy with a 3-gram ban), 21.6 with beam search; 1,000 steps 22.3; 1,200 steps at
+5e-4 23.3; 3,000 lead-pretraining steps instead of 2,000, 20.7 (d_model 192 did not learn to copy at this learning
+rate); with the released SSM timescales, copying learned on 48-token inputs failed on whole documents (5.9). After
+the data fix (against a lead of 23.63; one thread per run, two runs at a time): 1,200 steps at 5e-4 19.9, at 7e-4
+22.0; with twice the copy pairs and random windows (the defaults) 22.5 at 5e-4, 22.4 at 3e-4. Runs differ by about 2
+points with the learning rate alone and by about 1 with float rounding alone, so gaps of 0.3 (previous kernel code)
+and 1.2 (today's) to the lead are both within that noise, and a win would have to be larger than it to mean
+something. Stage 2 from one stage-1 checkpoint, the summaries replaced by the oracle compression of the lead (its
+contiguous span of at least 4 words closest to the summary; 39.4 if it were predicted perfectly): 22.0; that span
+only where its ROUGE-1 F1 is at least 0.3: 22.3; both: 20.3. Decoding variants chosen on 120 training documents
+(no-repeat 4- or 6-grams, repetition penalty 1.2) left ROUGE-1 there at 25.8 against the lead's 26.8: the model
+trails the lead even on its training documents (copy errors such as "for example for example"), so what would close
+the gap is copy fidelity, not decoding.
 The workflow is the one to use with a converted, pretrained LOCOST (``examples/finetune_summarization.py``).
 """
 
