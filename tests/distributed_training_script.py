@@ -4,6 +4,7 @@ that one process with batch 2b sees exactly the examples that two processes with
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import sys
@@ -56,20 +57,28 @@ def main() -> None:
         output_dir=output_dir, per_device_train_batch_size=per_device, max_steps=STEPS, learning_rate=5e-3,
         lr_scheduler_type="constant", logging_steps=1, save_strategy="no", report_to="none", use_cpu=True,
         ddp_backend="gloo" if int(os.environ.get("WORLD_SIZE", 1)) > 1 else None, dataloader_num_workers=0, seed=0,
-        disable_tqdm=True,
+        disable_tqdm=True, ddp_timeout=120,  # a collective that waits longer raises instead of hanging for 30 minutes
     )
     trainer = InOrderTrainer(model=model, args=arguments, train_dataset=rows)
     trainer.train()
+    # what follows takes seconds; should it hang, every thread's stack goes to stderr and the process exits with 1
+    faulthandler.dump_traceback_later(90, exit=True)
     if trainer.is_world_process_zero():
         trainer.save_model(Path(output_dir) / "final")
         losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
         (Path(output_dir) / "losses.json").write_text(json.dumps(losses))
     if torch.distributed.is_initialized():
-        # every rank waits for rank 0's files, then the process group's threads are stopped before exit (left
-        # running, a rank could abort at exit with "terminate called without an active exception": seen once)
+        # Every rank waits for rank 0's files (the barrier is bounded by ddp_timeout). Then the process leaves with
+        # os._exit and skips both destroy_process_group and the interpreter's teardown: the first can hang with a small
+        # probability (pytorch/pytorch#75097; a 2-process run of this script hung after training in CI), the second
+        # can abort while gloo's threads still run ("terminate called without an active exception": seen once).
+        # Nothing is left to release: the process ends here, and its files are written and closed.
         torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
-
+        faulthandler.cancel_dump_traceback_later()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+    faulthandler.cancel_dump_traceback_later()
 
 if __name__ == "__main__":
     main()

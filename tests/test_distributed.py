@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -22,6 +23,29 @@ SCRIPT = Path(__file__).parent / "distributed_training_script.py"
 REPO = Path(__file__).resolve().parents[1]
 
 
+def descendants(pid: int) -> list[int]:
+    """Process ids of the children of `pid`, their children and so on (Linux /proc), deepest first."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:  # the process ended while we looked
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    return descendants_of(pid, children)
+
+
+def descendants_of(pid: int, children: dict[int, list[int]]) -> list[int]:
+    return [grandchild for child in children.get(pid, []) for grandchild in [*descendants_of(child, children), child]]
+
+
+def signal_quietly(pid: int, signum: int) -> None:
+    try:
+        os.kill(pid, signum)
+    except ProcessLookupError:
+        pass
+
+
 def train(kind: str, output_dir: Path, processes: int) -> list[float]:
     scratch = output_dir.parent / f"{output_dir.name}-tmp"  # torchrun's scratch folders, not in /tmp
     scratch.mkdir(parents=True, exist_ok=True)
@@ -32,8 +56,24 @@ def train(kind: str, output_dir: Path, processes: int) -> list[float]:
     else:
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}",
                    str(SCRIPT), kind, str(output_dir), str(per_device)]
-    result = subprocess.run(command, cwd=REPO, env=environment, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-4000:]
+    # PYTHONFAULTHANDLER: on SIGABRT every Python process of the run (torchrun's agent and its workers) writes the
+    # stacks of all its threads to stderr, so a hang shows where it is instead of only that it happened
+    environment["PYTHONFAULTHANDLER"] = "1"
+    process = subprocess.Popen(command, cwd=REPO, env=environment, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True)
+    try:
+        stdout, stderr = process.communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        # torchrun starts its workers in sessions of their own, so they are signalled one by one, workers first
+        for pid in [*descendants(process.pid), process.pid]:
+            signal_quietly(pid, signal.SIGABRT)
+        try:
+            stdout, stderr = process.communicate(timeout=60)
+        finally:
+            for pid in [*descendants(process.pid), process.pid]:
+                signal_quietly(pid, signal.SIGKILL)
+        pytest.fail(f"{' '.join(command[1:])} did not finish in 300 s; stacks of its processes:\n{stderr[-12000:]}")
+    assert process.returncode == 0, stderr[-4000:]
     return json.loads((output_dir / "losses.json").read_text())
 
 
