@@ -29,8 +29,9 @@ floating-point summation order); on one machine, two runs give the same numbers.
 
 Measured with the defaults (1,500 lead-pretraining steps, 1,000 summarization steps), installed exactly as the
 README says (``pip install -e ".[train]"``, so 1,429 training and 39 held-out documents; the corpus depends on what is
-installed), on a 2-core AMD EPYC machine with AVX2 only (Python 3.11, torch 2.13 CPU), otherwise idle: 560 seconds
-end to end (lead pretraining 269 s, summarization 257 s, beam-search evaluation 10 s). Held-out ROUGE-1/2/Lsum
+installed), on a 2-core AMD EPYC machine with AVX2 only (Python 3.11, torch 2.13 CPU), otherwise idle: 566 seconds
+wall clock for ``longreach demo`` (lead pretraining 269 to 274 s, summarization 257 to 262 s, beam-search evaluation
+10 s; two runs, the same scores), peak RSS 2.5 GB. Held-out ROUGE-1/2/Lsum
 20.95 / 5.18 / 17.77 against 20.04 / 5.27 / 17.27 for the lead baseline: ROUGE-1 and ROUGE-Lsum above the lead,
 ROUGE-2 just below it, all within the run-to-run noise described below, so "as good as the lead", not better. The
 earlier defaults (2,000 and 1,200 steps) took 722 s on that machine (over the ten minutes the demo is meant to take;
