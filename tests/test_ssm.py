@@ -93,7 +93,7 @@ def test_parameter_changes_and_training_invalidate(edit):
         assert conv.log_dt.grad is not None
         with torch.no_grad():
             conv(x)
-        assert calls == [10, 10, 10]  # cached, then computed for autograd and recomputed by its backward pass
+        assert calls == [10, 10]  # cached, then computed for autograd (whose backward pass has its own function)
         return
     with torch.no_grad():
         out = conv(x)
@@ -122,7 +122,7 @@ def test_kernel_by_doubling_matches_direct_powers_with_and_without_autograd(leng
     (reference * weights).sum().backward()
     reference_grads = [p.grad.clone() for p in (conv.C, conv.log_dt, conv.A_imag)]
     conv.zero_grad()
-    kernel = conv.kernel(length)  # autograd: concatenated doubling
+    kernel = conv.kernel(length)  # autograd: through the kernel's own backward pass (s4d_kernel_vjp)
     (kernel.double() * weights).sum().backward()
     with torch.no_grad():
         in_place = conv.kernel(length)  # no autograd: in place, channel blocks
@@ -132,25 +132,22 @@ def test_kernel_by_doubling_matches_direct_powers_with_and_without_autograd(leng
         torch.testing.assert_close(parameter.grad, expected.float(), atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("training_block", [3, 8, 64])
-def test_training_recomputes_the_kernel_in_backward_with_the_same_gradients(monkeypatch, training_block):
-    """Autograd keeps only the kernel, not its intermediates (recomputed in backward, in blocks of channels): same
-    values and gradients."""
-    monkeypatch.setattr(ssm, "TRAINING_KERNEL_BLOCK_ELEMENTS", training_block * 4 * 24)  # channels x 4 modes x 24 lags
+@pytest.mark.parametrize("channel_block, chunk_size, length", [(3, 16, 300), (8, 12, 100), (64, 256, 64)])
+def test_the_kernels_own_backward_gives_the_gradients_of_direct_powers(monkeypatch, channel_block, chunk_size, length):
+    """``s4d_kernel_vjp`` (the kernel's backward pass) against autograd through every power taken directly in
+    complex128, for every SSM parameter: several channel blocks, a chunk that is not a power of two, one block."""
+    monkeypatch.setattr(ssm, "KERNEL_CHANNEL_BLOCK", channel_block)
     torch.manual_seed(0)
-    conv = BidirectionalS4DConvolution(8, 8).train()
-    x = torch.randn(2, 24, 8, requires_grad=True)
-    conv(x).square().sum().backward()
-    recomputed = [p.grad.clone() for p in conv.parameters()] + [x.grad.clone()]
+    conv = BidirectionalS4DConvolution(8, 8, kernel_chunk_size=chunk_size).train()
+    weights = torch.randn(2, 8, length, dtype=torch.float64)
+    (direct_kernel(conv, length) * weights).sum().backward()
+    expected = [p.grad.clone() for p in conv.parameters() if p.grad is not None]
     conv.zero_grad()
-    x.grad = None
-    conv._recorded_circular_kernel = conv.circular_kernel  # every intermediate kept
-    conv(x).square().sum().backward()
-    kept = [p.grad for p in conv.parameters()] + [x.grad]
-    # one block: the same operations, bit for bit; several: batched products of other sizes (float32 rounding)
-    tolerance = {"atol": 0, "rtol": 0} if training_block >= 8 else {"atol": 1e-6, "rtol": 1e-5}
-    for got, expected in zip(recomputed, kept):
-        torch.testing.assert_close(got, expected, **tolerance)
+    (conv.kernel(length).double() * weights).sum().backward()
+    got = [p.grad for p in conv.parameters() if p.grad is not None]
+    assert len(got) == len(expected) == 5  # C, B, inv_A_real, A_imag, log_dt
+    for value, reference in zip(got, expected):
+        torch.testing.assert_close(value, reference.float(), atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("length, fft_size, kernel_length", [(7, 14, 7), (7, 16, 8), (12, 24, 12)])
@@ -172,18 +169,23 @@ def test_fft_convolution_backward_is_the_exact_adjoint(length, fft_size, kernel_
 
 
 def test_a_training_forward_keeps_only_the_input_and_the_kernel_spectrum():
-    """What autograd keeps for one convolution in training: its input, the kernel's spectrum and D; not the padded
-    input, the input's spectrum or the [H, 2L] kernel (those are recomputed in the backward pass)."""
+    """What autograd keeps for one convolution in training: its input, the kernel's spectrum and D, plus a few
+    [H, N/2] tensors of the discretisation and ΔA, Ĉ for the kernel's own backward pass (the same for any length and
+    batch); not the padded input, the input's spectrum, the [H, 2L] kernel or the kernel's intermediates."""
     torch.manual_seed(0)
     conv = BidirectionalS4DConvolution(16, 8).train()
-    x = torch.randn(2, 64, 16, requires_grad=True)
-    kept = {}
+    extra = set()
+    for batch, length in [(2, 64), (3, 256)]:
+        x = torch.randn(batch, length, 16, requires_grad=True)
+        kept = {}
 
-    def pack(tensor):
-        kept[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
-        return tensor
+        def pack(tensor):
+            kept[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+            return tensor
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        conv(x)
-    spectrum_bytes = 16 * (64 + 1) * 8  # [H, L + 1] complex64
-    assert sum(kept.values()) == x.numel() * 4 + spectrum_bytes + 16 * 4
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            conv(x)
+        spectrum_bytes = 16 * (length + 1) * 8  # [H, L + 1] complex64
+        extra.add(sum(kept.values()) - (x.numel() * 4 + spectrum_bytes + 16 * 4))
+    mode_tensor_bytes = 16 * 4 * 8  # one [H, N/2] complex64
+    assert len(extra) == 1 and 0 < extra.pop() <= 20 * mode_tensor_bytes

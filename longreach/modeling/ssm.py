@@ -24,15 +24,17 @@ Memory and time: the authors materialise exp(ΔA·l) as [H, N/2, L] (51 GB at th
 L complex exponentials per mode). We split the lags into chunks l = l0 + j and use z^(l0 + j) = z^l0 · z^j with
 z = exp(ΔA): one exponential per mode, its power-of-two powers by squaring in float64, the chunk's powers by doubling
 (one complex multiplication each, about (1 + directions)·√L per mode), one real batched matmul per block of 32
-channels, and (without autograd) no tensor larger than O(32·N/2·√L) besides the [directions, H, L] kernel and the
+channels (``s4d_kernel``), and no tensor larger than O(32·N/2·√L) besides the [directions, H, L] kernel and the
 squarings. At the released size on one idle CPU thread the kernel takes about 40 ms at 1K lags, 100 ms at 4K and
 400 ms at 16K against 16, 64 and 259 ms for a plain matmul of its multiply-adds (``benchmarks/run_all.py`` measures
 the ratio); at 1K about half of it is that matmul and the rest the elementwise work and per-block overhead.
 
-Training memory: the convolution is one autograd function (``_FFTConvolution``) that keeps its input and the
-kernel's spectrum for the backward pass (autograd through the FFTs kept the padded input, both spectra and the
-[H, 2L] kernel), and the kernel's own intermediates are recomputed there in blocks of channels
-(``_recorded_circular_kernel``).
+Training: the convolution is one autograd function (``_FFTConvolution``) that keeps its input and the kernel's
+spectrum for the backward pass (autograd through the FFTs kept the padded input, both spectra and the [H, 2L]
+kernel), and so is the kernel (``_S4DKernel``): it keeps ΔA and Ĉ and computes its gradients with the same chunked
+Vandermonde products read the other way (``s4d_kernel_vjp``), so nothing of size L·N is kept or recomputed. (Autograd
+through the doubling's complex products, recomputed in checkpointed blocks, cost a training step at 1K tokens and the
+released size 9.8 s against 8.2 s with this, same machine, 2 threads.)
 """
 
 from __future__ import annotations
@@ -44,6 +46,10 @@ import torch
 import torch.utils.checkpoint
 from torch import nn
 from transformers import initialization as init
+
+
+#: Channels whose kernels are computed together on CPU (see `BidirectionalS4DConvolution.kernel`).
+KERNEL_CHANNEL_BLOCK = 32
 
 
 def _exp_complex128(exponent: torch.Tensor) -> torch.Tensor:
@@ -63,29 +69,142 @@ def _square_powers(base: torch.Tensor, count: int) -> torch.Tensor:
     return torch.stack(powers)
 
 
-def _geometric(first: torch.Tensor, ratio_powers, count: int, out: torch.Tensor | None = None) -> torch.Tensor:
-    """``first · r^k`` for k < count along dim −2 (``first`` has size 1 there), ``ratio_powers[i] = r^(2^i)``.
+def _geometric(first: torch.Tensor, ratio_powers, count: int, out: torch.Tensor) -> torch.Tensor:
+    """``first · r^k`` for k < count along dim −2 of ``out`` (``first`` has size 1 there), ``ratio_powers[i] = r^(2^i)``.
 
     Doubling: the first m terms times r^m give the next m, so every term is a product of at most log2(count) + 1
-    factors (relative error O(log(count)·ε)) and costs one complex multiplication. With ``out`` (no autograd) the
-    terms are written into it; otherwise the pieces are concatenated.
+    factors (relative error O(log(count)·ε)) and costs one complex multiplication, written into ``out``.
     """
-    if out is not None:
-        terms = out
-        terms[..., :1, :] = first
-    else:
-        terms = first
+    out[..., :1, :] = first
     filled = 1
     for ratio in ratio_powers:
         if filled >= count:
             break
         size = min(filled, count - filled)
-        if out is not None:
-            torch.mul(terms[..., :size, :], ratio, out=terms[..., filled:filled + size, :])
-        else:
-            terms = torch.cat([terms, terms[..., :size, :] * ratio], dim=-2)
+        torch.mul(out[..., :size, :], ratio, out=out[..., filled:filled + size, :])
         filled += size
-    return terms
+    return out
+
+
+def _lag_chunks(directions: int, length: int, max_chunk: int) -> tuple[int, int]:
+    """``(chunk, number of chunks)`` of the lags: a power of two near √(directions·L), at most ``max_chunk`` and L.
+
+    A chunk of √(directions·L) lags balances the powers P = z^j (chunk terms per mode) against the chunk starts
+    z^l0 (directions·L/chunk terms); a power of two because the matmul's shapes matter as much as the balance
+    (measured on CPU).
+    """
+    balanced = 2 ** round(math.log2(math.sqrt(directions * length)))
+    chunk = max(1, min(max_chunk, balanced, length))
+    return chunk, -(-length // chunk)
+
+
+def _doubling_ratios(z: torch.Tensor, dtA: torch.Tensor, chunk: int, num_chunks: int):
+    """``(z^(2^i) for i < log2(chunk), z^(chunk·2^i) for i < log2(num_chunks))`` of a block of channels, complex64
+    ``[count, h, N/2]`` each, from z = exp(ΔA) in complex128 by squaring (one chain when the chunk is a power of two,
+    else a second one from exp(ΔA·chunk))."""
+    step_count, stride_count = (chunk - 1).bit_length(), (num_chunks - 1).bit_length()
+    if chunk & (chunk - 1) == 0:  # z^(chunk·2^i) = z^(2^(log2(chunk) + i)): one chain
+        chain = _square_powers(z, max(1, step_count + stride_count))
+        return chain[:step_count], chain[step_count:]
+    step = _square_powers(z, max(1, step_count))[:step_count]
+    return step, _square_powers(_exp_complex128(dtA * chunk), max(1, stride_count))
+
+
+def _channel_blocks(width: int, device: torch.device) -> list[slice]:
+    """On CPU, channels go in blocks of ``KERNEL_CHANNEL_BLOCK`` (a block's terms stay in the caches); on accelerators
+    all channels go in one block."""
+    block = KERNEL_CHANNEL_BLOCK if device.type == "cpu" else width
+    return [slice(first, first + block) for first in range(0, width, block)]
+
+
+def s4d_kernel(dtA: torch.Tensor, z: torch.Tensor, C_hat: torch.Tensor, length: int, max_chunk: int) -> torch.Tensor:
+    """``K [directions, H, length]`` (float32): K_c[h, l] = 2·Re Σ_n Ĉ_chn z_hn^l, without autograd.
+
+    With l = l0 + j (chunk starts l0 = c·chunk, offsets j < chunk): K_c[h, l0 + j] = 2·Re Σ_n W_chn[c] P_hn[j],
+    W = Ĉ·z^l0 and P = z^j, one real batched matmul per block of channels over the interleaved (real, imaginary)
+    parts (2·Re(W·P) = Re W·Re P + Im W·Im P̄ twice). W and P are geometric sequences, built by doubling
+    (``_geometric``) into buffers reused by every block: one complex multiplication per term and no transcendental
+    beyond exp(ΔA) per mode. The work besides the matmul is O(H·N/2·√L) against its O(H·N·L) multiply-adds.
+    ``dtA`` [H, N/2] complex64, ``z = exp(dtA)`` complex128, ``C_hat`` [directions, H, N/2] complex64.
+    """
+    directions, width, modes = C_hat.shape
+    chunk, num_chunks = _lag_chunks(directions, length, max_chunk)
+    blocks = _channel_blocks(width, dtA.device)
+    block = blocks[0].stop - blocks[0].start
+    values = dtA.real.new_empty(width, directions * num_chunks, chunk)
+    powers_buffer = C_hat.new_empty(min(block, width), chunk, modes)
+    weights_buffer = C_hat.new_empty(min(block, width), directions, num_chunks, modes)
+    weights_first = (2.0 * C_hat).transpose(0, 1)[:, :, None, :]  # 2·Ĉ [h, dirs, 1, N/2]
+    ones = torch.ones(1, dtype=C_hat.dtype, device=C_hat.device).expand(width, 1, modes)
+    for rows in blocks:
+        step, stride = _doubling_ratios(z[rows], dtA[rows], chunk, num_chunks)
+        size = z[rows].shape[0]
+        # P̄ [h, chunk, N/2] (conjugate, so that the matmul gives Re W·Re P − Im W·Im P); W [h, dirs, chunks, N/2]
+        powers = _geometric(ones[rows], torch.conj_physical(step)[:, :, None, :].unbind(), chunk, powers_buffer[:size])
+        weights = _geometric(weights_first[rows], stride[:, :, None, None, :].unbind(), num_chunks,
+                             weights_buffer[:size])
+        left = torch.view_as_real(weights).reshape(size, directions * num_chunks, 2 * modes)
+        right = torch.view_as_real(powers).reshape(size, chunk, 2 * modes).transpose(1, 2)
+        torch.bmm(left, right, out=values[rows])
+    return values.view(width, directions, num_chunks * chunk)[..., :length].transpose(0, 1)
+
+
+def s4d_kernel_vjp(grad: torch.Tensor, dtA: torch.Tensor, z: torch.Tensor, C_hat: torch.Tensor, length: int,
+                   max_chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gradients of ``s4d_kernel`` with respect to ΔA and Ĉ, given G = ∂loss/∂K [directions, H, length].
+
+    K = 2·Re Σ_n Ĉ z^l is holomorphic in Ĉ and in z = exp(ΔA) (dz/dΔA = z), so with torch's convention for complex
+    gradients (∂/∂Re + i·∂/∂Im of a real loss):
+
+        ∂Ĉ_chn = 2 Σ_l G_c[h, l] · conj(z_hn)^l,        ∂ΔA_hn = 2 Σ_c conj(Ĉ_chn) Σ_l l·G_c[h, l] · conj(z_hn)^l.
+
+    Both are the forward's Vandermonde products read the other way, computed the same way: with l = l0 + j,
+    Σ_l w_l conj(z)^l = Σ_l0 conj(z)^l0 · Σ_j w_(l0+j) conj(z)^j, one real batched matmul of the chunked weights
+    (G and l·G) with P̄ = conj(z)^j, then the chunk starts. Nothing of the forward is kept but ΔA and Ĉ.
+    """
+    directions, width, modes = C_hat.shape
+    chunk, num_chunks = _lag_chunks(directions, length, max_chunk)
+    padded = nn.functional.pad(grad.float(), (0, num_chunks * chunk - length))  # [dirs, H, chunks·chunk]
+    lags = torch.arange(num_chunks * chunk, device=grad.device, dtype=torch.float32)
+    blocks = _channel_blocks(width, dtA.device)
+    block = blocks[0].stop - blocks[0].start
+    powers_buffer = C_hat.new_empty(min(block, width), chunk, modes)
+    starts_buffer = C_hat.new_empty(min(block, width), num_chunks, modes)
+    ones = torch.ones(1, dtype=C_hat.dtype, device=C_hat.device).expand(width, 1, modes)
+    sums = C_hat.new_empty(width, directions * 2, modes)  # Σ_l G conj(z)^l and Σ_l l·G conj(z)^l per direction
+    for rows in blocks:
+        step, stride = _doubling_ratios(z[rows], dtA[rows], chunk, num_chunks)
+        size = z[rows].shape[0]
+        powers = _geometric(ones[rows], torch.conj_physical(step)[:, :, None, :].unbind(), chunk, powers_buffer[:size])
+        starts = _geometric(ones[rows], torch.conj_physical(stride)[:, :, None, :].unbind(), num_chunks,
+                            starts_buffer[:size])  # conj(z)^l0 [h, chunks, N/2]
+        weighted = torch.stack([padded[:, rows], padded[:, rows] * lags], dim=1)  # G and l·G [dirs, 2, h, lags]
+        left = weighted.permute(2, 0, 1, 3).reshape(size, directions * 2 * num_chunks, chunk)
+        right = torch.view_as_real(powers).reshape(size, chunk, 2 * modes)
+        partial = torch.view_as_complex(torch.bmm(left, right).view(size, directions * 2, num_chunks, modes, 2))
+        sums[rows] = (partial * starts[:, None]).sum(dim=2)
+    sums = sums.view(width, directions, 2, modes)
+    grad_C_hat = 2.0 * sums[:, :, 0].transpose(0, 1)
+    grad_dtA = 2.0 * (C_hat.conj().transpose(0, 1) * sums[:, :, 1]).sum(dim=1)
+    return grad_dtA, grad_C_hat
+
+
+class _S4DKernel(torch.autograd.Function):
+    """``s4d_kernel`` as an autograd function: keeps ΔA and Ĉ ([H, N/2] each) and computes its backward pass with
+    ``s4d_kernel_vjp``, instead of autograd recording the doubling's complex products (several times the kernel's
+    size, and most of a training step's time at 1K tokens at the released size: measured)."""
+
+    @staticmethod
+    def forward(ctx, dtA, C_hat, length, max_chunk):
+        ctx.save_for_backward(dtA, C_hat)
+        ctx.length, ctx.max_chunk = length, max_chunk
+        return s4d_kernel(dtA, _exp_complex128(dtA), C_hat, length, max_chunk)
+
+    @staticmethod
+    def backward(ctx, grad):
+        dtA, C_hat = ctx.saved_tensors
+        grad_dtA, grad_C_hat = s4d_kernel_vjp(grad, dtA, _exp_complex128(dtA), C_hat, ctx.length, ctx.max_chunk)
+        return grad_dtA, grad_C_hat, None, None
 
 
 class _FFTConvolution(torch.autograd.Function):
@@ -123,13 +242,6 @@ class _FFTConvolution(torch.autograd.Function):
             grad_kernel = torch.fft.irfft(cross, n=fft_size)[..., :ctx.kernel_length]
         return grad_signal, grad_kernel, None, None
 
-
-#: Channels whose kernels are computed together on CPU (see `BidirectionalS4DConvolution.kernel`).
-KERNEL_CHANNEL_BLOCK = 32
-#: In the backward pass of a training step the kernel is recomputed in blocks of channels of at most this many
-#: (channel, mode, lag) elements (any device): 64 channels at the released size and 4K tokens, one block for small
-#: models.
-TRAINING_KERNEL_BLOCK_ELEMENTS = 2**26
 
 
 class Float32ParametersModule(nn.Module):
@@ -236,7 +348,7 @@ class BidirectionalS4DConvolution(Float32ParametersModule):
     def kernel_spectrum(self, length: int, fft_size: int) -> torch.Tensor:
         """``rfft(circular_kernel(length), n=fft_size)`` [H, fft_size//2 + 1], from the kernel cache when allowed."""
         if not self._cacheable():
-            return torch.fft.rfft(self._recorded_circular_kernel(length), n=fft_size)
+            return torch.fft.rfft(self.circular_kernel(length), n=fft_size)
         parameters = tuple(
             (p.data_ptr(), p._version, p.dtype, p.device) for p in self._kernel_parameters()
         )
@@ -258,24 +370,6 @@ class BidirectionalS4DConvolution(Float32ParametersModule):
                 self._kernel_cache.popitem(last=False)
         return spectrum
 
-    def _recorded_circular_kernel(self, length: int) -> torch.Tensor:
-        """``circular_kernel(length)``; when autograd records it, it is computed in blocks of channels of at most
-        ``TRAINING_KERNEL_BLOCK_ELEMENTS`` (channel, mode, lag) elements (one block for small models, where each
-        checkpointed block costs time), each under activation checkpointing: the intermediates (the powers
-        and partial sums of every chunk, several times the kernel's size) are not kept for the backward pass but
-        recomputed there one block at a time. A training step then holds one [H, 2L] kernel per layer, plus one
-        block's intermediates during the backward pass (at 4K tokens and the released size: about 1/12 of the 1 GB
-        that all channels at once took)."""
-        if self._records_kernel_graph():
-            block = max(1, TRAINING_KERNEL_BLOCK_ELEMENTS // (self.modes * length))
-            blocks = [
-                torch.utils.checkpoint.checkpoint(self.circular_kernel, length, slice(first, first + block),
-                                                  use_reentrant=False)
-                for first in range(0, self.channels, block)
-            ]
-            return blocks[0] if len(blocks) == 1 else torch.cat(blocks)
-        return self.circular_kernel(length)
-
     def clear_kernel_cache(self) -> None:
         """Forget the cached kernel spectra (e.g. to time a cold forward)."""
         self._kernel_cache.clear()
@@ -285,64 +379,12 @@ class BidirectionalS4DConvolution(Float32ParametersModule):
         return sum(t.numel() * t.element_size() for t in self._kernel_cache.values())
 
     def kernel(self, length: int, channels: slice = slice(None)) -> torch.Tensor:
-        """``K [directions, H, length]`` (float32): K_c[h, l] = 2·Re Σ_n Ĉ_chn z_hn^l with z = exp(ΔA), in chunks of lags.
-
-        With l = l0 + j (chunk starts l0 = c·chunk, offsets j < chunk): K_c[h, l0 + j] = 2·Re Σ_n W_chn[c] P_hn[j],
-        W = Ĉ·z^l0 and P = z^j, one real batched matmul per channel over the interleaved (real, imaginary) parts
-        (2·Re(W·P) = Re W·Re P + Im W·Im P̄ twice). W and P are geometric sequences, built by doubling
-        (``_geometric``): one complex multiplication per term and no transcendental beyond exp(ΔA) per mode (in
-        float64; z^(2^i) by squaring, one chain for the ratios of P and of W when the chunk is a power of two, else
-        a second one from exp(ΔA·chunk)). A chunk of √(directions·L) lags
-        balances P (chunk terms per mode) and W (directions·L/chunk terms); the work besides the matmul is then
-        O(H·N/2·√L) against its O(H·N·L) multiply-adds. Without autograd the terms are written in place and, on
-        CPU, channels go in blocks of ``KERNEL_CHANNEL_BLOCK`` (a block's terms stay in the caches); on accelerators
-        all channels go in one block.
-        """
+        """``K [directions, H, length]`` (float32): K_c[h, l] = 2·Re Σ_n Ĉ_chn z_hn^l with z = exp(ΔA) (``s4d_kernel``);
+        when autograd records the SSM parameters, through ``_S4DKernel`` (its own backward pass)."""
         dtA, z, C_hat = self._discretized(channels)
-        directions, width = C_hat.shape[0], dtA.shape[0]
-        # a power of two near √(directions·L): the matmul's shapes matter as much as the balance (measured on CPU)
-        balanced = 2 ** round(math.log2(math.sqrt(directions * length)))
-        chunk = max(1, min(self.kernel_chunk_size, balanced, length))
-        num_chunks = -(-length // chunk)
-        step_count, stride_count = (chunk - 1).bit_length(), (num_chunks - 1).bit_length()
-        in_place = not (torch.is_grad_enabled() and (dtA.requires_grad or C_hat.requires_grad))
-
-        def ratios(rows: slice) -> tuple[torch.Tensor, torch.Tensor]:
-            """The doubling ratios of a block of channels: z̄^(2^i) for P̄ and z^(chunk·2^i) for W."""
-            if chunk & (chunk - 1) == 0:  # a power of two: z^(chunk·2^i) = z^(2^(log2(chunk) + i)), one chain
-                chain = _square_powers(z[rows], max(1, step_count + stride_count))
-                step, stride = chain[:step_count], chain[step_count:]
-            else:
-                step = _square_powers(z[rows], max(1, step_count))[:step_count]
-                stride = _square_powers(_exp_complex128(dtA[rows] * chunk), max(1, stride_count))
-            return torch.conj_physical(step)[:, :, None, :], stride[:, :, None, None, :]
-
-        # on CPU without autograd, channels go in blocks whose terms (and ratios) stay in the caches
-        block = KERNEL_CHANNEL_BLOCK if dtA.device.type == "cpu" and in_place else width
-        weights_first = (2.0 * C_hat).transpose(0, 1)[:, :, None, :]  # 2·Ĉ [h, dirs, 1, N/2]
-        ones = torch.ones(1, dtype=C_hat.dtype, device=C_hat.device).expand(width, 1, self.modes)
-        if in_place:  # one output and one pair of term buffers, reused by every block
-            values = dtA.real.new_empty(width, directions * num_chunks, chunk)
-            powers_buffer = C_hat.new_empty(min(block, width), chunk, self.modes)
-            weights_buffer = C_hat.new_empty(min(block, width), directions, num_chunks, self.modes)
-        else:
-            values = []
-        for first in range(0, width, block):
-            rows = slice(first, first + block)
-            step, stride = ratios(rows)
-            size = step.shape[1]
-            # P̄ [h, chunk, N/2] (conjugate, so that the matmul gives Re W·Re P − Im W·Im P); W [h, dirs, chunks, N/2]
-            powers = _geometric(ones[rows], step.unbind(), chunk, powers_buffer[:size] if in_place else None)
-            weights = _geometric(weights_first[rows], stride.unbind(), num_chunks,
-                                 weights_buffer[:size] if in_place else None)
-            left = torch.view_as_real(weights).reshape(size, directions * num_chunks, 2 * self.modes)
-            right = torch.view_as_real(powers).reshape(size, chunk, 2 * self.modes).transpose(1, 2)
-            if in_place:
-                torch.bmm(left, right, out=values[rows])
-            else:
-                values.append(torch.bmm(left, right))
-        values = values if in_place else torch.cat(values)
-        return values.view(width, directions, num_chunks * chunk)[..., :length].transpose(0, 1)
+        if torch.is_grad_enabled() and (dtA.requires_grad or C_hat.requires_grad):
+            return _S4DKernel.apply(dtA, C_hat, length, self.kernel_chunk_size)
+        return s4d_kernel(dtA, z, C_hat, length, self.kernel_chunk_size)
 
     def circular_kernel(self, length: int, channels: slice = slice(None)) -> torch.Tensor:
         """The packed kernel ``[H, 2·length]`` of period 2L: causal lags at [0, L), 0 at L, anti-causal lags L−1..1 after.
@@ -389,7 +431,7 @@ class BidirectionalS4DConvolution(Float32ParametersModule):
             kernel_length, fft_size = length, 2 * length  # the period of the packed kernel: exact convolution
         spectrum_bytes = self.channels * (fft_size // 2 + 1) * 8  # complex64
         if channels == slice(None) and self._records_kernel_graph():  # training: gradients flow into the kernel
-            y = _FFTConvolution.apply(signal, self._recorded_circular_kernel(kernel_length), None, fft_size)
+            y = _FFTConvolution.apply(signal, self.circular_kernel(kernel_length), None, fft_size)
         else:
             if channels == slice(None) or (self._cacheable() and spectrum_bytes <= self.kernel_cache_bytes):
                 kernel_f = self.kernel_spectrum(kernel_length, fft_size)[channels]  # all channels, cached when allowed
