@@ -49,7 +49,7 @@ from torch import nn
 from transformers import initialization as init
 
 
-#: Channels whose kernels are computed together on CPU (see `BidirectionalS4DConvolution.kernel`).
+#: Channels whose kernels (and kernel gradients) are computed together on CPU (see `s4d_kernel`).
 KERNEL_CHANNEL_BLOCK = 32
 
 
@@ -193,7 +193,7 @@ def s4d_kernel_vjp(grad: torch.Tensor, dtA: torch.Tensor, z: torch.Tensor, C_hat
 class _S4DKernel(torch.autograd.Function):
     """``s4d_kernel`` as an autograd function: keeps ΔA and Ĉ ([H, N/2] each) and computes its backward pass with
     ``s4d_kernel_vjp``, instead of autograd recording the doubling's complex products (several times the kernel's
-    size, and most of a training step's time at 1K tokens at the released size: measured)."""
+    size; at 1K tokens and the released size a training step took 9.8 s with those, 7.5 s with this: measured)."""
 
     @staticmethod
     def forward(ctx, dtA, C_hat, length, max_chunk):
