@@ -29,17 +29,18 @@ floating-point summation order); on one machine, two runs give the same numbers.
 
 Measured with the defaults (1,500 lead-pretraining steps, 1,000 summarization steps), installed exactly as the
 README says (``pip install -e ".[train]"``, so 1,429 training and 39 held-out documents; the corpus depends on what is
-installed), on a 2-core AMD EPYC machine with AVX2 only (Python 3.11, torch 2.13 CPU), otherwise idle: 566 seconds
-wall clock for ``longreach demo`` (lead pretraining 269 to 274 s, summarization 257 to 262 s, beam-search evaluation
-10 s; two runs, the same scores), peak RSS 2.5 GB. Held-out ROUGE-1/2/Lsum
-20.95 / 5.18 / 17.77 against 20.04 / 5.27 / 17.27 for the lead baseline: ROUGE-1 and ROUGE-Lsum above the lead,
-ROUGE-2 just below it, all within the run-to-run noise described below, so "as good as the lead", not better. The
-earlier defaults (2,000 and 1,200 steps) took 722 s on that machine (over the ten minutes the demo is meant to take;
-587 s on the faster machine of earlier measurements) for 20.31 / 4.88 / 17.60 against the same lead: fewer steps cost
-nothing measurable here. The model has learned to read a document and copy its opening, readable and about the
-document ("multiprocess: better multiprocessing and multithreading in Python About Multiprocess" for the longest
-held-out one, against the reference "better multiprocessing and multithreading in Python"), but not to write
-abstractive summaries.
+installed), on a 2-core AMD EPYC machine with AVX2 only (Python 3.11, torch 2.13 CPU), otherwise idle: 578 seconds
+wall clock for ``longreach demo`` (lead pretraining 278 s, summarization 271 s, beam-search evaluation 10 s), peak
+RSS 2.4 GB. Held-out ROUGE-1/2/Lsum 19.72 / 4.75 / 16.73 against 20.04 / 5.27 / 17.27 for the lead baseline: just
+below it. With the SSM kernel's gradients computed by autograd through its complex products instead of its own
+backward pass (7019b3f; the same function, other float rounding) the same settings gave 20.95 / 5.18 / 17.77 in 566 s,
+twice, just above it. So: at the lead within the run-to-run noise described below, on either side of it depending on
+rounding, and not better. The earlier defaults (2,000 and 1,200 steps) took 722 s on that machine (over the ten
+minutes the demo is meant to take; 587 s on the faster machine of earlier measurements) for 20.31 / 4.88 / 17.60:
+fewer steps cost nothing measurable here. The model has learned to read a document and copy its opening, readable
+and about the document ("multiprocess: better multiprocessing and multithreading in Python About Multiprocess" for
+the longest held-out one, against the reference "better multiprocessing and multithreading in Python"), but not to
+write abstractive summaries.
 Earlier measurements, with the 2,000 + 1,200-step defaults and the ``[test]`` extras installed (1,493 training and
 48 held-out documents, a lead of 23.63) on a faster 2-core machine: 23.31, 22.46 and 23.33 with code that differed in
 float rounding only (the GELU as one op instead of five, the backward passes of the norm and the convolution, the
