@@ -80,5 +80,6 @@ def main() -> None:
         os._exit(0)
     faulthandler.cancel_dump_traceback_later()
 
+
 if __name__ == "__main__":
     main()

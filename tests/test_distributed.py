@@ -64,14 +64,17 @@ def train(kind: str, output_dir: Path, processes: int) -> list[float]:
     try:
         stdout, stderr = process.communicate(timeout=300)
     except subprocess.TimeoutExpired:
-        # torchrun starts its workers in sessions of their own, so they are signalled one by one, workers first
-        for pid in [*descendants(process.pid), process.pid]:
+        # torchrun starts its workers in sessions of their own, so they are signalled one by one, workers first (the
+        # list is taken once: a worker whose agent has died is no longer its descendant)
+        processes = [*descendants(process.pid), process.pid]
+        for pid in processes:
             signal_quietly(pid, signal.SIGABRT)
         try:
             stdout, stderr = process.communicate(timeout=60)
-        finally:
-            for pid in [*descendants(process.pid), process.pid]:
+        except subprocess.TimeoutExpired:
+            for pid in processes:
                 signal_quietly(pid, signal.SIGKILL)
+            stdout, stderr = process.communicate()
         pytest.fail(f"{' '.join(command[1:])} did not finish in 300 s; stacks of its processes:\n{stderr[-12000:]}")
     assert process.returncode == 0, stderr[-4000:]
     return json.loads((output_dir / "losses.json").read_text())
