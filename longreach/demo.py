@@ -149,7 +149,7 @@ def _replaced_atomically(output_dir: Path):
 
 @dataclass(frozen=True)
 class DemoSettings:
-    """Sizes and schedule of one demo run (the defaults: 560 s end to end on a slow 2-core CPU machine, see the
+    """Sizes and schedule of one demo run (the defaults: 578 s end to end on a slow 2-core CPU machine, see the
     module docstring)."""
 
     vocab_size: int = 4000
