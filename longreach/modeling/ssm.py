@@ -111,11 +111,25 @@ def _doubling_ratios(z: torch.Tensor, dtA: torch.Tensor, chunk: int, num_chunks:
     return step, _square_powers(_exp_complex128(dtA * chunk), max(1, stride_count))
 
 
-def _channel_blocks(width: int, device: torch.device) -> list[slice]:
-    """On CPU, channels go in blocks of ``KERNEL_CHANNEL_BLOCK`` (a block's terms stay in the caches); on accelerators
-    all channels go in one block."""
-    block = KERNEL_CHANNEL_BLOCK if device.type == "cpu" else width
-    return [slice(first, first + block) for first in range(0, width, block)]
+def _channel_block(width: int, device: torch.device) -> int:
+    """Channels per block: ``KERNEL_CHANNEL_BLOCK`` on CPU (a block's terms stay in the caches), all on accelerators."""
+    return min(KERNEL_CHANNEL_BLOCK, width) if device.type == "cpu" else width
+
+
+def _conjugate_powers_by_block(dtA: torch.Tensor, z: torch.Tensor, chunk: int, num_chunks: int):
+    """For each block of channels: ``(rows, P̄, stride)`` with P̄ = conj(z)^j [h, chunk, N/2] (complex64, built by
+    doubling into one buffer reused by every block: use it before asking for the next) and the chunk-start ratios
+    z^(chunk·2^i) [count, h, N/2] (``_doubling_ratios``). Shared by the kernel and its backward pass."""
+    width, modes = z.shape
+    block = _channel_block(width, z.device)
+    buffer = torch.empty(block, chunk, modes, dtype=torch.complex64, device=z.device)
+    ones = torch.ones(1, dtype=torch.complex64, device=z.device).expand(block, 1, modes)
+    for first in range(0, width, block):
+        rows = slice(first, first + block)
+        step, stride = _doubling_ratios(z[rows], dtA[rows], chunk, num_chunks)
+        size = z[rows].shape[0]
+        powers = _geometric(ones[:size], torch.conj_physical(step)[:, :, None, :].unbind(), chunk, buffer[:size])
+        yield rows, powers, stride
 
 
 def s4d_kernel(dtA: torch.Tensor, z: torch.Tensor, C_hat: torch.Tensor, length: int, max_chunk: int) -> torch.Tensor:
@@ -130,18 +144,12 @@ def s4d_kernel(dtA: torch.Tensor, z: torch.Tensor, C_hat: torch.Tensor, length: 
     """
     directions, width, modes = C_hat.shape
     chunk, num_chunks = _lag_chunks(directions, length, max_chunk)
-    blocks = _channel_blocks(width, dtA.device)
-    block = blocks[0].stop - blocks[0].start
     values = dtA.real.new_empty(width, directions * num_chunks, chunk)
-    powers_buffer = C_hat.new_empty(min(block, width), chunk, modes)
-    weights_buffer = C_hat.new_empty(min(block, width), directions, num_chunks, modes)
+    weights_buffer = C_hat.new_empty(_channel_block(width, dtA.device), directions, num_chunks, modes)
     weights_first = (2.0 * C_hat).transpose(0, 1)[:, :, None, :]  # 2·Ĉ [h, dirs, 1, N/2]
-    ones = torch.ones(1, dtype=C_hat.dtype, device=C_hat.device).expand(width, 1, modes)
-    for rows in blocks:
-        step, stride = _doubling_ratios(z[rows], dtA[rows], chunk, num_chunks)
-        size = z[rows].shape[0]
+    for rows, powers, stride in _conjugate_powers_by_block(dtA, z, chunk, num_chunks):
+        size = powers.shape[0]
         # P̄ [h, chunk, N/2] (conjugate, so that the matmul gives Re W·Re P − Im W·Im P); W [h, dirs, chunks, N/2]
-        powers = _geometric(ones[rows], torch.conj_physical(step)[:, :, None, :].unbind(), chunk, powers_buffer[:size])
         weights = _geometric(weights_first[rows], stride[:, :, None, None, :].unbind(), num_chunks,
                              weights_buffer[:size])
         left = torch.view_as_real(weights).reshape(size, directions * num_chunks, 2 * modes)
@@ -167,16 +175,11 @@ def s4d_kernel_vjp(grad: torch.Tensor, dtA: torch.Tensor, z: torch.Tensor, C_hat
     chunk, num_chunks = _lag_chunks(directions, length, max_chunk)
     padded = nn.functional.pad(grad.float(), (0, num_chunks * chunk - length))  # [dirs, H, chunks·chunk]
     lags = torch.arange(num_chunks * chunk, device=grad.device, dtype=torch.float32)
-    blocks = _channel_blocks(width, dtA.device)
-    block = blocks[0].stop - blocks[0].start
-    powers_buffer = C_hat.new_empty(min(block, width), chunk, modes)
-    starts_buffer = C_hat.new_empty(min(block, width), num_chunks, modes)
+    starts_buffer = C_hat.new_empty(_channel_block(width, dtA.device), num_chunks, modes)
     ones = torch.ones(1, dtype=C_hat.dtype, device=C_hat.device).expand(width, 1, modes)
     sums = C_hat.new_empty(width, directions * 2, modes)  # Σ_l G conj(z)^l and Σ_l l·G conj(z)^l per direction
-    for rows in blocks:
-        step, stride = _doubling_ratios(z[rows], dtA[rows], chunk, num_chunks)
-        size = z[rows].shape[0]
-        powers = _geometric(ones[rows], torch.conj_physical(step)[:, :, None, :].unbind(), chunk, powers_buffer[:size])
+    for rows, powers, stride in _conjugate_powers_by_block(dtA, z, chunk, num_chunks):
+        size = powers.shape[0]
         starts = _geometric(ones[rows], torch.conj_physical(stride)[:, :, None, :].unbind(), num_chunks,
                             starts_buffer[:size])  # conj(z)^l0 [h, chunks, N/2]
         weighted = torch.stack([padded[:, rows], padded[:, rows] * lags], dim=1)  # G and l·G [dirs, 2, h, lags]
@@ -242,7 +245,6 @@ class _FFTConvolution(torch.autograd.Function):
             cross = cross.sum(dim=tuple(range(cross.dim() - spectrum.dim())))  # the kernel is shared by the batch
             grad_kernel = torch.fft.irfft(cross, n=fft_size)[..., :ctx.kernel_length]
         return grad_signal, grad_kernel, None, None
-
 
 
 class Float32ParametersModule(nn.Module):
