@@ -219,3 +219,91 @@ def test_dropout_keeps_a_bool_mask_and_equals_torch_dropout_bit_for_bit():
     assert kept == [torch.bool]
     assert torch.equal(out, expected) and torch.equal(x.grad, x_reference.grad)
     assert torch.equal(ours.eval()(x), x)
+
+
+@pytest.mark.parametrize("dtype, dropout", [(torch.float32, 0.0), (torch.float32, 0.3), (torch.bfloat16, 0.0)])
+def test_fused_feed_forward_equals_the_modules_and_keeps_less(monkeypatch, dtype, dropout):
+    """In training, the gated tanh-GELU sublayer runs as one autograd function: the modules' output and gradients up
+    to float rounding (dropout included, from the same random draw; it runs over a few positions at a time, here
+    several steps), and it keeps x, 1/rms, the weights and the two [*, d_ff]
+    projections (and a bool dropout mask), not the normalised input and the gated product too."""
+    import longreach.modeling.t5_blocks as t5_blocks
+
+    torch.manual_seed(0)
+    config = T5Config(d_model=32, d_ff=64, feed_forward_proj="gated-gelu", dropout_rate=dropout)
+    layer = t5_blocks.T5LayerFF(config).to(dtype).train()
+    with torch.no_grad():
+        layer.layer_norm.weight.uniform_(0.5, 1.5)
+    x = torch.randn(3, 50, 32).to(dtype).requires_grad_()
+    grad = torch.randn(3, 50, 32).to(dtype)
+    monkeypatch.setattr(t5_blocks, "FEED_FORWARD_STEP_ELEMENTS", 64 * 16)  # 16 positions per step: 4 steps a row
+
+    def step(fused: bool):
+        kept = {}
+
+        def pack(tensor):
+            kept[tensor.untyped_storage().data_ptr()] = (tensor.untyped_storage().nbytes(), tensor.dtype)
+            return tensor
+
+        monkeypatch.setattr(t5_blocks.T5LayerFF, "_fused_dropout_p",
+                            original if fused else lambda self, hidden_states: None)
+        x.grad = None
+        layer.zero_grad()
+        torch.manual_seed(1)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            out = layer(x)
+        out.backward(grad)
+        return out, [x.grad] + [p.grad for p in layer.parameters()], kept
+
+    original = t5_blocks.T5LayerFF._fused_dropout_p
+    assert original(layer, x) == dropout
+    out, grads, kept = step(fused=True)
+    expected, expected_grads, expected_kept = step(fused=False)
+    tolerance = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 3e-2, "rtol": 3e-2}
+    torch.testing.assert_close(out, expected, **tolerance)
+    for got, want in zip(grads, expected_grads):
+        torch.testing.assert_close(got, want, **tolerance)
+    size = dtype.itemsize
+    weights = 32 * size + 2 * 32 * 64 * size + 64 * 32 * size
+    kept_bytes = (3 * 50 * 32 * size + 3 * 50 * 4 + weights + 2 * 3 * 50 * 64 * size
+                  + (3 * 50 * (64 + 32) if dropout else 0))  # x, 1/rms (float32), weights, gate and value, and
+    # the bool masks of the inner dropout and of the residual branch's
+    assert sum(nbytes for nbytes, _ in kept.values()) == kept_bytes
+    assert sum(nbytes for nbytes, _ in expected_kept.values()) > kept_bytes + 3 * 50 * 64 * size
+
+
+def test_feed_forward_runs_through_the_modules_where_they_are_hooked_or_wrapped():
+    """A hook on a linear of the feed-forward (accelerate's offloading, a user's probe) or a PEFT LoRA wrapper is
+    honoured in training: the fused function only stands for plain modules."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(0)
+    config = T5Config(vocab_size=99, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_decoder_layers=1, num_heads=4,
+                      feed_forward_proj="gated-gelu", decoder_start_token_id=0, dropout_rate=0.0)
+    model = BlocksT5ForConditionalGeneration(config).train()
+    input_ids, labels = torch.randint(2, 99, (2, 9)), torch.randint(2, 99, (2, 4))
+    layer = model.encoder.block[0].layer[-1]
+    assert layer._fused_dropout_p(torch.zeros(1, 1, 32, requires_grad=True)) == 0.0
+    calls = []
+    handle = layer.DenseReluDense.wi_0.register_forward_hook(lambda module, args, output: calls.append(1))
+    model(input_ids=input_ids, labels=labels).loss.backward()
+    assert calls == [1]
+    handle.remove()
+    lora = get_peft_model(model, LoraConfig(r=2, target_modules=["wi_0"], lora_dropout=0.0, init_lora_weights=False))
+    lora(input_ids=input_ids, labels=labels).loss.backward()
+    lora_grads = [p.grad for name, p in lora.named_parameters() if "lora_" in name]
+    assert lora_grads and all(g is not None and g.abs().sum() > 0 for g in lora_grads)
+
+
+def test_training_gradients_equal_transformers_t5():
+    """A training step (the fused feed-forward, norm, attention backward passes of our blocks) gives
+    transformers' T5 gradients on the same weights."""
+    reference, ours = _pair("gated-gelu", True)
+    input_ids, attention_mask = _batch()
+    labels = torch.randint(2, 99, (3, 5))
+    for model in (reference, ours):
+        model.train()
+        model(input_ids, attention_mask=attention_mask, labels=labels).loss.backward()
+    expected = dict(reference.named_parameters())
+    for name, parameter in ours.named_parameters():
+        torch.testing.assert_close(parameter.grad, expected[name].grad, atol=1e-5, rtol=1e-4, msg=name)

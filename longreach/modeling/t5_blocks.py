@@ -216,8 +216,113 @@ class T5DenseGatedActDense(nn.Module):
         return self.wo(_to_weight_dtype(hidden_states, self.wo))
 
 
+#: `_GatedFeedForwardFunction` computes the gated product over this many elements at a time ([rows, d_ff]).
+FEED_FORWARD_STEP_ELEMENTS = 2**22
+
+
+class _GatedFeedForwardFunction(torch.autograd.Function):
+    """T5's gated tanh-GELU feed-forward sublayer without its residual, ``wo(dropout(gelu_tanh(wi_0 n) ⊙ wi_1 n))``
+    with ``n = RMSNorm(x)``, for training: the modules' ops (on CPU the same bool dropout mask from the same random
+    draw as `Dropout`), the gated product and ``wo`` computed ``FEED_FORWARD_STEP_ELEMENTS // d_ff`` positions at a
+    time (so equal to the modules' output up to the matmul's float rounding).
+
+    It keeps x, 1/rms and the two [*, d_ff] projections (and the dropout mask as bool) for the backward pass, which
+    recomputes n and the gated product (elementwise work, no matmul) step by step too, accumulating the weight
+    gradients. Through the modules, autograd keeps n and the product as well, and the forward and backward passes
+    allocate two or three [*, d_ff] tensors at once: at 16K tokens and d_ff 2048 that is 176 MiB more kept and up to
+    384 MiB more at once, where a checkpointed LOCOST training step peaked (in the FFN's recomputation and backward
+    pass of the last encoder block).
+    """
+
+    @staticmethod
+    def forward(ctx, hidden_states, norm_weight, eps, wi_0, wi_1, wo, dropout_p):
+        inverse_rms = _inverse_rms(hidden_states, eps)
+        normed = norm_weight * _normalized(hidden_states, inverse_rms, norm_weight)
+        gate, value = nn.functional.linear(normed, wi_0), nn.functional.linear(normed, wi_1)
+        del normed
+        mask = None
+        if dropout_p > 0:
+            mask = torch.empty_like(gate, dtype=torch.bool).bernoulli_(1 - dropout_p)
+        output = gate.new_empty(*gate.shape[:-1], wo.shape[0])
+        rows = max(1, FEED_FORWARD_STEP_ELEMENTS // gate.shape[-1])
+        for step in (slice(start, start + rows) for start in range(0, gate.shape[-2], rows)):
+            product = nn.functional.gelu(gate[..., step, :], approximate="tanh") * value[..., step, :]
+            if mask is not None:
+                product = product * mask[..., step, :].to(product.dtype).div_(1 - dropout_p)
+            output[..., step, :] = nn.functional.linear(product, wo)
+        ctx.save_for_backward(hidden_states, inverse_rms, norm_weight, wi_0, wi_1, wo, gate, value, mask)
+        ctx.dropout_p = dropout_p
+        return output
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_output):
+        hidden_states, inverse_rms, norm_weight, wi_0, wi_1, wo, gate, value, mask = ctx.saved_tensors
+        needs_x, needs_norm, _, needs_wi_0, needs_wi_1, needs_wo, _ = ctx.needs_input_grad
+        width, d_ff = hidden_states.shape[-1], gate.shape[-1]
+        x, grad_out = hidden_states.reshape(-1, width), grad_output.reshape(-1, width)
+        inverse_rms, gate, value = inverse_rms.reshape(-1, 1), gate.reshape(-1, d_ff), value.reshape(-1, d_ff)
+        mask = None if mask is None else mask.reshape(-1, d_ff)
+        # weight gradients summed over the steps in float32 (one matmul over all rows would also accumulate so)
+        accumulators = {name: torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+                        for name, weight, needed in (("wi_0", wi_0, needs_wi_0), ("wi_1", wi_1, needs_wi_1),
+                                                     ("wo", wo, needs_wo), ("norm", norm_weight, needs_norm)) if needed}
+        grad_x = torch.empty_like(x) if needs_x else None
+        rows = max(1, FEED_FORWARD_STEP_ELEMENTS // d_ff)
+        for start in range(0, x.shape[0], rows):
+            step = slice(start, start + rows)
+            activation = nn.functional.gelu(gate[step], approximate="tanh")
+            grad_product = grad_out[step] @ wo  # ∂(dropped product)
+            if mask is not None:
+                dropout_scale = mask[step].to(grad_product.dtype).div_(1 - ctx.dropout_p)
+                grad_product.mul_(dropout_scale)
+            if needs_wo:
+                product = activation * value[step]
+                if mask is not None:
+                    product.mul_(dropout_scale)
+                accumulators["wo"].addmm_(grad_out[step].T.float(), product.float())
+                del product
+            grad_value = grad_product * activation
+            del activation
+            grad_gate = torch.ops.aten.gelu_backward(grad_product.mul_(value[step]), gate[step], approximate="tanh")
+            del grad_product
+            normalized = x[step].to(torch.float32) * inverse_rms[step]
+            if needs_wi_0 or needs_wi_1:
+                normed = norm_weight * normalized.to(_normalized_dtype(x, norm_weight))
+                if needs_wi_0:
+                    accumulators["wi_0"].addmm_(grad_gate.T.float(), normed.float())
+                if needs_wi_1:
+                    accumulators["wi_1"].addmm_(grad_value.T.float(), normed.float())
+                del normed
+            grad_normed = torch.addmm(grad_gate @ wi_0, grad_value, wi_1)  # ∂(RMSNorm output)
+            del grad_gate, grad_value
+            if needs_norm:
+                products = grad_normed * normalized.to(_normalized_dtype(x, norm_weight))
+                accumulators["norm"] += products.sum(0)
+            if needs_x:  # as `_RMSNormFunction.backward`
+                grad_normalized = (grad_normed * norm_weight).to(torch.float32)
+                mean = (grad_normalized * normalized).mean(-1, keepdim=True)
+                grad_x[step] = inverse_rms[step] * (grad_normalized - normalized * mean)
+        weights = {"wi_0": wi_0, "wi_1": wi_1, "wo": wo, "norm": norm_weight}
+        grads = {name: accumulator.to(weights[name].dtype) for name, accumulator in accumulators.items()}
+        return (None if grad_x is None else grad_x.reshape(hidden_states.shape), grads.get("norm"), None,
+                grads.get("wi_0"), grads.get("wi_1"), grads.get("wo"), None)
+
+
+def _plain(module: nn.Module, kind: type) -> bool:
+    """``module`` is exactly ``kind`` with no hooks (not a PEFT/quantized subclass or wrapper, not hooked by
+    accelerate or a user): a fused function may then stand for its forward."""
+    return (type(module) is kind and not module._forward_hooks and not module._forward_pre_hooks
+            and not module._backward_hooks and not module._backward_pre_hooks)
+
+
 class T5LayerFF(nn.Module):
-    """Pre-norm residual feed-forward sublayer: ``x + dropout(FF(RMSNorm(x)))``."""
+    """Pre-norm residual feed-forward sublayer: ``x + dropout(FF(RMSNorm(x)))``.
+
+    In training, the gated tanh-GELU sublayer of plain modules runs as `_GatedFeedForwardFunction` (same values,
+    less memory); anything else (PEFT LoRA on its linears, hooks, autocast, mixed dtypes, dropout on an accelerator)
+    runs through the modules.
+    """
 
     def __init__(self, config):
         super().__init__()
@@ -227,8 +332,38 @@ class T5LayerFF(nn.Module):
         self.layer_norm = T5LayerNorm(config.d_model, eps=config.layer_norm_epsilon)
         self.dropout = Dropout(config.dropout_rate)
 
+    def _fused_dropout_p(self, hidden_states: torch.Tensor) -> float | None:
+        """The inner dropout probability to pass to `_GatedFeedForwardFunction`, or None where it does not apply."""
+        dense = self.DenseReluDense
+        if not (torch.is_grad_enabled() and isinstance(dense, T5DenseGatedActDense) and dense._tanh_gelu):
+            return None
+        linears = (dense.wi_0, dense.wi_1, dense.wo)
+        parameters = [self.layer_norm.weight] + [linear.weight for linear in linears]
+        if not (all(_plain(linear, nn.Linear) and linear.bias is None for linear in linears)
+                and _plain(self.layer_norm, T5LayerNorm) and _plain(dense, T5DenseGatedActDense)
+                and _plain(dense.dropout, Dropout) and _plain(dense.act, type(dense.act))):
+            return None
+        if any(p.dtype != hidden_states.dtype or p.device != hidden_states.device for p in parameters):
+            return None
+        if not (hidden_states.requires_grad or any(p.requires_grad for p in parameters)):
+            return None
+        if torch.is_autocast_enabled(hidden_states.device.type):
+            return None
+        p = dense.dropout.p if dense.dropout.training else 0.0
+        if p > 0 and (hidden_states.device.type != "cpu" or p >= 1 or dense.dropout.inplace):
+            return None  # the bool-mask dropout is `Dropout`'s CPU path; elsewhere torch's own dropout runs
+        return p
+
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return hidden_states + self.dropout(self.DenseReluDense(self.layer_norm(hidden_states)))
+        dropout_p = self._fused_dropout_p(hidden_states)
+        if dropout_p is not None:
+            dense = self.DenseReluDense
+            output = _GatedFeedForwardFunction.apply(hidden_states, self.layer_norm.weight,
+                                                     self.layer_norm.variance_epsilon, dense.wi_0.weight,
+                                                     dense.wi_1.weight, dense.wo.weight, dropout_p)
+        else:
+            output = self.DenseReluDense(self.layer_norm(hidden_states))
+        return hidden_states + self.dropout(output)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
