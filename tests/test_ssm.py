@@ -150,11 +150,15 @@ def test_the_kernels_own_backward_gives_the_gradients_of_direct_powers(monkeypat
         torch.testing.assert_close(value, reference.float(), atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("channels_per_block", [None, 1, 3])
 @pytest.mark.parametrize("length, fft_size, kernel_length", [(7, 14, 7), (7, 16, 8), (12, 24, 12)])
-def test_fft_convolution_backward_is_the_exact_adjoint(length, fft_size, kernel_length):
+def test_fft_convolution_backward_is_the_exact_adjoint(monkeypatch, length, fft_size, kernel_length,
+                                                       channels_per_block):
     """The FFT convolution's own backward (x and the kernel spectrum kept) against finite differences, for the exact
-    2L size and the authors' power-of-two size, with a batch sharing one kernel; and its forward against the plain
-    FFT product."""
+    2L size and the authors' power-of-two size, with a batch sharing one kernel, in one block of channels or several
+    (uneven); and its forward against the plain FFT product."""
+    if channels_per_block is not None:
+        monkeypatch.setattr(ssm, "FFT_BLOCK_ELEMENTS", 3 * fft_size * channels_per_block)  # batch 3
     torch.manual_seed(0)
     signal = torch.randn(3, 4, length, dtype=torch.float64, requires_grad=True)
     kernel = torch.randn(4, kernel_length, dtype=torch.float64, requires_grad=True)
@@ -166,6 +170,7 @@ def test_fft_convolution_backward_is_the_exact_adjoint(length, fft_size, kernel_
     assert torch.autograd.gradcheck(lambda x: ssm._FFTConvolution.apply(x, None, spectrum, fft_size), (signal,))
     plain = torch.fft.irfft(torch.fft.rfft(signal, n=fft_size) * torch.fft.rfft(kernel, n=fft_size), n=fft_size)
     torch.testing.assert_close(convolve(signal, kernel), plain[..., :length], atol=1e-12, rtol=0)
+    assert torch.autograd.gradcheck(convolve, (signal[0].detach().requires_grad_(), kernel))  # no batch dim
 
 
 def test_a_training_forward_keeps_only_the_input_and_the_kernel_spectrum():

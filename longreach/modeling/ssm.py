@@ -211,6 +211,18 @@ class _S4DKernel(torch.autograd.Function):
         return grad_dtA, grad_C_hat, None, None
 
 
+#: `_FFTConvolution` transforms about this many signal elements (batch · channels · FFT points) at a time.
+FFT_BLOCK_ELEMENTS = 2**22
+
+
+def _fft_channel_blocks(signal: torch.Tensor, fft_size: int):
+    """Slices of the channel dim (−2) of ``signal [..., h, L]`` with about ``FFT_BLOCK_ELEMENTS`` FFT elements each
+    (an FFT runs along the last dim row by row: blocking the rows changes no value, bit for bit)."""
+    rows_per_channel = signal[..., 0, 0].numel() * fft_size
+    block = max(1, FFT_BLOCK_ELEMENTS // rows_per_channel)
+    return [slice(first, first + block) for first in range(0, signal.shape[-2], block)]
+
+
 class _FFTConvolution(torch.autograd.Function):
     """``y = irfft(rfft(x, n) · rfft(k, n), n)[..., :L]`` (circular convolution over n points, cut to x's L steps).
 
@@ -218,6 +230,9 @@ class _FFTConvolution(torch.autograd.Function):
     float tensors at n = 2L); this keeps x and the kernel's spectrum (3) and recomputes x's spectrum in the
     backward pass. The adjoints are circular cross-correlations over the same n points: with G = rfft(∂y, n),
     ∂x = irfft(G · conj(K), n)[..., :L] and ∂k = Σ_batch irfft(G · conj(X), n)[..., :len(k)].
+    Both passes run over blocks of channels (`_fft_channel_blocks`), so their temporaries (spectra, products,
+    n-point inverse transforms) are a block's, not the whole signal's: at 16K tokens and the released width, the
+    backward pass of a checkpointed LOCOST training step held three [H, n] temporaries at once there, 288 MiB.
     Pass either the real kernel ``k [h, len(k)]`` (differentiable) or its precomputed ``spectrum`` (not).
     """
 
@@ -226,7 +241,11 @@ class _FFTConvolution(torch.autograd.Function):
         if spectrum is None:
             spectrum = torch.fft.rfft(kernel, n=fft_size)
         length = signal.shape[-1]
-        output = torch.fft.irfft(torch.fft.rfft(signal, n=fft_size) * spectrum, n=fft_size)[..., :length]
+        output = torch.empty(torch.broadcast_shapes(signal.shape[:-1], spectrum.shape[:-1]) + (length,),
+                             dtype=signal.dtype, device=signal.device)
+        for rows in _fft_channel_blocks(signal, fft_size):
+            output[..., rows, :] = torch.fft.irfft(torch.fft.rfft(signal[..., rows, :], n=fft_size) * spectrum[rows],
+                                                   n=fft_size)[..., :length]
         ctx.save_for_backward(signal, spectrum)
         ctx.fft_size = fft_size
         ctx.kernel_length = None if kernel is None else kernel.shape[-1]
@@ -236,14 +255,21 @@ class _FFTConvolution(torch.autograd.Function):
     def backward(ctx, grad_output):
         signal, spectrum = ctx.saved_tensors
         fft_size, length = ctx.fft_size, signal.shape[-1]
-        grad_spectrum = torch.fft.rfft(grad_output, n=fft_size)
-        grad_signal = grad_kernel = None
-        if ctx.needs_input_grad[0]:
-            grad_signal = torch.fft.irfft(grad_spectrum * spectrum.conj(), n=fft_size)[..., :length]
+        grad_signal = torch.empty_like(signal) if ctx.needs_input_grad[0] else None
+        grad_kernel = None
         if ctx.needs_input_grad[1]:
-            cross = grad_spectrum * torch.fft.rfft(signal, n=fft_size).conj()
-            cross = cross.sum(dim=tuple(range(cross.dim() - spectrum.dim())))  # the kernel is shared by the batch
-            grad_kernel = torch.fft.irfft(cross, n=fft_size)[..., :ctx.kernel_length]
+            grad_kernel = signal.new_empty(spectrum.shape[-2], ctx.kernel_length)
+        batch_dims = tuple(range(signal.dim() - spectrum.dim()))  # the kernel is shared by the batch
+        for rows in _fft_channel_blocks(signal, fft_size):
+            grad_spectrum = torch.fft.rfft(grad_output[..., rows, :], n=fft_size)
+            if grad_signal is not None:
+                grad_signal[..., rows, :] = torch.fft.irfft(grad_spectrum * spectrum[rows].conj(),
+                                                            n=fft_size)[..., :length]
+            if grad_kernel is not None:
+                cross = grad_spectrum * torch.fft.rfft(signal[..., rows, :], n=fft_size).conj()
+                if batch_dims:  # (sum over dim=() would sum everything)
+                    cross = cross.sum(dim=batch_dims)
+                grad_kernel[rows] = torch.fft.irfft(cross, n=fft_size)[..., :ctx.kernel_length]
         return grad_signal, grad_kernel, None, None
 
 
