@@ -230,7 +230,7 @@ def run_cell(cell: dict) -> dict:
         model.train()
         model.config.use_cache = False
         if task == "train_ckpt":
-            model.gradient_checkpointing_enable()
+            model.activation_checkpointing_enable()
 
         def run():
             model.zero_grad(set_to_none=True)

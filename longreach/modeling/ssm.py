@@ -31,7 +31,7 @@ the ratio); at 1K about half of it is that matmul and the rest the elementwise w
 
 Training: the convolution is one autograd function (``_FFTConvolution``) that keeps its input and the kernel's
 spectrum for the backward pass (autograd through the FFTs kept the padded input, both spectra and the [H, 2L]
-kernel), and so is the kernel (``_S4DKernel``): it keeps ΔA and Ĉ and computes its gradients with the same chunked
+kernel) and transforms blocks of channels at a time, and so is the kernel (``_S4DKernel``): it keeps ΔA and Ĉ and computes its gradients with the same chunked
 Vandermonde products read the other way (``s4d_kernel_vjp``), so nothing of size L·N is kept or recomputed; the
 discretisation (ΔA, Ĉ from the parameters) runs under activation checkpointing. (Autograd through the doubling's
 complex products, recomputed in checkpointed blocks, cost a training step at 1K tokens and the released size 9.8 s
