@@ -29,18 +29,18 @@ floating-point summation order); on one machine, two runs give the same numbers.
 
 Measured with the defaults (1,500 lead-pretraining steps, 1,000 summarization steps), installed exactly as the
 README says (``pip install -e ".[train]"``, so 1,429 training and 39 held-out documents; the corpus depends on what is
-installed), on a 2-core AMD EPYC machine with AVX2 only (Python 3.11, torch 2.13 CPU), otherwise idle: 578 seconds
-wall clock for ``longreach demo`` (lead pretraining 278 s, summarization 271 s, beam-search evaluation 10 s), peak
-RSS 2.4 GB. Held-out ROUGE-1/2/Lsum 19.72 / 4.75 / 16.73 against 20.04 / 5.27 / 17.27 for the lead baseline: just
-below it. With the SSM kernel's gradients computed by autograd through its complex products instead of its own
-backward pass (7019b3f; the same function, other float rounding) the same settings gave 20.95 / 5.18 / 17.77 in 566 s,
-twice, just above it. So: at the lead within the run-to-run noise described below, on either side of it depending on
-rounding, and not better. The earlier defaults (2,000 and 1,200 steps) took 722 s on that machine (over the ten
-minutes the demo is meant to take; 587 s on the faster machine of earlier measurements) for 20.31 / 4.88 / 17.60:
-fewer steps cost nothing measurable here. The model has learned to read a document and copy its opening, readable
-and about the document ("multiprocess: better multiprocessing and multithreading in Python About Multiprocess" for
-the longest held-out one, against the reference "better multiprocessing and multithreading in Python"), but not to
-write abstractive summaries.
+installed), on a 2-core AMD EPYC machine with AVX2 only (Python 3.11, torch 2.13 CPU), otherwise idle: 561 seconds
+wall clock for ``longreach demo`` (lead pretraining 280 s, summarization 263 s, beam-search evaluation 10 s), peak
+RSS 2.5 GB. Held-out ROUGE-1/2/Lsum 19.49 / 4.86 / 16.39 against 20.04 / 5.27 / 17.27 for the lead baseline: 0.55
+below it. The same settings with code that differs from this in float rounding only gave 19.72 / 4.75 / 16.73 in
+578 s (before the feed-forward became one autograd function, f87be0a) and 20.95 / 5.18 / 17.77 in 566 s, twice (the
+SSM kernel's gradients through autograd, before 7019b3f). So: at the lead within the run-to-run noise described
+below, more often just under it than over, and not better. The earlier defaults (2,000 and 1,200 steps) took 722 s
+on that machine (over the ten minutes the demo is meant to take; 587 s on the faster machine of earlier
+measurements) for 20.31 / 4.88 / 17.60: fewer steps cost nothing measurable here. The model has learned to read a
+document and copy its opening, readable and about the document ("multiprocessing and multithreading in Python About
+Mult" for the longest held-out one, against the reference "better multiprocessing and multithreading in Python"),
+but not to write abstractive summaries.
 Earlier measurements, with the 2,000 + 1,200-step defaults and the ``[test]`` extras installed (1,493 training and
 48 held-out documents, a lead of 23.63) on a faster 2-core machine: 23.31, 22.46 and 23.33 with code that differed in
 float rounding only (the GELU as one op instead of five, the backward passes of the norm and the convolution, the
@@ -149,7 +149,7 @@ def _replaced_atomically(output_dir: Path):
 
 @dataclass(frozen=True)
 class DemoSettings:
-    """Sizes and schedule of one demo run (the defaults: 578 s end to end on a slow 2-core CPU machine, see the
+    """Sizes and schedule of one demo run (the defaults: 561 s end to end on a slow 2-core CPU machine, see the
     module docstring)."""
 
     vocab_size: int = 4000
@@ -364,7 +364,8 @@ def train_tokenizer(texts: list[str], vocab_size: int):
 
     backend = Tokenizer(models.BPE(unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=True)
-    backend.decoder = decoders.ByteLevel()
+    # the space that add_prefix_space puts before the first word is taken off again when decoding
+    backend.decoder = decoders.Sequence([decoders.ByteLevel(), decoders.Strip(" ", 1, 0)])
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size, special_tokens=["<pad>", "</s>", "<unk>"], show_progress=False,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
