@@ -243,13 +243,15 @@ class _GatedFeedForwardFunction(torch.autograd.Function):
         mask = None
         if dropout_p > 0:
             mask = torch.empty_like(gate, dtype=torch.bool).bernoulli_(1 - dropout_p)
+        d_ff = gate.shape[-1]
         output = gate.new_empty(*gate.shape[:-1], wo.shape[0])
-        rows = max(1, FEED_FORWARD_STEP_ELEMENTS // gate.shape[-1])
-        for step in (slice(start, start + rows) for start in range(0, gate.shape[-2], rows)):
-            product = nn.functional.gelu(gate[..., step, :], approximate="tanh") * value[..., step, :]
+        flat_gate, flat_value, flat_output = gate.reshape(-1, d_ff), value.reshape(-1, d_ff), output.view(-1, wo.shape[0])
+        rows = max(1, FEED_FORWARD_STEP_ELEMENTS // d_ff)
+        for step in (slice(start, start + rows) for start in range(0, flat_gate.shape[0], rows)):
+            product = nn.functional.gelu(flat_gate[step], approximate="tanh") * flat_value[step]
             if mask is not None:
-                product = product * mask[..., step, :].to(product.dtype).div_(1 - dropout_p)
-            output[..., step, :] = nn.functional.linear(product, wo)
+                product = product * mask.reshape(-1, d_ff)[step].to(product.dtype).div_(1 - dropout_p)
+            flat_output[step] = nn.functional.linear(product, wo)
         ctx.save_for_backward(hidden_states, inverse_rms, norm_weight, wi_0, wi_1, wo, gate, value, mask)
         ctx.dropout_p = dropout_p
         return output
