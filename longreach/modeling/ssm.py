@@ -31,11 +31,12 @@ the ratio); at 1K about half of it is that matmul and the rest the elementwise w
 
 Training: the convolution is one autograd function (``_FFTConvolution``) that keeps its input and the kernel's
 spectrum for the backward pass (autograd through the FFTs kept the padded input, both spectra and the [H, 2L]
-kernel) and transforms blocks of channels at a time, and so is the kernel (``_S4DKernel``): it keeps ΔA and Ĉ and computes its gradients with the same chunked
-Vandermonde products read the other way (``s4d_kernel_vjp``), so nothing of size L·N is kept or recomputed; the
-discretisation (ΔA, Ĉ from the parameters) runs under activation checkpointing. (Autograd through the doubling's
-complex products, recomputed in checkpointed blocks, cost a training step at 1K tokens and the released size 9.8 s
-against 7.5 s with this (best of 3), same machine, 2 threads; peak tensor memory 1,369 against 1,422 MiB.)
+kernel) and transforms blocks of channels at a time, and so is the kernel (``_S4DKernel``): it keeps ΔA and Ĉ and
+computes its gradients with the same chunked Vandermonde products read the other way (``s4d_kernel_vjp``), so nothing
+of size L·N is kept or recomputed; the discretisation (ΔA, Ĉ from the parameters) runs under activation
+checkpointing. (Autograd through the doubling's complex products, recomputed in checkpointed blocks, cost a training
+step at 1K tokens and the released size 9.8 s against 7.5 s with this (best of 3), same machine, 2 threads; peak
+tensor memory 1,369 against 1,422 MiB.)
 """
 
 from __future__ import annotations

@@ -245,7 +245,8 @@ class _GatedFeedForwardFunction(torch.autograd.Function):
             mask = torch.empty_like(gate, dtype=torch.bool).bernoulli_(1 - dropout_p)
         d_ff = gate.shape[-1]
         output = gate.new_empty(*gate.shape[:-1], wo.shape[0])
-        flat_gate, flat_value, flat_output = gate.reshape(-1, d_ff), value.reshape(-1, d_ff), output.view(-1, wo.shape[0])
+        flat_gate, flat_value = gate.reshape(-1, d_ff), value.reshape(-1, d_ff)
+        flat_output = output.view(-1, wo.shape[0])
         rows = max(1, FEED_FORWARD_STEP_ELEMENTS // d_ff)
         for step in (slice(start, start + rows) for start in range(0, flat_gate.shape[0], rows)):
             product = nn.functional.gelu(flat_gate[step], approximate="tanh") * flat_value[step]
@@ -266,9 +267,10 @@ class _GatedFeedForwardFunction(torch.autograd.Function):
         inverse_rms, gate, value = inverse_rms.reshape(-1, 1), gate.reshape(-1, d_ff), value.reshape(-1, d_ff)
         mask = None if mask is None else mask.reshape(-1, d_ff)
         # weight gradients summed over the steps in float32 (one matmul over all rows would also accumulate so)
+        wanted = (("wi_0", wi_0, needs_wi_0), ("wi_1", wi_1, needs_wi_1), ("wo", wo, needs_wo),
+                  ("norm", norm_weight, needs_norm))
         accumulators = {name: torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
-                        for name, weight, needed in (("wi_0", wi_0, needs_wi_0), ("wi_1", wi_1, needs_wi_1),
-                                                     ("wo", wo, needs_wo), ("norm", norm_weight, needs_norm)) if needed}
+                        for name, weight, needed in wanted if needed}
         grad_x = torch.empty_like(x) if needs_x else None
         rows = max(1, FEED_FORWARD_STEP_ELEMENTS // d_ff)
         for start in range(0, x.shape[0], rows):
