@@ -200,16 +200,18 @@ class _S4DKernel(torch.autograd.Function):
     size; at 1K tokens and the released size a training step took 9.8 s with those, 7.5 s with this: measured)."""
 
     @staticmethod
-    def forward(ctx, dtA, C_hat, length, max_chunk):
+    def forward(ctx, dtA, z, C_hat, length, max_chunk):
+        # z = exp(ΔA) in complex128 comes from the discretisation; only ΔA and Ĉ are kept and z is taken again in the
+        # backward pass (one exponential per mode, against keeping an [H, N/2] complex128 tensor per layer)
         ctx.save_for_backward(dtA, C_hat)
         ctx.length, ctx.max_chunk = length, max_chunk
-        return s4d_kernel(dtA, _exp_complex128(dtA), C_hat, length, max_chunk)
+        return s4d_kernel(dtA, z, C_hat, length, max_chunk)
 
     @staticmethod
     def backward(ctx, grad):
         dtA, C_hat = ctx.saved_tensors
         grad_dtA, grad_C_hat = s4d_kernel_vjp(grad, dtA, _exp_complex128(dtA), C_hat, ctx.length, ctx.max_chunk)
-        return grad_dtA, grad_C_hat, None, None
+        return grad_dtA, None, grad_C_hat, None, None
 
 
 #: `_FFTConvolution` transforms about this many signal elements (batch · channels · FFT points) at a time.
@@ -414,8 +416,8 @@ class BidirectionalS4DConvolution(Float32ParametersModule):
         if self._records_kernel_graph():
             # the discretisation's graph (a dozen [H, N/2] tensors, some complex128: 21 MB per layer at the released
             # size, whatever the length) is recomputed in the backward pass instead of kept
-            dtA, _, C_hat = torch.utils.checkpoint.checkpoint(self._discretized, channels, use_reentrant=False)
-            return _S4DKernel.apply(dtA, C_hat, length, self.kernel_chunk_size)
+            dtA, z, C_hat = torch.utils.checkpoint.checkpoint(self._discretized, channels, use_reentrant=False)
+            return _S4DKernel.apply(dtA, z, C_hat, length, self.kernel_chunk_size)
         dtA, z, C_hat = self._discretized(channels)
         return s4d_kernel(dtA, z, C_hat, length, self.kernel_chunk_size)
 
