@@ -55,16 +55,24 @@ class _RMSNormFunction(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_output):
         hidden_states, inverse_rms, weight = ctx.saved_tensors
-        normalized = hidden_states.to(torch.float32) * inverse_rms
-        grad_input = grad_weight = None
-        if ctx.needs_input_grad[1]:
-            products = grad_output * normalized.to(_normalized_dtype(hidden_states, weight))
-            grad_weight = products.reshape(-1, products.shape[-1]).sum(0).to(weight.dtype)
-        if ctx.needs_input_grad[0]:
-            grad_normalized = (grad_output * weight).to(torch.float32)
-            mean = (grad_normalized * normalized).mean(-1, keepdim=True)
-            grad_input = (inverse_rms * (grad_normalized - normalized * mean)).to(hidden_states.dtype)
-        return grad_input, grad_weight, None
+        grad_input, grad_weight = _rms_norm_backward(grad_output, hidden_states, inverse_rms, weight,
+                                                     *ctx.needs_input_grad[:2])
+        return grad_input, None if grad_weight is None else grad_weight.to(weight.dtype), None
+
+
+def _rms_norm_backward(grad_output, hidden_states, inverse_rms, weight, needs_input: bool, needs_weight: bool):
+    """``(∂x, ∂w)`` of the RMSNorm y = w·x·r (see `_RMSNormFunction`), None where not needed; ∂w is summed over all
+    positions, in the dtype of the products (the caller casts it)."""
+    normalized = hidden_states.to(torch.float32) * inverse_rms
+    grad_input = grad_weight = None
+    if needs_weight:
+        products = grad_output * normalized.to(_normalized_dtype(hidden_states, weight))
+        grad_weight = products.reshape(-1, products.shape[-1]).sum(0)
+    if needs_input:
+        grad_normalized = (grad_output * weight).to(torch.float32)
+        mean = (grad_normalized * normalized).mean(-1, keepdim=True)
+        grad_input = (inverse_rms * (grad_normalized - normalized * mean)).to(hidden_states.dtype)
+    return grad_input, grad_weight
 
 
 def _inverse_rms(hidden_states: torch.Tensor, eps: float) -> torch.Tensor:
@@ -290,9 +298,8 @@ class _GatedFeedForwardFunction(torch.autograd.Function):
             del activation
             grad_gate = torch.ops.aten.gelu_backward(grad_product.mul_(value[step]), gate[step], approximate="tanh")
             del grad_product
-            normalized = x[step].to(torch.float32) * inverse_rms[step]
             if needs_wi_0 or needs_wi_1:
-                normed = norm_weight * normalized.to(_normalized_dtype(x, norm_weight))
+                normed = norm_weight * _normalized(x[step], inverse_rms[step], norm_weight)  # the linears' input
                 if needs_wi_0:
                     accumulators["wi_0"].addmm_(grad_gate.T.float(), normed.float())
                 if needs_wi_1:
@@ -300,13 +307,12 @@ class _GatedFeedForwardFunction(torch.autograd.Function):
                 del normed
             grad_normed = torch.addmm(grad_gate @ wi_0, grad_value, wi_1)  # ∂(RMSNorm output)
             del grad_gate, grad_value
+            grad_x_step, grad_norm_step = _rms_norm_backward(grad_normed, x[step], inverse_rms[step], norm_weight,
+                                                             needs_x, needs_norm)
             if needs_norm:
-                products = grad_normed * normalized.to(_normalized_dtype(x, norm_weight))
-                accumulators["norm"] += products.sum(0)
-            if needs_x:  # as `_RMSNormFunction.backward`
-                grad_normalized = (grad_normed * norm_weight).to(torch.float32)
-                mean = (grad_normalized * normalized).mean(-1, keepdim=True)
-                grad_x[step] = inverse_rms[step] * (grad_normalized - normalized * mean)
+                accumulators["norm"] += grad_norm_step
+            if needs_x:
+                grad_x[step] = grad_x_step
         weights = {"wi_0": wi_0, "wi_1": wi_1, "wo": wo, "norm": norm_weight}
         grads = {name: accumulator.to(weights[name].dtype) for name, accumulator in accumulators.items()}
         return (None if grad_x is None else grad_x.reshape(hidden_states.shape), grads.get("norm"), None,
