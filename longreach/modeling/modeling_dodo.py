@@ -1107,7 +1107,8 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
         token_mask = self._full_attention_mask(
             "attention_mask", attention_mask, batch, past_tokens + length, reference.device
         )
-        check_rows_not_empty("attention_mask", token_mask)
+        if cache is None:  # later steps only append the model's own tokens (and a check would sync with the host)
+            check_rows_not_empty("attention_mask", token_mask)
         new_token_mask = token_mask[:, past_tokens:]
 
         prepend_soft = False
@@ -1224,6 +1225,8 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
         cache = past_key_values if isinstance(past_key_values, DodoCache) and past_key_values.started else None
         seen = cache.seen_tokens if cache is not None else 0
         new_ids = input_ids[:, seen:]
+        if cache is not None:  # the nuggets are in the cache since the first step: no per-step checks or copies
+            nuggets = None
         if nuggets is not None and nuggets.batch_size != batch:  # beams / num_return_sequences expanded the prompt
             self._check_nuggets(nuggets, batch, allow_multiple=True)
             nuggets = nuggets.repeat_interleave(batch // nuggets.batch_size)

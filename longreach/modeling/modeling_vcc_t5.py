@@ -472,11 +472,13 @@ class VCCT5Encoder(nn.Module):
         mean_mask = (fine_mask.sum(-1) > 0).float()
         mean_positions = torch.round(fine_positions.float().mean(-1)).long()  # round half to even, as torch.round
 
+        device = hidden_states.device  # made there, not copied from the host (a copy would wait for the device)
         duplicates = torch.cat([
-            torch.ones(batch, num_refined * k), torch.full((batch, num_coarse), float(k)), torch.ones(batch, slots)
-        ], dim=1).to(hidden_states.device)
+            torch.ones(batch, num_refined * k, device=device), torch.full((batch, num_coarse), float(k), device=device),
+            torch.ones(batch, slots, device=device),
+        ], dim=1)
         log_duplicates = torch.log(duplicates + 1e-4) if config.scale_correction else None
-        ones_for_slots = torch.ones(batch, slots, device=hidden_states.device)
+        ones_for_slots = torch.ones(batch, slots, device=device)
         info = {name: [] for name in ("selection_scores", "fine_block_indices", "coarse_block_indices", "explored",
                                       "compressed_hidden_states")}
 
