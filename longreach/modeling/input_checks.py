@@ -17,7 +17,7 @@ def describe(tensor: torch.Tensor) -> str:
 def check_token_ids(name: str, ids: torch.Tensor | None, *, allow_empty: bool = False, vocab_size: int | None = None,
                     ignore_index: int | None = None) -> None:
     """``ids`` must be a 2-D integer tensor ``[batch, length]`` with length > 0, and with ``vocab_size`` every id in
-    ``[0, vocab_size)`` (``ignore_index`` excepted: -100 in labels). The range costs one min/max."""
+    ``[0, vocab_size)`` (``ignore_index`` excepted: -100 in labels). The range check reads one flag back."""
     if ids is None:
         return
     if not isinstance(ids, torch.Tensor):
@@ -33,8 +33,8 @@ def check_token_ids(name: str, ids: torch.Tensor | None, *, allow_empty: bool = 
         raise ValueError(f"`{name}` must hold at least one sequence of at least one token, got {describe(ids)}.")
     if vocab_size is not None and ids.numel() > 0 and not torch.compiler.is_compiling():  # data-dependent: eager only
         values = ids if ignore_index is None else ids.masked_fill(ids == ignore_index, 0)
-        low, high = (int(value) for value in torch.aminmax(values))
-        if low < 0 or high >= vocab_size:
+        if bool(((values < 0) | (values >= vocab_size)).any()):  # one read-back (host sync on an accelerator)
+            low, high = (int(value) for value in torch.aminmax(values))
             ignored = f" (besides {ignore_index}, which marks ignored positions)" if ignore_index is not None else ""
             raise ValueError(
                 f"`{name}` holds the token id {low if low < 0 else high}, outside this model's vocabulary: ids must be "
@@ -59,8 +59,9 @@ def check_rows_not_empty(name: str, mask: torch.Tensor | None) -> None:
     """Every row of an attention mask must keep at least one real token."""
     if mask is None or torch.compiler.is_compiling():  # data-dependent: checked in eager mode only
         return
-    empty = (mask.sum(dim=-1) == 0).nonzero().flatten().tolist()
-    if empty:
+    empty_rows = mask.sum(dim=-1) == 0
+    if bool(empty_rows.any()):  # one read-back; the rows are listed only for the error
+        empty = empty_rows.nonzero().flatten().tolist()
         raise ValueError(
             f"`{name}` has rows with no real token (rows {empty} are all zeros); every sequence needs at least one "
             "token: drop those rows."
