@@ -66,13 +66,13 @@ def train(kind: str, output_dir: Path, processes: int) -> list[float]:
     except subprocess.TimeoutExpired:
         # torchrun starts its workers in sessions of their own, so they are signalled one by one, workers first (the
         # list is taken once: a worker whose agent has died is no longer its descendant)
-        processes = [*descendants(process.pid), process.pid]
-        for pid in processes:
+        pids = [*descendants(process.pid), process.pid]
+        for pid in pids:
             signal_quietly(pid, signal.SIGABRT)
         try:
             stdout, stderr = process.communicate(timeout=60)
         except subprocess.TimeoutExpired:
-            for pid in processes:
+            for pid in pids:
                 signal_quietly(pid, signal.SIGKILL)
             stdout, stderr = process.communicate()
         pytest.fail(f"{' '.join(command[1:])} did not finish in 300 s; stacks of its processes:\n{stderr[-12000:]}")
