@@ -683,7 +683,8 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
         if not slots:
             return decoder_part[:, None]
         bias = nugget_scores if self.config.score_in_forward else nugget_scores - nugget_scores.detach()
-        nugget_part = torch.where(nugget_visible, bias.to(dtype), torch.tensor(minimum, dtype=dtype, device=device))
+        # a Python scalar, not torch.tensor(minimum, device=...): that is a blocking host-to-device copy every step
+        nugget_part = bias.to(dtype).masked_fill(~nugget_visible, minimum)
         nugget_part = nugget_part[:, None, :].expand(batch, query_length, slots)
         return torch.cat([nugget_part, decoder_part], dim=-1)[:, None]
 

@@ -416,7 +416,9 @@ class BidirectionalS4DConvolution(Float32ParametersModule):
         if self._records_kernel_graph():
             # the discretisation's graph (a dozen [H, N/2] tensors, some complex128: 21 MB per layer at the released
             # size, whatever the length) is recomputed in the backward pass instead of kept
-            dtA, z, C_hat = torch.utils.checkpoint.checkpoint(self._discretized, channels, use_reentrant=False)
+            # (deterministic: no RNG state to stash and restore, which costs CPU tensors on every call)
+            dtA, z, C_hat = torch.utils.checkpoint.checkpoint(self._discretized, channels, use_reentrant=False,
+                                                              preserve_rng_state=False)
             return _S4DKernel.apply(dtA, z, C_hat, length, self.kernel_chunk_size)
         dtA, z, C_hat = self._discretized(channels)
         return s4d_kernel(dtA, z, C_hat, length, self.kernel_chunk_size)

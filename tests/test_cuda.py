@@ -1,0 +1,171 @@
+"""The three models on a CUDA device (skipped where there is none, as transformers' `@require_torch_accelerator` tests
+are): float32 outputs equal the CPU's, a training step and `generate()` run in float32 and bfloat16 with no operation on
+a CPU tensor, a decoding step after the first never waits for the device, and `from_pretrained(device_map="cuda",
+dtype=torch.bfloat16)` keeps LOCOST's SSM parameters in float32.
+
+"Waits for the device" is what `torch.cuda.set_sync_debug_mode` reports: reading a value back (`.item()`, `bool()`,
+`nonzero`), and any copy between host and device that is not `non_blocking`. The CPU suite counts the first kind on a
+CPU (`test_model_contract.py`); only a GPU shows the second.
+"""
+
+from __future__ import annotations
+
+import os
+import traceback
+import warnings
+
+import pytest
+import torch
+from test_model_contract import KINDS, ModelTester
+from torch.utils._python_dispatch import TorchDispatchMode
+from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+class CPUTensorOps(TorchDispatchMode):
+    """The ops that read or write a CPU tensor holding data (a 0-d CPU tensor is a scalar that CUDA kernels take by
+    value; an empty one moves nothing), each as ``"op at file:line"`` of the innermost caller outside torch.
+    ``ours()``: all but those of transformers' generation loop itself (its beam search builds a mask on the CPU)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        tensors = [t for t in torch.utils._pytree.tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor)]
+        if any(t.device.type == "cpu" and t.dim() > 0 and t.numel() > 0 for t in tensors):
+            callers = [frame for frame in traceback.extract_stack()[:-1]
+                       if f"{os.sep}torch{os.sep}" not in frame.filename and frame.filename != __file__]
+            where = f"{callers[-1].filename}:{callers[-1].lineno}" if callers else "?"
+            self.ops.append(f"{func._overloadpacket.__name__} at {where}")
+        return out
+
+    def ours(self) -> list[str]:
+        return [op for op in self.ops if f"transformers{os.sep}generation{os.sep}" not in op]
+
+
+def on_cuda(tester: ModelTester, dtype=torch.float32):
+    model = tester.model.to(device="cuda", dtype=dtype)
+    inputs = {name: tensor.cuda() for name, tensor in tester.inputs().items()}
+    return model, inputs
+
+
+def training_inputs(tester: ModelTester, inputs: dict) -> dict:
+    inputs = dict(inputs)
+    if tester.is_seq2seq:
+        inputs["labels"] = torch.randint(3, tester.vocab_size, (2, 4), device="cuda")
+    else:
+        inputs["labels"] = inputs["input_ids"]
+    return inputs
+
+
+@pytest.fixture(params=KINDS)
+def tester(request) -> ModelTester:
+    return ModelTester(request.param)
+
+
+def test_float32_outputs_equal_the_cpu(tester):
+    inputs = training_inputs(tester, {k: v.cuda() for k, v in tester.inputs().items()})
+    with torch.no_grad():
+        cpu = tester.model(**{k: v.cpu() for k, v in inputs.items()})
+        model, _ = on_cuda(tester)
+        cuda = model(**inputs)
+    assert cuda.logits.device.type == "cuda"
+    torch.testing.assert_close(cuda.logits.cpu(), cpu.logits, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(cuda.loss.cpu(), cpu.loss, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_training_step_runs_no_op_on_the_cpu(tester, dtype):
+    model, inputs = on_cuda(tester, dtype)
+    model.train()
+    inputs = training_inputs(tester, inputs)
+    with CPUTensorOps() as recorder:
+        loss = model(**inputs).loss
+        loss.backward()
+    assert recorder.ops == [], f"{tester.kind}: ops on CPU tensors in a training step: {sorted(set(recorder.ops))}"
+    assert torch.isfinite(loss)
+    grads = [p.grad for p in model.parameters() if p.grad is not None]  # Dodo: the adapters of the roles that ran
+    assert grads and all(g.device.type == "cuda" and torch.isfinite(g).all() for g in grads)
+
+
+@pytest.mark.parametrize("num_beams", [1, 2])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_decoding_steps_run_on_the_device_without_waiting_for_it(tester, dtype, num_beams):
+    # Every model call of generate() after the first (the prefill / encoder / compression) runs with the sync debug
+    # mode on "error": a read-back or a blocking host<->device copy inside it raises.
+    model, inputs = on_cuda(tester, dtype)
+    calls = []
+
+    def before(module, args, kwargs):
+        calls.append(1)
+        if len(calls) > 1:
+            torch.cuda.set_sync_debug_mode("error")
+
+    def after(module, args, kwargs, output):
+        torch.cuda.set_sync_debug_mode("default")
+
+    hooks = [model.register_forward_pre_hook(before, with_kwargs=True),
+             model.register_forward_hook(after, with_kwargs=True)]
+    try:
+        with torch.no_grad(), CPUTensorOps() as recorder:
+            out = model.generate(**inputs, max_new_tokens=6, min_new_tokens=6, do_sample=False, num_beams=num_beams)
+    finally:
+        for hook in hooks:
+            hook.remove()
+        torch.cuda.set_sync_debug_mode("default")
+    assert len(calls) >= 6 and out.device.type == "cuda"
+    assert recorder.ours() == [], f"{tester.kind}: ops on CPU tensors in generate(): {sorted(set(recorder.ours()))}"
+
+
+def test_generate_syncs_per_step_no_more_than_transformers_models(tester):
+    """All of generate()'s syncs (its own per-step check included), per new token, as sync debug warnings."""
+    from transformers import LlamaConfig, LlamaForCausalLM, T5Config, T5ForConditionalGeneration
+
+    def syncs_per_new_token(model, inputs):
+        counts = []
+        for new_tokens in (4, 12):
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    model.generate(**inputs, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+            counts.append(sum("synchroniz" in str(w.message) for w in caught))
+        return (counts[1] - counts[0]) / 8
+
+    model, inputs = on_cuda(tester)
+    torch.manual_seed(0)
+    if tester.is_seq2seq:
+        peer = T5ForConditionalGeneration(T5Config(vocab_size=tester.vocab_size, d_model=32, d_kv=8, d_ff=64,
+                                                   num_layers=2, num_heads=4, decoder_start_token_id=0))
+    else:
+        peer = LlamaForCausalLM(LlamaConfig(vocab_size=tester.vocab_size, hidden_size=32, intermediate_size=64,
+                                            num_hidden_layers=2, num_attention_heads=4))
+    peer = peer.cuda().eval()
+    ours = syncs_per_new_token(model, inputs)
+    theirs = syncs_per_new_token(peer, {"input_ids": inputs["input_ids"]})
+    print(f"{tester.kind}: {ours} syncs per decoding step; transformers' {type(peer).__name__}: {theirs}")
+    assert theirs >= 1  # generate()'s own check is seen
+    assert ours <= theirs
+
+
+def test_from_pretrained_to_cuda_in_bfloat16(tester, tmp_path):
+    tester.model.save_pretrained(tmp_path)
+    auto = AutoModelForSeq2SeqLM if tester.is_seq2seq else AutoModelForCausalLM
+    model = auto.from_pretrained(tmp_path, device_map="cuda", dtype=torch.bfloat16).eval()
+    assert {p.device.type for p in model.parameters()} == {"cuda"}
+    ssm = [module for name, module in model.named_modules() if name.endswith("ssm.conv")]
+    assert all(p.dtype == torch.float32 for module in ssm for p in module.parameters())  # kept in float32
+    if tester.kind == "locost":
+        assert ssm
+    assert model.get_input_embeddings().weight.dtype == torch.bfloat16
+    inputs = {name: tensor.cuda() for name, tensor in tester.inputs().items()}
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=4, min_new_tokens=4, do_sample=False)
+    assert out.device.type == "cuda" and out.shape[0] == 2
