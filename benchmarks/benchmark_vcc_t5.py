@@ -4,7 +4,8 @@ VCC: 4 vanilla layers on 512-token segments + 8 VCC layers, blocks of 16, 90 ref
 (the paper's QA setting; VIPs = the first 5 tokens). Both encoders have 12 layers of a small T5 (d_model 64, 4 heads
 of 16, d_ff 128, relu) and the *same* random weights (the T5 encoder's state dict is loaded into the VCC encoder;
 parameter names are identical). Each (model, length) cell runs in a fresh subprocess so that its peak RSS
-(``ru_maxrss``, whole process, including ~250 MiB of Python + torch) is its own. Batch 1, float32, ``torch.no_grad()``,
+(``ru_maxrss``, whole process, including ~250 MiB of Python + torch) is its own; with ``--device cuda`` the memory is
+the CUDA allocator's peak above the weights and inputs. Batch 1, float32 (``--dtype``), ``torch.no_grad()``,
 eval, the default attention implementation (sdpa) unless ``--attn eager``; time = median of ``--repeats`` forwards
 after one warm-up (T5 at >= 16K tokens: a single forward, no warm-up, because one forward takes minutes).
 
@@ -31,7 +32,8 @@ VCC = dict(num_vanilla_layers=4, segment_length=512, block_size=16, num_refined_
 NUM_VIP = 5
 
 
-def run_cell(model: str, length: int, threads: int, repeats: int, attention: str) -> dict:
+def run_cell(model: str, length: int, threads: int, repeats: int, attention: str, device: str = "cpu",
+             dtype: str = "float32") -> dict:
     import resource
 
     import torch
@@ -39,6 +41,7 @@ def run_cell(model: str, length: int, threads: int, repeats: int, attention: str
 
     torch.set_num_threads(threads)
     torch.manual_seed(0)
+    device = torch.device(device)
     t5_config = T5Config(**SIZES)
     t5_config._attn_implementation = attention
     t5 = T5EncoderModel(t5_config).eval()
@@ -65,7 +68,17 @@ def run_cell(model: str, length: int, threads: int, repeats: int, attention: str
         encoder = t5
     else:
         raise ValueError(f"unknown model {model!r}")
+    encoder = encoder.to(device=device, dtype=getattr(torch, dtype))
+    inputs = {name: tensor.to(device) for name, tensor in inputs.items()}
 
+    def synchronize():
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    if device.type == "cuda":  # the allocator's peak above the weights and inputs
+        synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        cuda_before = torch.cuda.memory_allocated()
     rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     warmup = 0 if (model == "t5" and length >= 16384) else 1
     if warmup == 0:
@@ -73,13 +86,18 @@ def run_cell(model: str, length: int, threads: int, repeats: int, attention: str
     times = []
     with torch.no_grad():
         for index in range(warmup + repeats):
+            synchronize()
             start = time.perf_counter()
             output = encoder(**inputs).last_hidden_state
+            synchronize()
             if index >= warmup:
                 times.append(time.perf_counter() - start)
     assert output.shape == (1, length, SIZES["d_model"]) and torch.isfinite(output).all()
+    if device.type == "cuda":
+        extra["peak_cuda_above_start_mib"] = (torch.cuda.max_memory_allocated() - cuda_before) / 2**20
     return {
-        "model": model, "length": length, "attention": attention, "threads": threads,
+        "model": model, "length": length, "attention": attention, "threads": threads, "device": str(device),
+        "dtype": dtype,
         "seconds_median": statistics.median(times), "seconds_min": min(times), "runs": len(times),
         "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "rss_before_mib": rss_before,
         **extra,
@@ -88,7 +106,7 @@ def run_cell(model: str, length: int, threads: int, repeats: int, attention: str
 
 def run_in_subprocess(model: str, length: int, args) -> dict:
     command = [sys.executable, __file__, "--cell", model, str(length), "--threads", str(args.threads),
-               "--repeats", str(args.repeats), "--attn", args.attn]
+               "--repeats", str(args.repeats), "--attn", args.attn, "--device", args.device, "--dtype", args.dtype]
     started = time.perf_counter()
     try:
         result = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout)
@@ -103,9 +121,14 @@ def run_in_subprocess(model: str, length: int, args) -> dict:
 
 
 def table(cells: list[dict]) -> str:
+    """Memory: the process's peak RSS on a CPU; on a GPU, the CUDA allocator's peak above the weights and inputs."""
     by_key = {(cell["model"], cell["length"]): cell for cell in cells}
+    cuda = any("peak_cuda_above_start_mib" in cell for cell in cells)
+    memory_key, memory_name = ("peak_cuda_above_start_mib", "peak CUDA above weights") if cuda else (
+        "peak_rss_mib", "peak RSS")
     lines = [
-        "| tokens | VCC time (s) | VCC peak RSS (MiB) | VCC r | T5 time (s) | T5 peak RSS (MiB) | T5 / VCC time | T5 / VCC memory |",
+        f"| tokens | VCC time (s) | VCC {memory_name} (MiB) | VCC r | T5 time (s) | T5 {memory_name} (MiB) | "
+        "T5 / VCC time | T5 / VCC memory |",
         "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for length in sorted({cell["length"] for cell in cells}):
@@ -121,11 +144,11 @@ def table(cells: list[dict]) -> str:
         ratio_time = ratio_memory = "-"
         if vcc and t5 and "error" not in vcc and "error" not in t5:
             ratio_time = f"{t5['seconds_median'] / vcc['seconds_median']:.1f}x"
-            ratio_memory = f"{t5['peak_rss_mib'] / vcc['peak_rss_mib']:.1f}x"
+            ratio_memory = f"{t5[memory_key] / vcc[memory_key]:.1f}x"
         lines.append(
-            f"| {length} | {fmt(vcc, 'seconds_median')} | {fmt(vcc, 'peak_rss_mib', 0)} | "
+            f"| {length} | {fmt(vcc, 'seconds_median')} | {fmt(vcc, memory_key, 0)} | "
             f"{vcc.get('compressed_length', '-') if vcc else '-'} | {fmt(t5, 'seconds_median')} | "
-            f"{fmt(t5, 'peak_rss_mib', 0)} | {ratio_time} | {ratio_memory} |"
+            f"{fmt(t5, memory_key, 0)} | {ratio_time} | {ratio_memory} |"
         )
     return "\n".join(lines)
 
@@ -138,11 +161,14 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--attn", choices=["sdpa", "eager"], default="sdpa")
     parser.add_argument("--timeout", type=int, default=1800, help="Seconds per cell.")
+    parser.add_argument("--device", default="cpu", help="cpu, cuda, ...")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--json", default=None, help="Also write the cells to this file.")
     parser.add_argument("--cell", nargs=2, metavar=("MODEL", "LENGTH"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.cell:
-        print(json.dumps(run_cell(args.cell[0], int(args.cell[1]), args.threads, args.repeats, args.attn)))
+        print(json.dumps(run_cell(args.cell[0], int(args.cell[1]), args.threads, args.repeats, args.attn, args.device,
+                                  args.dtype)))
         return
     cells = []
     for model, lengths in (("vcc", args.vcc_lengths), ("t5", args.t5_lengths)):

@@ -22,6 +22,10 @@ multiply-adds. Ratios in the report come from cells of the same run.
 The VCC-T5 and Dodo suites run ``benchmark_vcc_t5.py`` (VCC-T5 vs T5) and ``benchmark_dodo.py`` (Dodo vs Llama with the
 full cache, and the training-memory comparison) and include their tables.
 
+On a GPU, ``--in_process`` runs the cells one after another in this process (the CUDA allocator's peak is reset
+before each cell and its cache emptied after it; CUDA start-up and imports are paid once): it is for device time that
+is short; memory figures stay per cell, but kernels compiled or tuned by an earlier cell are not timed again.
+
 Results are appended to ``cells.jsonl`` as each cell finishes; a rerun skips the cells already there (delete the file,
 or pass ``--fresh``, to measure again). ``--quick`` uses tiny models and lengths (a smoke run, not a measurement).
 
@@ -30,6 +34,7 @@ Usage::
     python benchmarks/run_all.py                                   # everything, CPU, 1K..64K (hours)
     python benchmarks/run_all.py --suites locost --tasks encode --lengths 1024 4096 16384
     python benchmarks/run_all.py --device cuda --dtype bfloat16 --out benchmarks/results/cuda-bf16
+    python benchmarks/run_all.py --device cuda --in_process --cells_only --out /tmp/cells   # a short GPU lease
     python benchmarks/run_all.py --quick                           # tiny smoke run (about a minute)
 """
 
@@ -157,10 +162,12 @@ def peak_tensor_bytes(run, device) -> tuple[int | None, str, int | None]:
     return peak, "cpu allocator total (profiler)", rss_above
 
 
-def matmul_seconds(flops: float, dtype, device, size: int = 1024) -> float:
-    """Time of plain [size, size] @ [size, size] matmuls, scaled to ``flops``."""
+def matmul_seconds(flops: float, dtype, device, size: int | None = None) -> float:
+    """Time of plain [size, size] @ [size, size] matmuls, scaled to ``flops`` (size 1024 on a CPU; 4096 on a GPU,
+    where a 1024 product is too short to fill the device)."""
     import torch
 
+    size = size or (1024 if torch.device(device).type == "cpu" else 4096)
     a = torch.randn(size, size, dtype=dtype, device=device)
     b = torch.randn(size, size, dtype=dtype, device=device)
     repeats = max(2, min(200, round(flops / (2 * size**3))))
@@ -171,6 +178,26 @@ def matmul_seconds(flops: float, dtype, device, size: int = 1024) -> float:
         a @ b
     synchronize(device)
     return (time.perf_counter() - start) * flops / (repeats * 2 * size**3)
+
+
+def machine_description(device) -> str:
+    """Where a cell ran: the platform, the CPU count, the GPU's name, torch and transformers versions."""
+    import torch
+    import transformers
+
+    text = f"{platform.platform()}, {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs"
+    if torch.device(device).type == "cuda":
+        text += f", {torch.cuda.get_device_name(device)}"
+    return text + f"; torch {torch.__version__}, transformers {transformers.__version__}"
+
+
+def roofline_gflops(dtype, device) -> float:
+    """GFLOP/s of 20 plain square matmuls of ``matmul_seconds``'s size."""
+    import torch
+
+    size = 1024 if torch.device(device).type == "cpu" else 4096
+    flops = 20 * 2 * size**3
+    return flops / matmul_seconds(flops, dtype, device, size) / 1e9
 
 
 def synchronize(device) -> None:
@@ -210,7 +237,9 @@ def run_cell(cell: dict) -> dict:
     sizes = TINY if cell["quick"] else RELEASED
     device, dtype = torch.device(cell["device"]), getattr(torch, cell["dtype"])
     task, length = cell["task"], cell["length"]
-    model = build_model(cell["model"], sizes, length).to(device=device, dtype=dtype)
+    with device:  # initialised where it runs (a GPU initialises the 250M parameters in a fraction of the time)
+        model = build_model(cell["model"], sizes, length)
+    model = model.to(dtype=dtype)
     input_ids = torch.randint(3, sizes["vocab_size"], (1, length), device=device)
     labels = torch.randint(3, sizes["vocab_size"], (1, sizes["summary_length"]), device=device)
     ssm_layers = [module for module in model.modules() if hasattr(module, "clear_kernel_cache")]
@@ -272,8 +301,9 @@ def run_cell(cell: dict) -> dict:
         "peak_rss_above_start_bytes": rss_above,
         "parameter_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
         "threads_used": torch.get_num_threads(),
-        # the roofline, in this process: GFLOP/s of plain [1024, 1024] matmuls
-        "matmul_gflops": 20 * 2 * 1024**3 / matmul_seconds(20 * 2 * 1024**3, dtype, device) / 1e9,  # 20 matmuls
+        "machine": machine_description(device),
+        # the roofline, in this process: GFLOP/s of plain square matmuls (1024 on a CPU, 4096 on a GPU)
+        "matmul_gflops": roofline_gflops(dtype, device),
     }
     if cell["model"] == "locost" and task == "encode":
         result.update(kernel_versus_matmul(model, length, device=device, dtype=dtype))
@@ -315,15 +345,32 @@ def run_in_subprocess(cell: dict, timeout: int) -> dict:
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
-def run_counted_cell(cell: dict, timeout: int) -> dict:
+def run_here(cell: dict) -> dict:
+    """``run_cell`` in this process (``--in_process``): an error, out of memory included, becomes the cell's
+    ``error``, and the allocator's cache is emptied after every cell."""
+    import torch
+
+    try:
+        return run_cell(cell)
+    except Exception as error:  # noqa: BLE001  (reported in the cell, as a subprocess's failure is)
+        return {**cell, "error": f"{type(error).__name__}: {str(error).splitlines()[0][:300] if str(error) else ''}"}
+    finally:
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+def run_counted_cell(cell: dict, timeout: int, in_process: bool = False) -> dict:
     """The cell's time and memory (one process), then its matmul FLOPs (``torch.utils.flop_counter``, another
-    process, so that a count that runs out of memory loses only the FLOP figures) and the achieved GFLOP/s."""
-    result = run_in_subprocess(cell, timeout)
+    process, so that a count that runs out of memory loses only the FLOP figures) and the achieved GFLOP/s.
+    ``in_process``: both in this process, one after the other (``timeout`` is not enforced)."""
+    run = run_here if in_process else (lambda c: run_in_subprocess(c, timeout))
+    result = run(cell)
     if "error" in result:
         return result
     if cell.get("skip_flops"):
         return result
-    counted = run_in_subprocess({**cell, "count_flops": True}, timeout)
+    counted = run({**cell, "count_flops": True})
     if "error" in counted:
         return {**result, "flops_error": counted["error"]}
     flops = counted["flops"]
@@ -336,7 +383,8 @@ def run_counted_cell(cell: dict, timeout: int) -> dict:
 
 def locost_cells(args) -> list[dict]:
     common = dict(suite="locost", device=args.device, dtype=args.dtype, quick=args.quick, repeats=args.repeats,
-                  threads=args.threads, **({"skip_flops": True} if args.skip_flops else {}))
+                  threads=args.threads, **({"skip_flops": True} if args.skip_flops else {}),
+                  **({"in_process": True} if args.in_process else {}))
     cells = [dict(common, model=model, task=task, length=length)
              for task in args.tasks if task != "scale" for length in args.lengths for model in args.models]
     if "scale" in args.tasks and "locost" in args.models:
@@ -471,6 +519,12 @@ def parse_args(argv=None):
     parser.add_argument("--report_only", action="store_true",
                         help="Run nothing: rewrite the report and plots from every cell already in --out (cells of "
                              "several runs, e.g. lengths or tasks run separately).")
+    parser.add_argument("--in_process", action="store_true",
+                        help="Run the cells in this process, one after the other (a GPU lease that is short; see the "
+                             "module's docstring). --timeout is then not enforced.")
+    parser.add_argument("--cells_only", action="store_true",
+                        help="Measure the LOCOST suite's cells into --out/cells.jsonl and stop: no report, plots or "
+                             "script suites (write them later with --report_only).")
     parser.add_argument("--cell", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     args.lengths = args.lengths or (QUICK_LENGTHS if args.quick else DEFAULT_LENGTHS)
@@ -497,18 +551,28 @@ def main(argv=None) -> Path:
             report.unlink()
     done = {cell_key(cell) for cell in load_cells(results) if "error" not in cell}
     if "locost" in args.suites and not args.report_only:
+        if args.in_process and args.device.startswith("cuda"):
+            import torch  # CUDA context, cuBLAS handle and workspace: not part of the first cell's time or memory
+
+            roofline_gflops(getattr(torch, args.dtype), args.device)
         for cell in locost_cells(args):
             if cell_key(cell) in done:
                 continue
-            result = run_counted_cell(cell, args.timeout)
+            result = run_counted_cell(cell, args.timeout, in_process=args.in_process)
             append_cell(results, result)
             print(json.dumps(result), flush=True)
-    sections = [f"# Benchmarks\n\n{platform.platform()}, {platform.processor() or platform.machine()}, "
-                f"{os.cpu_count()} CPUs; device {args.device}, {args.dtype}{', quick (tiny models)' if args.quick else ''}."
-                " Regenerate: `python benchmarks/run_all.py " + " ".join(sys.argv[1:] if argv is None else argv) + "`.\n"]
+    if args.cells_only:
+        print(f"cells in {results}; write the report with --report_only")
+        return results
     keys = {cell_key(cell) for cell in locost_cells(args)}
     cells = [cell for cell in load_cells(results)
              if (cell.get("suite") == "locost" if args.report_only else cell_key(cell) in keys)]
+    # the machine the cells ran on (recorded in each cell; older cells did not record it: then this machine's)
+    machines = sorted({cell["machine"] for cell in cells if "machine" in cell}) or [
+        f"{platform.platform()}, {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs"]
+    sections = [f"# Benchmarks\n\n{' / '.join(machines)}; device {args.device}, {args.dtype}"
+                f"{', quick (tiny models)' if args.quick else ''}."
+                " Regenerate: `python benchmarks/run_all.py " + " ".join(sys.argv[1:] if argv is None else argv) + "`.\n"]
     if cells:
         sections.append("## LOCOST vs LongT5, LED, T5\n\n" + markdown(cells))
         plot(cells, out)
