@@ -66,3 +66,17 @@ def test_chunked_path_only_without_autograd_and_above_the_threshold(monkeypatch)
 def test_encoder_chunk_length_is_validated():
     with pytest.raises(ValueError, match="encoder_chunk_length.*got 0"):
         LocostConfig(**TINY, encoder_chunk_length=0)
+    with pytest.raises(ValueError, match="encoder_accelerator_chunk_length.*got -1"):
+        LocostConfig(**TINY, encoder_accelerator_chunk_length=-1)
+
+
+def test_accelerators_use_their_own_piece_length():
+    # each piece and channel group costs launches that a GPU waits for: pieces of 2048 made a 16K-token encode 4.3x
+    # slower on an H200 than one piece (benchmarks/results/cuda-bf16)
+    encoder = tiny_encoder(encoder_chunk_length=8, encoder_accelerator_chunk_length=None)
+    assert encoder.piece_length(torch.device("cpu")) == 8
+    assert encoder.piece_length(torch.device("cuda")) is None
+    encoder.accelerator_chunk_length = 64
+    assert encoder.piece_length(torch.device("cuda", 1)) == 64
+    assert encoder.piece_length(torch.device("mps")) == 64
+    assert LocostConfig(**TINY).encoder_accelerator_chunk_length == 32768

@@ -138,6 +138,12 @@ class LocostEncoder(nn.Module):
         self.final_layer_norm = T5LayerNorm(config.d_model, eps=config.layer_norm_epsilon)
         self.dropout = Dropout(config.dropout_rate)
         self.chunk_length = config.encoder_chunk_length
+        self.accelerator_chunk_length = config.encoder_accelerator_chunk_length
+
+    def piece_length(self, device: torch.device) -> int | None:
+        """Positions per piece of the long-input path for inputs on ``device`` (None: one piece): the CPU's
+        ``encoder_chunk_length`` or the accelerators' ``encoder_accelerator_chunk_length``."""
+        return self.chunk_length if device.type == "cpu" else self.accelerator_chunk_length
 
     def forward(
         self,
@@ -169,16 +175,17 @@ class LocostEncoder(nn.Module):
         hidden_states = self.dropout(inputs_embeds)
         all_hidden = [] if output_hidden_states else None
         length = hidden_states.shape[1]
-        if self.chunk_length is not None and length > self.chunk_length and not torch.is_grad_enabled():
+        piece_length = self.piece_length(hidden_states.device)
+        if piece_length is not None and length > piece_length and not torch.is_grad_enabled():
             # long input: pieces written in place (see LocostConfig.encoder_chunk_length)
             if callers_embeddings and hidden_states is inputs_embeds:
                 hidden_states = hidden_states.clone()  # never write into the caller's tensor
             for block in self.block:
                 if all_hidden is not None:
                     all_hidden.append(hidden_states.clone())
-                block.forward_in_pieces_(hidden_states, attention_mask, self.chunk_length)
-            for start in range(0, length, self.chunk_length):
-                piece = slice(start, start + self.chunk_length)
+                block.forward_in_pieces_(hidden_states, attention_mask, piece_length)
+            for start in range(0, length, piece_length):
+                piece = slice(start, start + piece_length)
                 hidden_states[:, piece] = self.dropout(self.final_layer_norm(hidden_states[:, piece]))
         else:
             for block in self.block:
