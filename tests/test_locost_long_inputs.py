@@ -72,7 +72,7 @@ def test_encoder_chunk_length_is_validated():
 
 def test_accelerators_use_their_own_piece_length():
     # each piece and channel group costs launches that a GPU waits for: pieces of 2048 made a 16K-token encode 4.3x
-    # slower on an H200 than one piece (benchmarks/results/cuda-bf16)
+    # slower on an H200 than one piece (benchmarks/results/cuda.md)
     encoder = tiny_encoder(encoder_chunk_length=8, encoder_accelerator_chunk_length=None)
     assert encoder.piece_length(torch.device("cpu")) == 8
     assert encoder.piece_length(torch.device("cuda")) is None
