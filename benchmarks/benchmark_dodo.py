@@ -71,20 +71,34 @@ def run(lengths: list[int], steps: int, rounds: int, warmup: int, device: str) -
     import longreach  # noqa: F401
     from longreach import DodoLlamaConfig, DodoLlamaForCausalLM
 
+    def synchronize():
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+
+    def timed(function):
+        # on a GPU the kernels run after the call returns: without the syncs, the prefill's time would be its launches
+        # and the compression's would include the end of the prefill (the first GPU table had that fault)
+        synchronize()
+        start = time.perf_counter()
+        result = function()
+        synchronize()
+        return result, time.perf_counter() - start
+
     torch.manual_seed(0)
     model = DodoLlamaForCausalLM(DodoLlamaConfig(**SIZES)).to(device).eval()
     rows = []
+    with torch.no_grad():  # warm-up of both passes (kernels, allocator), not timed
+        warm = torch.randint(3, SIZES["vocab_size"], (1, 64), device=device)
+        model(warm, use_cache=True, logits_to_keep=1)
+        model.compress(warm)
     for length in lengths:
         context = torch.randint(3, SIZES["vocab_size"], (1, length), device=device)
         prompt = torch.randint(3, SIZES["vocab_size"], (1, PROMPT_LENGTH), device=device)
         token = torch.randint(3, SIZES["vocab_size"], (1, 1), device=device)
         with torch.no_grad():
-            start = time.perf_counter()
-            full = cache_of(model(torch.cat([context, prompt], 1), use_cache=True, logits_to_keep=1))
-            full_prefill = time.perf_counter() - start
-            start = time.perf_counter()
-            nuggets = model.compress(context)
-            compress_time = time.perf_counter() - start
+            full, full_prefill = timed(
+                lambda: cache_of(model(torch.cat([context, prompt], 1), use_cache=True, logits_to_keep=1)))
+            nuggets, compress_time = timed(lambda: model.compress(context))
             dodo = cache_of(model(prompt, nuggets=nuggets, use_cache=True, logits_to_keep=1))
             k = nuggets.mask.shape[1]
             full_mask = torch.ones(1, length + PROMPT_LENGTH + 1, dtype=torch.long, device=device)
@@ -95,13 +109,7 @@ def run(lengths: list[int], steps: int, rounds: int, warmup: int, device: str) -
                     for _ in range(warmup):
                         one_step(model, token, mask, cache)
                     for _ in range(steps):
-                        if device == "cuda":
-                            torch.cuda.synchronize()
-                        start = time.perf_counter()
-                        one_step(model, token, mask, cache)
-                        if device == "cuda":
-                            torch.cuda.synchronize()
-                        times[name].append(time.perf_counter() - start)
+                        times[name].append(timed(lambda: one_step(model, token, mask, cache))[1])
         full_context_bytes = cache_bytes(full, 0, length)
         nugget_bytes = cache_bytes(dodo, 0, k)
         rows.append(
