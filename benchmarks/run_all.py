@@ -572,7 +572,8 @@ def main(argv=None) -> Path:
         f"{platform.platform()}, {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs"]
     sections = [f"# Benchmarks\n\n{' / '.join(machines)}; device {args.device}, {args.dtype}"
                 f"{', quick (tiny models)' if args.quick else ''}."
-                " Regenerate: `python benchmarks/run_all.py " + " ".join(sys.argv[1:] if argv is None else argv) + "`.\n"]
+                " Regenerate: `python benchmarks/run_all.py "
+                + " ".join(sys.argv[1:] if argv is None else argv) + "`.\n"]
     if cells:
         sections.append("## LOCOST vs LongT5, LED, T5\n\n" + markdown(cells))
         plot(cells, out)
