@@ -6,6 +6,9 @@ model prefix, `device_map="auto"` and `torch.compile`.
 
 from __future__ import annotations
 
+import os
+import traceback
+
 import pytest
 import torch
 from test_modeling_dodo import tiny_model as tiny_dodo
@@ -166,6 +169,49 @@ def test_decoding_steps_sync_with_the_host_no_more_than_transformers_models(test
     theirs = host_syncs_per_new_token(peer, peer_inputs, num_beams=num_beams)
     assert theirs >= 1  # the counter sees generate()'s own per-step check
     assert ours <= theirs, f"{tester.kind}: {ours} host syncs per decoding step, transformers' model {theirs}"
+
+
+class TensorsFromPythonValues(TorchDispatchMode):
+    """Where our code makes a tensor from Python values (``torch.tensor(...)``, dispatched as ``lift_fresh``): on a GPU
+    that is a host-to-device copy from pageable memory, which waits for the device. Callers outside longreach (e.g.
+    transformers' cache creating its empty tensors) are not counted."""
+
+    def __init__(self):
+        super().__init__()
+        self.callers: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func._overloadpacket.__name__ in ("lift_fresh", "lift_fresh_copy"):
+            ours = [frame for frame in traceback.extract_stack()[:-1]
+                    if f"{os.sep}longreach{os.sep}" in frame.filename]
+            if ours:
+                self.callers.append(f"{ours[-1].filename}:{ours[-1].lineno}: {ours[-1].line}")
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("num_beams", [1, 2])
+def test_decoding_steps_make_no_tensors_from_python_values(tester, num_beams):
+    # Found on a GPU (tests/test_cuda.py): Dodo built its nugget bias with torch.tensor(minimum, device=...) in every
+    # decoding step, a blocking copy that the read-back counter above does not see. This catches the pattern on a CPU:
+    # model calls after the first (prefill / compression) must not make tensors from Python values.
+    calls, recorder = [], TensorsFromPythonValues()
+
+    def before(module, args, kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            recorder.__enter__()
+
+    hook = tester.model.register_forward_pre_hook(before, with_kwargs=True)
+    try:
+        with torch.no_grad():
+            tester.model.generate(**tester.inputs(), max_new_tokens=4, min_new_tokens=4, do_sample=False,
+                                  num_beams=num_beams)
+    finally:
+        hook.remove()
+        if len(calls) >= 2:
+            recorder.__exit__(None, None, None)
+    assert len(calls) >= 4
+    assert recorder.callers == [], f"{tester.kind}: tensors from Python values in decoding steps: {recorder.callers}"
 
 
 def test_streamer_receives_every_generated_token(tester):
