@@ -23,16 +23,7 @@ import statistics
 import time
 
 import torch
-
-from longreach import LocostConfig, LocostForConditionalGeneration
-
-RELEASED = dict(vocab_size=32100, d_model=768, d_ff=2048, num_layers=12, num_heads=12, d_kv=64, d_state=512,
-                feed_forward_proj="gated-gelu", dropout_rate=0.0)
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
+from run_all import RELEASED, build_model, synchronize  # the released size, as in the suite
 
 
 def measure(encoder, input_ids, repeats: int, device: torch.device) -> tuple[float, int | None, torch.Tensor]:
@@ -75,7 +66,7 @@ def main() -> None:
     device = torch.device(args.device)
     torch.manual_seed(0)
     with device:
-        model = LocostForConditionalGeneration(LocostConfig(**RELEASED))
+        model = build_model("locost", RELEASED, max(args.lengths))
     encoder = model.to(getattr(torch, args.dtype)).eval().get_encoder()
     attribute = "chunk_length" if device.type == "cpu" else "accelerator_chunk_length"  # see LocostEncoder.piece_length
     default_chunk = getattr(encoder, attribute)

@@ -162,12 +162,18 @@ def peak_tensor_bytes(run, device) -> tuple[int | None, str, int | None]:
     return peak, "cpu allocator total (profiler)", rss_above
 
 
-def matmul_seconds(flops: float, dtype, device, size: int | None = None) -> float:
-    """Time of plain [size, size] @ [size, size] matmuls, scaled to ``flops`` (size 1024 on a CPU; 4096 on a GPU,
-    where a 1024 product is too short to fill the device)."""
+def roofline_size(device) -> int:
+    """Side of the square matmuls of the roofline: 1024 on a CPU; 4096 on a GPU, which a 1024 product cannot fill."""
     import torch
 
-    size = size or (1024 if torch.device(device).type == "cpu" else 4096)
+    return 1024 if torch.device(device).type == "cpu" else 4096
+
+
+def matmul_seconds(flops: float, dtype, device) -> float:
+    """Time of plain [size, size] @ [size, size] matmuls (``roofline_size``), scaled to ``flops``."""
+    import torch
+
+    size = roofline_size(device)
     a = torch.randn(size, size, dtype=dtype, device=device)
     b = torch.randn(size, size, dtype=dtype, device=device)
     repeats = max(2, min(200, round(flops / (2 * size**3))))
@@ -192,12 +198,9 @@ def machine_description(device) -> str:
 
 
 def roofline_gflops(dtype, device) -> float:
-    """GFLOP/s of 20 plain square matmuls of ``matmul_seconds``'s size."""
-    import torch
-
-    size = 1024 if torch.device(device).type == "cpu" else 4096
-    flops = 20 * 2 * size**3
-    return flops / matmul_seconds(flops, dtype, device, size) / 1e9
+    """GFLOP/s of 20 plain square matmuls of ``roofline_size``."""
+    flops = 20 * 2 * roofline_size(device) ** 3
+    return flops / matmul_seconds(flops, dtype, device) / 1e9
 
 
 def synchronize(device) -> None:
