@@ -29,8 +29,9 @@ squarings. At the released size on one idle CPU thread the kernel takes about 40
 400 ms at 16K against 16, 64 and 259 ms for a plain matmul of its multiply-adds (``benchmarks/run_all.py`` measures
 the ratio); at 1K about half of it is that matmul and the rest the elementwise work and per-block overhead. Another
 2-core machine with the same matmul speed took 66 ms at 1K on one thread (3.5x its matmul), and with two threads 3.8x
-at 1K, 2.2x at 4K and 1.7x at 16K (``benchmarks/results/kernel_2threads``): the elementwise work does not scale
-like the matmul.
+at 1K, 2.2x at 4K and 1.7x at 16K (``benchmarks/results/kernel_2threads``): there the batched matmul alone took 1.7x
+the plain one at 1K (about 10 FLOPs per byte read, against about 170 for a square matmul: it runs at the speed of
+the caches), and the elementwise powers and per-block ops about as much again.
 
 Training: the convolution is one autograd function (``_FFTConvolution``) that keeps its input and the kernel's
 spectrum for the backward pass (autograd through the FFTs kept the padded input, both spectra and the [H, 2L]
