@@ -16,7 +16,7 @@ import warnings
 
 import pytest
 import torch
-from test_model_contract import KINDS, ModelTester
+from test_model_contract import KINDS, ModelTester, transformers_peer
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
@@ -124,7 +124,6 @@ def test_decoding_steps_run_on_the_device_without_waiting_for_it(tester, dtype, 
 
 def test_generate_syncs_per_step_no_more_than_transformers_models(tester):
     """All of generate()'s syncs (its own per-step check included), per new token, as sync debug warnings."""
-    from transformers import LlamaConfig, LlamaForCausalLM, T5Config, T5ForConditionalGeneration
 
     def syncs_per_new_token(model, inputs):
         counts = []
@@ -140,14 +139,7 @@ def test_generate_syncs_per_step_no_more_than_transformers_models(tester):
         return (counts[1] - counts[0]) / 8
 
     model, inputs = on_cuda(tester)
-    torch.manual_seed(0)
-    if tester.is_seq2seq:
-        peer = T5ForConditionalGeneration(T5Config(vocab_size=tester.vocab_size, d_model=32, d_kv=8, d_ff=64,
-                                                   num_layers=2, num_heads=4, decoder_start_token_id=0))
-    else:
-        peer = LlamaForCausalLM(LlamaConfig(vocab_size=tester.vocab_size, hidden_size=32, intermediate_size=64,
-                                            num_hidden_layers=2, num_attention_heads=4))
-    peer = peer.cuda().eval()
+    peer = transformers_peer(tester).cuda()
     ours = syncs_per_new_token(model, inputs)
     theirs = syncs_per_new_token(peer, {"input_ids": inputs["input_ids"]})
     print(f"{tester.kind}: {ours} syncs per decoding step; transformers' {type(peer).__name__}: {theirs}")

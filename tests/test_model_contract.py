@@ -152,18 +152,25 @@ def host_syncs_per_new_token(model, inputs: dict, **generate_kwargs) -> float:
     return (counts[1] - counts[0]) / 8
 
 
+def transformers_peer(tester: ModelTester):
+    """transformers' own model of the tester's kind at its tiny size (T5 for the seq2seq models, Llama for Dodo), in
+    eval mode on CPU: the yardstick for host syncs per decoding step."""
+    torch.manual_seed(0)
+    if tester.is_seq2seq:
+        peer = T5ForConditionalGeneration(T5Config(vocab_size=tester.vocab_size, d_model=32, d_kv=8, d_ff=64,
+                                                   num_layers=2, num_heads=4, decoder_start_token_id=0))
+    else:
+        peer = LlamaForCausalLM(LlamaConfig(vocab_size=tester.vocab_size, hidden_size=32, intermediate_size=64,
+                                            num_hidden_layers=2, num_attention_heads=4))
+    return peer.eval()
+
+
 @pytest.mark.parametrize("num_beams", [1, 2])
 def test_decoding_steps_sync_with_the_host_no_more_than_transformers_models(tester, num_beams):
     # A decoding step on a GPU should queue its kernels and not wait for them. generate() itself reads one flag back
     # per step (have all rows finished?); input checks (and Dodo's nugget checks and copies) belong to the first step.
     # Dodo made three per greedy step (four per beam-search step) before its checks moved there.
-    torch.manual_seed(0)
-    if tester.is_seq2seq:
-        peer = T5ForConditionalGeneration(T5Config(vocab_size=tester.vocab_size, d_model=32, d_kv=8, d_ff=64,
-                                                   num_layers=2, num_heads=4, decoder_start_token_id=0)).eval()
-    else:
-        peer = LlamaForCausalLM(LlamaConfig(vocab_size=tester.vocab_size, hidden_size=32, intermediate_size=64,
-                                            num_hidden_layers=2, num_attention_heads=4)).eval()
+    peer = transformers_peer(tester)
     peer_inputs = {"input_ids": tester.inputs()["input_ids"]}
     ours = host_syncs_per_new_token(tester.model, tester.inputs(), num_beams=num_beams)
     theirs = host_syncs_per_new_token(peer, peer_inputs, num_beams=num_beams)
