@@ -216,23 +216,49 @@ def synchronize(device) -> None:
 
 
 def kernel_versus_matmul(model, length: int, dtype, device) -> dict:
-    """Layer-0 SSM kernel time against a plain matmul of its multiply-adds (2·directions·H·N·L FLOPs)."""
+    """Layer-0 SSM kernel time against a plain matmul of its multiply-adds (2·directions·H·N·L FLOPs). On CPU both
+    kernels are timed: the compiled one (``ssm_cpu_kernel``, the default where a C compiler works) and the torch ops
+    (``LONGREACH_SSM_KERNEL=torch``); ``kernel_seconds`` is the one the model uses by default."""
     import torch
 
+    from longreach.modeling import ssm_cpu_kernel
+
     conv = model.get_encoder().block[0].layer[0].ssm.conv
-    with torch.no_grad():
-        conv.kernel(length)
-        synchronize(device)
-        times = []
-        for _ in range(3):
-            start = time.perf_counter()
+
+    def best_of_3() -> float:
+        with torch.no_grad():
             conv.kernel(length)
             synchronize(device)
-            times.append(time.perf_counter() - start)
+            times = []
+            for _ in range(3):
+                start = time.perf_counter()
+                conv.kernel(length)
+                synchronize(device)
+                times.append(time.perf_counter() - start)
+        return min(times)
+
     directions = 2 if conv.bidirectional else 1
     flops = 2 * directions * conv.channels * 2 * conv.modes * length
     matmul = matmul_seconds(flops, torch.float32, device)
-    return {"kernel_seconds": min(times), "kernel_matmul_seconds": matmul, "kernel_over_matmul": min(times) / matmul}
+    result = {"kernel_seconds": best_of_3(), "kernel_matmul_seconds": matmul}
+    if torch.device(device).type == "cpu":
+        from longreach.modeling.ssm import _lag_chunks
+
+        rows = directions * _lag_chunks(directions, length, conv.kernel_chunk_size)[1]
+        compiled = ssm_cpu_kernel.load() is not None and rows <= ssm_cpu_kernel.MAX_ROWS
+        result["kernel_backend"] = "compiled" if compiled else "torch"
+        saved = os.environ.get(ssm_cpu_kernel.BACKEND_VARIABLE)
+        os.environ[ssm_cpu_kernel.BACKEND_VARIABLE] = "torch"
+        try:
+            result["kernel_torch_seconds"] = best_of_3()
+            result["kernel_torch_over_matmul"] = result["kernel_torch_seconds"] / matmul
+        finally:
+            if saved is None:
+                del os.environ[ssm_cpu_kernel.BACKEND_VARIABLE]
+            else:
+                os.environ[ssm_cpu_kernel.BACKEND_VARIABLE] = saved
+    result["kernel_over_matmul"] = result["kernel_seconds"] / matmul
+    return result
 
 
 def run_cell(cell: dict) -> dict:
@@ -460,10 +486,16 @@ def markdown(cells: list[dict]) -> str:
     kernel_cells = [c for c in cells if "kernel_over_matmul" in c]
     if kernel_cells:
         lines += ["### LOCOST SSM kernel (layer 0) against a plain matmul of its multiply-adds", "",
-                  "| lags | kernel (ms) | matmul (ms) | kernel / matmul |", "| --- | --- | --- | --- |"]
+                  "kernel: the one used by default (on CPU: compiled, `ssm_cpu_kernel`, where a C compiler works, up "
+                  "to `ssm_cpu_kernel.MAX_ROWS` chunk rows); torch ops: `LONGREACH_SSM_KERNEL=torch`.", "",
+                  "| lags | kernel | kernel (ms) | matmul (ms) | kernel / matmul | torch ops (ms) | torch ops / matmul |",
+                  "| --- | --- | --- | --- | --- | --- | --- |"]
         for cell in sorted(kernel_cells, key=lambda c: c["length"]):
-            lines.append(f"| {cell['length']} | {cell['kernel_seconds'] * 1e3:.1f} | "
-                         f"{cell['kernel_matmul_seconds'] * 1e3:.1f} | {cell['kernel_over_matmul']:.2f} |")
+            torch_ops = (f"{cell['kernel_torch_seconds'] * 1e3:.1f} | {cell['kernel_torch_over_matmul']:.2f}"
+                         if "kernel_torch_seconds" in cell else "- | -")
+            lines.append(f"| {cell['length']} | {cell.get('kernel_backend', 'torch')} | "
+                         f"{cell['kernel_seconds'] * 1e3:.1f} | {cell['kernel_matmul_seconds'] * 1e3:.1f} | "
+                         f"{cell['kernel_over_matmul']:.2f} | {torch_ops} |")
         lines.append("")
     return "\n".join(lines)
 

@@ -1,7 +1,8 @@
 """LOCOST conversion from the authors' checkpoints, and parity with the authors' outputs (shared/fixtures/locost).
 
 The references were written by running the original code (flbbb/locost-summarization) on CPU in float32 on its
-exact convolution path. These tests never skip.
+exact convolution path. These tests never skip (on a machine without a C compiler, the parity tests run on the torch
+kernel only: the compiled kernel does not exist there).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import longreach  # noqa: F401  (registers the Auto classes)
 from longreach import LocostConfig, LocostForConditionalGeneration
 from longreach.conversion import convert_locost_original_checkpoint as converter
 from longreach.conversion.conversion_utils import ConversionError
+from longreach.modeling import ssm_cpu_kernel
 
 FORMATS = ("hf_checkpoint", "lightning/epoch=0-step=1.ckpt")
 
@@ -46,6 +48,18 @@ def converted_model(request, converted) -> LocostForConditionalGeneration:
     return LocostForConditionalGeneration.from_pretrained(converted[request.param]).eval()
 
 
+@pytest.fixture(params=["compiled", "torch"])
+def ssm_kernel(request, monkeypatch, converted_model):
+    """Each parity test on both CPU SSM kernels (``LONGREACH_SSM_KERNEL``), with the model's kernel cache emptied."""
+    if request.param == "compiled" and ssm_cpu_kernel._compiler() is None:
+        pytest.skip("no C compiler on this machine: the compiled kernel cannot exist here (the torch one is tested)")
+    monkeypatch.setenv(ssm_cpu_kernel.BACKEND_VARIABLE, request.param)
+    for module in converted_model.modules():
+        if hasattr(module, "clear_kernel_cache"):
+            module.clear_kernel_cache()
+    return request.param
+
+
 def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a.float() - b.float()).abs().max().item()
 
@@ -55,7 +69,7 @@ def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
 # --------------------------------------------------------------------------------------------------------------------
 
 
-def test_logits_loss_and_states_match_the_original(converted_model, refs):
+def test_logits_loss_and_states_match_the_original(converted_model, refs, ssm_kernel):
     with torch.no_grad():
         out = converted_model(
             refs["input_ids"], attention_mask=refs["attention_mask"], decoder_input_ids=refs["decoder_input_ids"],
@@ -70,7 +84,7 @@ def test_logits_loss_and_states_match_the_original(converted_model, refs):
     assert max_diff(out.decoder_hidden_states[-1], refs["decoder_last_hidden_state"]) <= 1e-4
 
 
-def test_layer0_kernel_matches_the_original(converted_model, refs):
+def test_layer0_kernel_matches_the_original(converted_model, refs, ssm_kernel):
     length = refs["input_ids"].shape[1]
     with torch.no_grad():
         kernel = converted_model.encoder.block[0].layer[0].ssm.conv.circular_kernel(length)
@@ -78,7 +92,7 @@ def test_layer0_kernel_matches_the_original(converted_model, refs):
     assert max_diff(kernel, refs["encoder.block.0.ssm_kernel"]) <= 1e-5
 
 
-def test_long_sequence_and_unpadded_row_match_the_original(converted_model, refs):
+def test_long_sequence_and_unpadded_row_match_the_original(converted_model, refs, ssm_kernel):
     with torch.no_grad():
         long_states = converted_model.get_encoder()(refs["long.input_ids"]).last_hidden_state
         row1 = converted_model.get_encoder()(refs["input_ids"][1:, :13]).last_hidden_state
@@ -86,7 +100,7 @@ def test_long_sequence_and_unpadded_row_match_the_original(converted_model, refs
     assert max_diff(row1, refs["encoder_last_hidden_state_seq1_unpadded"]) <= 1e-4
 
 
-def test_generation_matches_the_original(converted_model, refs):
+def test_generation_matches_the_original(converted_model, refs, ssm_kernel):
     inputs = dict(input_ids=refs["input_ids"], attention_mask=refs["attention_mask"], max_new_tokens=10)
     with torch.no_grad():
         generated = converted_model.generate(**inputs, do_sample=False, num_beams=1)
@@ -97,7 +111,7 @@ def test_generation_matches_the_original(converted_model, refs):
     assert torch.equal(manual, refs["greedy_manual_ids"])
 
 
-def test_fast_path_references_differ_from_the_exact_function(converted_model, refs):
+def test_fast_path_references_differ_from_the_exact_function(converted_model, refs, ssm_kernel):
     """The authors' CUDA path (use_fast_fft_conv=True) computes another function at L = 20 (spec §7); we compute the
     exact one, so we are far from its emulated outputs and close to the exact references."""
     with torch.no_grad():

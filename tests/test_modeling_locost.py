@@ -416,7 +416,7 @@ def test_saved_folder_is_hub_ready(tmp_path, model):
     model.save_pretrained(tmp_path / "ckpt")
     files = {p.name for p in (tmp_path / "ckpt").iterdir()}
     assert {"config.json", "model.safetensors", "generation_config.json", "configuration_locost.py",
-            "modeling_locost.py", "ssm.py", "t5_blocks.py", "remote_code.py", "input_checks.py"} <= files
+            "modeling_locost.py", "ssm.py", "ssm_cpu_kernel.py", "t5_blocks.py", "remote_code.py", "input_checks.py"} <= files
     assert not any(name.endswith(".bin") for name in files)
     config = (tmp_path / "ckpt" / "config.json").read_text()
     for entry in ('"AutoConfig": "configuration_locost.LocostConfig"', '"AutoModel": "modeling_locost.LocostModel"',

@@ -53,6 +53,8 @@ import torch.utils.checkpoint
 from torch import nn
 from transformers import initialization as init
 
+from .ssm_cpu_kernel import compiled_kernel_usable, compiled_s4d_kernel_values
+
 
 #: Channels whose kernels (and kernel gradients) are computed together on CPU (see `s4d_kernel`).
 KERNEL_CHANNEL_BLOCK = 32
@@ -149,6 +151,9 @@ def s4d_kernel(dtA: torch.Tensor, z: torch.Tensor, C_hat: torch.Tensor, length: 
     """
     directions, width, modes = C_hat.shape
     chunk, num_chunks = _lag_chunks(directions, length, max_chunk)
+    if compiled_kernel_usable(directions * num_chunks, dtA, z, C_hat):  # CPU: the same products fused in C
+        values = compiled_s4d_kernel_values(z, C_hat, chunk, num_chunks)
+        return values.view(width, directions, num_chunks * chunk)[..., :length].transpose(0, 1)
     values = dtA.real.new_empty(width, directions * num_chunks, chunk)
     weights_buffer = C_hat.new_empty(_channel_block(width, dtA.device), directions, num_chunks, modes)
     weights_first = (2.0 * C_hat).transpose(0, 1)[:, :, None, :]  # 2·Ĉ [h, dirs, 1, N/2]

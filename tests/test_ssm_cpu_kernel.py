@@ -1,0 +1,170 @@
+"""The compiled CPU SSM kernel (``ssm_cpu_kernel``): equal to direct powers and to the torch path for every shape it
+handles, the same bits whatever the thread split, and a clear fallback or error where it cannot be built."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+
+import pytest
+import torch
+
+from longreach.modeling import ssm, ssm_cpu_kernel
+from longreach.modeling.ssm import BidirectionalS4DConvolution
+
+from test_ssm import direct_kernel
+
+needs_compiler = pytest.mark.skipif(ssm_cpu_kernel._compiler() is None,
+                                    reason="no C compiler here: the torch path is the kernel (tested in test_ssm.py)")
+
+
+@pytest.fixture
+def fresh_loader(monkeypatch, tmp_path):
+    """The loader as in a new process, with an empty cache folder."""
+    monkeypatch.setenv("LONGREACH_CACHE", str(tmp_path))
+    monkeypatch.setattr(ssm_cpu_kernel, "_library", None)
+    monkeypatch.setattr(ssm_cpu_kernel, "_load_error", None)
+    return tmp_path
+
+
+def kernel_with(monkeypatch, backend: str, conv: BidirectionalS4DConvolution, length: int) -> torch.Tensor:
+    monkeypatch.setenv(ssm_cpu_kernel.BACKEND_VARIABLE, backend)
+    with torch.no_grad():
+        return conv.kernel(length)
+
+
+@needs_compiler
+@pytest.mark.parametrize("bidirectional", [True, False])
+@pytest.mark.parametrize("channels, d_state, chunk_size, length", [
+    (6, 16, 16, 300),    # 8 modes: one vector of modes; chunk 16 (the cap), 19 chunks, the last one partial
+    (5, 6, 256, 1),      # 3 modes (padded to 8), one lag
+    (3, 34, 5, 77),      # 17 modes; a chunk (5) that is neither a power of two nor a multiple of 4 or 8
+    (4, 8, 256, 1000),   # chunk 32 or 45 -> 32, rows not a multiple of 3
+    (2, 512, 256, 2048),  # the released d_state
+])
+def test_compiled_kernel_matches_direct_powers_and_the_torch_path(monkeypatch, bidirectional, channels, d_state,
+                                                                   chunk_size, length):
+    torch.manual_seed(0)
+    conv = BidirectionalS4DConvolution(channels, d_state, bidirectional=bidirectional, kernel_chunk_size=chunk_size)
+    with torch.no_grad():  # some slow and some fast modes, so that powers decay through float32's denormals
+        conv.inv_A_real.uniform_(-3.0, 1.0)
+    compiled = kernel_with(monkeypatch, "compiled", conv, length)
+    torch_path = kernel_with(monkeypatch, "torch", conv, length)
+    reference = direct_kernel(conv, length)
+    assert compiled.shape == torch_path.shape == reference.shape
+    scale = reference.abs().max().item()
+    torch.testing.assert_close(compiled.double(), reference, atol=2e-6 * scale, rtol=0)
+    torch.testing.assert_close(torch_path.double(), reference, atol=4e-6 * scale, rtol=0)  # less exact: float doubling
+    torch.testing.assert_close(compiled, torch_path, atol=4e-6 * scale, rtol=0)
+
+
+@needs_compiler
+def test_the_thread_split_does_not_change_a_bit(monkeypatch):
+    monkeypatch.setenv(ssm_cpu_kernel.BACKEND_VARIABLE, "compiled")
+    monkeypatch.setattr(ssm_cpu_kernel, "_THREADING_WORK", 0)
+    torch.manual_seed(0)
+    conv = BidirectionalS4DConvolution(7, 32, kernel_chunk_size=64)
+    previous = torch.get_num_threads()
+    try:
+        results = []
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            with torch.no_grad():
+                results.append(conv.kernel(500))
+    finally:
+        torch.set_num_threads(previous)
+    assert torch.equal(results[0], results[1]) and torch.equal(results[0], results[2])
+
+
+@needs_compiler
+def test_training_uses_it_forward_and_the_torch_backward(monkeypatch):
+    """In a training step the compiled kernel is the forward of ``_S4DKernel``; its gradients (``s4d_kernel_vjp``)
+    equal those of direct powers."""
+    monkeypatch.setenv(ssm_cpu_kernel.BACKEND_VARIABLE, "compiled")
+    calls = []
+    compute = ssm.compiled_s4d_kernel_values
+    monkeypatch.setattr(ssm, "compiled_s4d_kernel_values", lambda *args: calls.append(1) or compute(*args))
+    torch.manual_seed(0)
+    conv = BidirectionalS4DConvolution(4, 16, kernel_chunk_size=16).train()
+    weights = torch.randn(2, 4, 100, dtype=torch.float64)
+    (direct_kernel(conv, 100) * weights).sum().backward()
+    expected = [p.grad.clone() for p in conv.parameters() if p.grad is not None]
+    conv.zero_grad()
+    (conv.kernel(100).double() * weights).sum().backward()
+    got = [p.grad for p in conv.parameters() if p.grad is not None]
+    assert calls == [1] and len(got) == len(expected) == 5
+    for value, reference in zip(got, expected):
+        torch.testing.assert_close(value, reference.float(), atol=1e-4, rtol=1e-4)
+
+
+@needs_compiler
+def test_long_kernels_beyond_max_rows_use_the_torch_path(monkeypatch):
+    monkeypatch.setenv(ssm_cpu_kernel.BACKEND_VARIABLE, "compiled")
+    calls = []
+    compute = ssm.compiled_s4d_kernel_values
+    monkeypatch.setattr(ssm, "compiled_s4d_kernel_values", lambda *args: calls.append(args[2:]) or compute(*args))
+    monkeypatch.setattr(ssm_cpu_kernel, "MAX_ROWS", 8)
+    conv = BidirectionalS4DConvolution(3, 8, kernel_chunk_size=16)
+    with torch.no_grad():
+        conv.kernel(64)   # 2 directions x 4 chunks of 16: compiled
+        conv.kernel(65)   # 2 x 5 chunks: torch ops
+    assert calls == [(16, 4)]
+
+
+@needs_compiler
+def test_compiled_once_then_loaded_from_the_cache(fresh_loader):
+    assert ssm_cpu_kernel.load() is not None
+    built = list((fresh_loader / "kernels").glob("s4d_kernel_*.so"))
+    assert len(built) == 1
+    stamp = built[0].stat().st_mtime_ns
+    ssm_cpu_kernel._library = None
+    assert ssm_cpu_kernel.load() is not None
+    assert [p.stat().st_mtime_ns for p in (fresh_loader / "kernels").glob("s4d_kernel_*.so")] == [stamp]
+    assert not [p for p in (fresh_loader / "kernels").iterdir() if p not in built]  # no temporary left behind
+
+
+def test_without_a_compiler_auto_falls_back_with_a_warning(fresh_loader, monkeypatch, caplog):
+    monkeypatch.setattr(ssm_cpu_kernel, "_compiler", lambda: None)
+    monkeypatch.setenv(ssm_cpu_kernel.BACKEND_VARIABLE, "auto")
+    torch.manual_seed(0)
+    conv = BidirectionalS4DConvolution(3, 8)
+    with caplog.at_level(logging.WARNING, logger=ssm_cpu_kernel.__name__), torch.no_grad():
+        kernel = conv.kernel(50)
+    assert "no C compiler found" in caplog.text and "LONGREACH_SSM_KERNEL=torch" in caplog.text
+    torch.testing.assert_close(kernel.double(), direct_kernel(conv, 50), atol=2e-6, rtol=0)
+
+
+def test_without_a_compiler_compiled_is_an_error(fresh_loader, monkeypatch):
+    monkeypatch.setattr(ssm_cpu_kernel, "_compiler", lambda: None)
+    monkeypatch.setenv(ssm_cpu_kernel.BACKEND_VARIABLE, "compiled")
+    with pytest.raises(RuntimeError, match="LONGREACH_SSM_KERNEL=compiled.*no C compiler found"), torch.no_grad():
+        BidirectionalS4DConvolution(3, 8).kernel(50)
+
+
+def test_a_failing_compiler_names_its_error(fresh_loader, monkeypatch, tmp_path):
+    broken = tmp_path / "broken-cc"
+    broken.write_text("#!/bin/sh\necho 'this compiler is broken' >&2\nexit 1\n")
+    broken.chmod(0o755)
+    monkeypatch.setattr(ssm_cpu_kernel, "_compiler", lambda: str(broken))
+    assert ssm_cpu_kernel.load() is None
+    assert "this compiler is broken" in ssm_cpu_kernel.unavailable_reason()
+
+
+def test_torch_backend_never_compiles(fresh_loader, monkeypatch):
+    monkeypatch.setenv(ssm_cpu_kernel.BACKEND_VARIABLE, "torch")
+    monkeypatch.setattr(ssm_cpu_kernel, "load", lambda: pytest.fail("the torch backend must not load the library"))
+    with torch.no_grad():
+        BidirectionalS4DConvolution(3, 8).kernel(20)
+    assert not (fresh_loader / "kernels").exists()
+
+
+def test_a_bad_backend_value_is_named(monkeypatch):
+    monkeypatch.setenv(ssm_cpu_kernel.BACKEND_VARIABLE, "fast")
+    with pytest.raises(ValueError, match=r"LONGREACH_SSM_KERNEL must be 'auto', 'compiled' or 'torch', got 'fast'"):
+        ssm_cpu_kernel.backend()
+
+
+def test_compiler_is_found_where_the_machine_has_one():
+    """Not a skip in disguise: where `cc`/`gcc`/`clang` exist, the loader finds one (so the tests above ran)."""
+    expected = any(shutil.which(name) for name in ("cc", "gcc", "clang"))
+    assert (ssm_cpu_kernel._compiler() is not None) == expected
