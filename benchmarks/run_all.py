@@ -244,8 +244,8 @@ def kernel_versus_matmul(model, length: int, dtype, device) -> dict:
     if torch.device(device).type == "cpu":
         from longreach.modeling.ssm import _lag_chunks
 
-        rows = directions * _lag_chunks(directions, length, conv.kernel_chunk_size)[1]
-        compiled = ssm_cpu_kernel.load() is not None and rows <= ssm_cpu_kernel.MAX_ROWS
+        chunk, num_chunks = _lag_chunks(directions, length, conv.kernel_chunk_size)
+        compiled = ssm_cpu_kernel.load() is not None and chunk * num_chunks <= ssm_cpu_kernel.MAX_LAGS
         result["kernel_backend"] = "compiled" if compiled else "torch"
         saved = os.environ.get(ssm_cpu_kernel.BACKEND_VARIABLE)
         os.environ[ssm_cpu_kernel.BACKEND_VARIABLE] = "torch"
@@ -487,7 +487,7 @@ def markdown(cells: list[dict]) -> str:
     if kernel_cells:
         lines += ["### LOCOST SSM kernel (layer 0) against a plain matmul of its multiply-adds", "",
                   "kernel: the one used by default (on CPU: compiled, `ssm_cpu_kernel`, where a C compiler works, up "
-                  "to `ssm_cpu_kernel.MAX_ROWS` chunk rows); torch ops: `LONGREACH_SSM_KERNEL=torch`.", "",
+                  "to `ssm_cpu_kernel.MAX_LAGS` lags); torch ops: `LONGREACH_SSM_KERNEL=torch`.", "",
                   "| lags | kernel | kernel (ms) | matmul (ms) | kernel / matmul | torch ops (ms) | torch ops / matmul |",
                   "| --- | --- | --- | --- | --- | --- | --- |"]
         for cell in sorted(kernel_cells, key=lambda c: c["length"]):

@@ -41,6 +41,7 @@ def kernel_with(monkeypatch, backend: str, conv: BidirectionalS4DConvolution, le
     (3, 34, 5, 77),      # 17 modes; a chunk (5) that is neither a power of two nor a multiple of 4 or 8
     (4, 8, 256, 1000),   # chunk 32 or 45 -> 32, rows not a multiple of 3
     (2, 512, 256, 2048),  # the released d_state
+    (2, 8, 256, 8192),   # MAX_LAGS: chunk 128, 64 chunks
 ])
 def test_compiled_kernel_matches_direct_powers_and_the_torch_path(monkeypatch, bidirectional, channels, d_state,
                                                                    chunk_size, length):
@@ -98,16 +99,16 @@ def test_training_uses_it_forward_and_the_torch_backward(monkeypatch):
 
 
 @needs_compiler
-def test_long_kernels_beyond_max_rows_use_the_torch_path(monkeypatch):
+def test_long_kernels_beyond_max_lags_use_the_torch_path(monkeypatch):
     monkeypatch.setenv(ssm_cpu_kernel.BACKEND_VARIABLE, "compiled")
     calls = []
     compute = ssm.compiled_s4d_kernel_values
     monkeypatch.setattr(ssm, "compiled_s4d_kernel_values", lambda *args: calls.append(args[2:]) or compute(*args))
-    monkeypatch.setattr(ssm_cpu_kernel, "MAX_ROWS", 8)
+    monkeypatch.setattr(ssm_cpu_kernel, "MAX_LAGS", 64)
     conv = BidirectionalS4DConvolution(3, 8, kernel_chunk_size=16)
     with torch.no_grad():
-        conv.kernel(64)   # 2 directions x 4 chunks of 16: compiled
-        conv.kernel(65)   # 2 x 5 chunks: torch ops
+        conv.kernel(64)   # 4 chunks of 16 lags: compiled
+        conv.kernel(65)   # 5 chunks of 16: torch ops
     assert calls == [(16, 4)]
 
 

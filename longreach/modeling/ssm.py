@@ -25,13 +25,14 @@ L complex exponentials per mode). We split the lags into chunks l = l0 + j and u
 z = exp(ΔA): one exponential per mode, its power-of-two powers by squaring in float64, the chunk's powers by doubling
 (one complex multiplication each, about (1 + directions)·√L per mode), one real batched matmul per block of 32
 channels (``s4d_kernel``), and no tensor larger than O(32·N/2·√L) besides the [directions, H, L] kernel and the
-squarings. At the released size on one idle CPU thread the kernel takes about 40 ms at 1K lags, 100 ms at 4K and
-400 ms at 16K against 16, 64 and 259 ms for a plain matmul of its multiply-adds (``benchmarks/run_all.py`` measures
-the ratio); at 1K about half of it is that matmul and the rest the elementwise work and per-block overhead. Another
-2-core machine with the same matmul speed took 66 ms at 1K on one thread (3.5x its matmul), and with two threads 3.8x
-at 1K, 2.2x at 4K and 1.7x at 16K (``benchmarks/results/kernel_2threads``): there the batched matmul alone took 1.7x
-the plain one at 1K (about 10 FLOPs per byte read, against about 170 for a square matmul: it runs at the speed of
-the caches), and the elementwise powers and per-block ops about as much again.
+squarings. That is the torch-ops path (``LONGREACH_SSM_KERNEL=torch``, and every accelerator). With torch ops on CPU the
+kernel ran at 3.5x (1 thread) to 3.8x (2 threads) the time of a plain matmul of its multiply-adds at 1K lags: the
+batched matmul alone took 1.7x the plain one (per channel [32, 512] x [512, 64], about 10 FLOPs per byte read against
+about 170 for a square matmul: it runs at the speed of the caches), and the elementwise powers and per-block ops
+about as much again. So on CPU the same products are one compiled C function (``ssm_cpu_kernel``: each channel's
+powers are made in the caches and used at once; about 2x at 1K and 1.6x at 4K-16K, discretisation included, on 2
+threads; ``benchmarks/run_all.py`` measures both), up to ``ssm_cpu_kernel.MAX_LAGS`` (8K) lags, beyond which MKL's
+batched matmul is as fast or faster.
 
 Training: the convolution is one autograd function (``_FFTConvolution``) that keeps its input and the kernel's
 spectrum for the backward pass (autograd through the FFTs kept the padded input, both spectra and the [H, 2L]
@@ -151,7 +152,7 @@ def s4d_kernel(dtA: torch.Tensor, z: torch.Tensor, C_hat: torch.Tensor, length: 
     """
     directions, width, modes = C_hat.shape
     chunk, num_chunks = _lag_chunks(directions, length, max_chunk)
-    if compiled_kernel_usable(directions * num_chunks, dtA, z, C_hat):  # CPU: the same products fused in C
+    if compiled_kernel_usable(num_chunks * chunk, dtA, z, C_hat):  # on CPU up to 8K lags: the same products in C
         values = compiled_s4d_kernel_values(z, C_hat, chunk, num_chunks)
         return values.view(width, directions, num_chunks * chunk)[..., :length].transpose(0, 1)
     values = dtA.real.new_empty(width, directions * num_chunks, chunk)

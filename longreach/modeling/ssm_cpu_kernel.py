@@ -1,6 +1,6 @@
-"""The S4D kernel on CPU as one compiled C function: powers and matmul fused, about 1.5x the time of a plain matmul of
-its multiply-adds at 1K lags where the torch ops of ``ssm.s4d_kernel`` take about 3.5x (measured by
-``benchmarks/run_all.py``).
+"""The S4D kernel on CPU as one compiled C function, powers and matmul fused: up to 8K lags (``MAX_LAGS``) it takes
+1.4x-2.2x the time of a plain matmul of its multiply-adds where the torch ops of ``ssm.s4d_kernel`` take 2.0x-4.5x
+(released size, discretisation included, 1 and 2 threads; ``benchmarks/run_all.py`` measures both).
 
 Why C: per channel h the kernel is a product of two small matrices of powers, K[i·chunk + j] = 2·Re Σ_n W_n[i]·P_n[j]
 with W = Ĉ·z^(i·chunk) and P = z^j. Made with torch ops, the powers go through memory several times and the matmul
@@ -13,10 +13,13 @@ of W against 4 of P, 8-wide vector accumulators, reduced at the end). Precision:
 "anchor" z^(8a) and a float z^t (t < 8); z^(i·chunk) in double; about the rounding of the torch path.
 
 The source is compiled once per machine with the system's C compiler (``$CC``, else ``cc``, ``gcc`` or ``clang``) with
-``-O3 -march=native`` into ``$LONGREACH_CACHE`` (default ``~/.cache/longreach``), in about a second, and loaded with
-``ctypes`` (which releases the GIL, so blocks of channels run on ``torch.get_num_threads()`` threads). Where no
-compiler works the torch path is used and a warning says why. ``LONGREACH_SSM_KERNEL=torch`` always uses the torch
-path; ``LONGREACH_SSM_KERNEL=compiled`` raises instead of falling back.
+``-O3 -march=native`` (the cache key includes the CPU's model and flags) into ``$LONGREACH_CACHE/kernels`` (default
+``~/.cache/longreach/kernels``), in about a second, and loaded with ``ctypes``. Blocks of channels run on
+``torch.get_num_threads()`` threads: with ``-fopenmp``, on torch's own OpenMP threads (the ``libgomp.so.1`` torch has
+loaded; threads of our own competed with its workers, which spin for a while after each parallel op: 32 against
+24 ms at 1K on 2 threads), else on a thread pool of ours (``ctypes`` releases the GIL). Where no compiler works the
+torch path is used and a warning says why. ``LONGREACH_SSM_KERNEL=torch`` always uses the torch path;
+``LONGREACH_SSM_KERNEL=compiled`` raises instead of falling back (beyond ``MAX_LAGS`` both use the torch ops).
 
 This module imports only the standard library and torch: it is copied into Hub checkpoints as remote code.
 """
@@ -43,10 +46,12 @@ logger = logging.getLogger(__name__)
 BACKEND_VARIABLE = "LONGREACH_SSM_KERNEL"
 #: Below this many multiply-adds (H·modes·padded lags) the channels are not split across threads.
 _THREADING_WORK = 2**21
-#: The compiled kernel is used up to this many rows of chunk starts (directions · chunks: about 32K lags with both
-#: directions). Beyond, the product is large enough for MKL's batched matmul to beat our C one (measured at the
-#: released size, 2 threads: 1.41x against 1.67x the plain matmul at 64K lags; at 16K 1.71x against 1.61x).
-MAX_ROWS = 256
+#: The compiled kernel is used up to this many (padded) lags. Measured at the released size against the torch ops,
+#: same process, best of 5 (time / plain matmul of the same multiply-adds, discretisation included), 1 thread: 1.99
+#: against 2.52 at 1K, 1.44 / 1.98 at 4K, 1.66 / 1.95 at 8K, then 1.71 / 1.54 at 16K and 1.67 / 1.50 at 32K; 2 threads:
+#: 2.09 / 3.44 at 1K, 1.62 / 2.31 at 4K, 2.08 / 2.27 at 8K, 1.77 / 1.72 at 16K, 1.36 / 1.39 at 32K, 1.67 / 1.41 at 64K.
+#: From 16K lags on, the per-channel products are large enough for MKL's batched matmul to be as fast or faster.
+MAX_LAGS = 8192
 
 _C_SOURCE = r"""
 #include <stdlib.h>
@@ -356,11 +361,11 @@ def _executor(threads: int) -> ThreadPoolExecutor:
     return _pool[2]
 
 
-def compiled_kernel_usable(rows: int, *tensors: torch.Tensor) -> bool:
-    """Whether the compiled kernel should compute a kernel of ``rows`` chunk starts (directions · chunks) from these
-    tensors: on CPU, not under ``torch.compile``, at most ``MAX_ROWS`` rows, asked for by ``$LONGREACH_SSM_KERNEL``
-    and built. Raises when "compiled" was asked for and cannot be built."""
-    if any(t.device.type != "cpu" for t in tensors) or torch.compiler.is_compiling() or rows > MAX_ROWS:
+def compiled_kernel_usable(lags: int, *tensors: torch.Tensor) -> bool:
+    """Whether the compiled kernel should compute a kernel of ``lags`` (padded to whole chunks) from these tensors: on
+    CPU, not under ``torch.compile``, at most ``MAX_LAGS`` lags, asked for by ``$LONGREACH_SSM_KERNEL`` and built.
+    Raises when "compiled" was asked for and cannot be built."""
+    if any(t.device.type != "cpu" for t in tensors) or torch.compiler.is_compiling() or lags > MAX_LAGS:
         return False
     choice = backend()
     if choice == "torch":
