@@ -17,7 +17,7 @@ running total that torch's CPU allocator reports to the profiler; see ``peak_ten
 is kept in the cells too), the matmul FLOPs of one run counted in another process (``torch.utils.flop_counter``:
 matmuls, convolutions and attention; FFTs and elementwise work not counted), the achieved GFLOP/s and, measured in
 the timing process, the GFLOP/s of plain [1024, 1024] matmuls (the roofline). LOCOST cells also time the layer-0 SSM kernel against the matmul of its own
-multiply-adds. Ratios in the report come from cells of the same run.
+multiply-adds (on CPU both kernels: the compiled one and the torch ops). Ratios in the report come from cells of the same run.
 
 The VCC-T5 and Dodo suites run ``benchmark_vcc_t5.py`` (VCC-T5 vs T5) and ``benchmark_dodo.py`` (Dodo vs Llama with the
 full cache, and the training-memory comparison) and include their tables.

@@ -30,8 +30,8 @@ kernel ran at 3.5x (1 thread) to 3.8x (2 threads) the time of a plain matmul of 
 batched matmul alone took 1.7x the plain one (per channel [32, 512] x [512, 64], about 10 FLOPs per byte read against
 about 170 for a square matmul: it runs at the speed of the caches), and the elementwise powers and per-block ops
 about as much again. So on CPU the same products are one compiled C function (``ssm_cpu_kernel``: each channel's
-powers are made in the caches and used at once; about 2x at 1K and 1.6x at 4K-16K, discretisation included, on 2
-threads; ``benchmarks/run_all.py`` measures both), up to ``ssm_cpu_kernel.MAX_LAGS`` (8K) lags, beyond which MKL's
+powers are made in the caches and used at once; 1.8x-2.2x at 1K over three runs and 1.6x-1.8x at 4K-8K,
+discretisation included, on 2 threads; ``benchmarks/run_all.py`` measures both), up to ``ssm_cpu_kernel.MAX_LAGS`` (8K) lags, beyond which MKL's
 batched matmul is as fast or faster.
 
 Training: the convolution is one autograd function (``_FFTConvolution``) that keeps its input and the kernel's

@@ -289,7 +289,8 @@ def _cpu_identity() -> str:
 
 def _compile(compiler: str) -> Path:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60).stdout
-    # OpenMP (to share torch's libgomp threads) where the compiler has it, else threads of our own (see `_run`)
+    # OpenMP (to share torch's libgomp threads) where the compiler has it, else threads of our own (see
+    # `compiled_s4d_kernel_values`)
     attempts = [[*openmp, "-O3", *arch] for openmp in (["-fopenmp"], []) for arch in (["-march=native"],
                                                                                       ["-mcpu=native"], [])]
     key = hashlib.sha256("\0".join([_C_SOURCE, compiler, version, platform.machine(), _cpu_identity()]).encode())
@@ -345,7 +346,7 @@ def load() -> ctypes.CDLL | None:
             except (OSError, RuntimeError, subprocess.SubprocessError) as error:
                 _load_error = str(error)
                 logger.warning("longreach: the compiled CPU SSM kernel is unavailable (%s); using the torch ops "
-                               "(about 2x slower kernels). Set %s=torch to silence this.", error, BACKEND_VARIABLE)
+                               "(slower kernels up to 8K lags). Set %s=torch to silence this.", error, BACKEND_VARIABLE)
     return _library
 
 
