@@ -245,7 +245,7 @@ def kernel_versus_matmul(model, length: int, dtype, device) -> dict:
         from longreach.modeling.ssm import _lag_chunks
 
         chunk, num_chunks = _lag_chunks(directions, length, conv.kernel_chunk_size)
-        compiled = ssm_cpu_kernel.load() is not None and chunk * num_chunks <= ssm_cpu_kernel.MAX_LAGS
+        compiled = ssm_cpu_kernel.compiled_kernel_usable(chunk * num_chunks, conv.C)  # the rule s4d_kernel applies
         result["kernel_backend"] = "compiled" if compiled else "torch"
         saved = os.environ.get(ssm_cpu_kernel.BACKEND_VARIABLE)
         os.environ[ssm_cpu_kernel.BACKEND_VARIABLE] = "torch"

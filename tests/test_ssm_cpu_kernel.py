@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import shutil
+import types
 
 import pytest
 import torch
@@ -75,6 +76,29 @@ def test_the_thread_split_does_not_change_a_bit(monkeypatch):
     finally:
         torch.set_num_threads(previous)
     assert torch.equal(results[0], results[1]) and torch.equal(results[0], results[2])
+
+
+@needs_compiler
+def test_without_openmp_a_thread_pool_of_our_own_gives_the_same_bits(monkeypatch):
+    """A compiler without OpenMP (Apple's clang) builds no ``s4d_kernel_f32_parallel``; the channels are then split
+    over a pool of Python threads (ctypes releases the GIL)."""
+    monkeypatch.setenv(ssm_cpu_kernel.BACKEND_VARIABLE, "compiled")
+    monkeypatch.setattr(ssm_cpu_kernel, "_THREADING_WORK", 0)
+    monkeypatch.setattr(ssm_cpu_kernel, "_pool", None)
+    torch.manual_seed(0)
+    conv = BidirectionalS4DConvolution(7, 32, kernel_chunk_size=64)
+    with torch.no_grad():
+        with_openmp = conv.kernel(500)
+        library = ssm_cpu_kernel.load()
+        monkeypatch.setattr(ssm_cpu_kernel, "_library", types.SimpleNamespace(s4d_kernel_f32=library.s4d_kernel_f32))
+        previous = torch.get_num_threads()
+        torch.set_num_threads(2)
+        try:
+            pooled = conv.kernel(500)
+        finally:
+            torch.set_num_threads(previous)
+    assert ssm_cpu_kernel._pool is not None and ssm_cpu_kernel._pool[1] == 2  # the pool ran it
+    assert torch.equal(pooled, with_openmp)
 
 
 @needs_compiler
