@@ -202,6 +202,85 @@ def test_hidden_states_follow_t5_convention(model):
 
 
 # --------------------------------------------------------------------------------------------------------------------
+# Log-length scaling of the cross-attention (config.cross_attention_logn_length)
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def logn_pair(length: int):
+    """The tiny model with and without `cross_attention_logn_length=length`, same weights."""
+    torch.manual_seed(0)
+    plain = LocostForConditionalGeneration(tiny_config()).eval()
+    scaled = LocostForConditionalGeneration(tiny_config(cross_attention_logn_length=length)).eval()
+    scaled.load_state_dict(plain.state_dict())
+    return plain, scaled
+
+
+@pytest.mark.parametrize("implementation", ["eager", "sdpa"])
+def test_logn_scaling_leaves_inputs_up_to_its_length_unchanged(implementation):
+    """Up to N encoder tokens the factor is 1: the same bits (so training on inputs of at most N tokens is unchanged);
+    a batch row with fewer unmasked tokens is not scaled even when the padded batch is longer than N."""
+    plain, scaled = logn_pair(20)
+    for m in (plain, scaled):
+        m.config._attn_implementation = implementation
+    input_ids, attention_mask = padded_batch(37)  # rows of 37, 20 and 5 real tokens
+    decoder_input_ids = torch.randint(2, 99, (3, 6))
+    with torch.no_grad():
+        a = plain(input_ids, attention_mask=attention_mask, decoder_input_ids=decoder_input_ids).logits
+        b = scaled(input_ids, attention_mask=attention_mask, decoder_input_ids=decoder_input_ids).logits
+    assert torch.equal(a[1:], b[1:])
+    assert not torch.allclose(a[0], b[0], atol=1e-4)  # 37 > 20 tokens: scaled
+
+
+def test_logn_scaling_multiplies_the_cross_attention_logits_by_log_n_over_log_N():
+    """softmax(f·s) is softmax(s)^f renormalised: the first decoder block's cross-attention weights of the scaled
+    model, from the unscaled model's, with f = ln 37 / ln 20 for the row of 37 tokens and 1 for the others."""
+    plain, scaled = logn_pair(20)
+    for m in (plain, scaled):
+        m.config._attn_implementation = "eager"
+    input_ids, attention_mask = padded_batch(37)
+    decoder_input_ids = torch.randint(2, 99, (3, 4))
+    with torch.no_grad():
+        a = plain(input_ids, attention_mask=attention_mask, decoder_input_ids=decoder_input_ids, output_attentions=True)
+        b = scaled(input_ids, attention_mask=attention_mask, decoder_input_ids=decoder_input_ids, output_attentions=True)
+    weights, scaled_weights = a.cross_attentions[0].double(), b.cross_attentions[0].double()
+    factor = torch.tensor([math.log(37) / math.log(20), 1.0, 1.0], dtype=torch.float64).view(3, 1, 1, 1)
+    expected = weights.pow(factor)
+    expected = expected / expected.sum(-1, keepdim=True)
+    torch.testing.assert_close(scaled_weights, expected, atol=1e-5, rtol=0)
+    assert (scaled_weights[0].max(-1).values >= weights[0].max(-1).values - 1e-6).all()  # sharper, never flatter
+
+
+def test_logn_scaling_is_per_row_and_kept_by_generate_and_the_cache():
+    """A long row in a padded batch equals the row alone; the scale is applied at every decoding step, with or
+    without the cache; sdpa and eager agree."""
+    _, scaled = logn_pair(8)
+    input_ids, attention_mask = padded_batch(37)  # rows of 37, 20 and 5 tokens; N = 8
+    decoder_input_ids = torch.randint(2, 99, (3, 5))
+    with torch.no_grad():
+        batch = scaled(input_ids, attention_mask=attention_mask, decoder_input_ids=decoder_input_ids).logits
+        alone = scaled(input_ids[1:2, :20], decoder_input_ids=decoder_input_ids[1:2]).logits
+        scale = alone.abs().max().item()
+        torch.testing.assert_close(batch[1], alone[0], atol=1e-4 * scale, rtol=0)
+        cached = scaled.generate(input_ids, attention_mask=attention_mask, max_new_tokens=8, num_beams=2)
+        uncached = scaled.generate(input_ids, attention_mask=attention_mask, max_new_tokens=8, num_beams=2,
+                                   use_cache=False)
+        assert torch.equal(cached, uncached)
+        scaled.config._attn_implementation = "eager"
+        eager = scaled(input_ids, attention_mask=attention_mask, decoder_input_ids=decoder_input_ids).logits
+    torch.testing.assert_close(eager, batch, atol=1e-5, rtol=1e-5)
+
+
+def test_logn_length_round_trips_and_bad_values_are_refused(tmp_path):
+    config = tiny_config(cross_attention_logn_length=128)
+    config.save_pretrained(tmp_path)
+    assert LocostConfig.from_pretrained(tmp_path).cross_attention_logn_length == 128
+    assert tiny_config().cross_attention_logn_length is None
+    for value in (1, 0, 12.5, True, "128"):
+        with pytest.raises(ValueError, match=r"`cross_attention_logn_length` must be None or an integer >= 2.*got"):
+            tiny_config(cross_attention_logn_length=value)
+
+
+# --------------------------------------------------------------------------------------------------------------------
 # Generation
 # --------------------------------------------------------------------------------------------------------------------
 

@@ -94,11 +94,28 @@ def test_config_reads_the_original_field_names(fixtures_dir):
         ({"block_size": 0}, "block_size"),
         ({"num_vip_slots": 0}, "num_vip_slots"),
         ({"segment_length": 0}, "segment_length"),
+        ({"cross_attention_logn_length": 1}, "cross_attention_logn_length"),
     ],
 )
 def test_config_rejects_settings_that_cannot_run(overrides, message):
     with pytest.raises(ValueError, match=message):
         VCCT5Config(**{**T5_SIZES, **VCC_SIZES, **overrides})
+
+
+def test_logn_scaling_of_the_cross_attention_only_beyond_its_length():
+    """`cross_attention_logn_length` (shared with LOCOST's decoder): rows of at most N unmasked tokens give the same
+    bits as without it, longer rows are scaled."""
+    torch.manual_seed(0)
+    plain = tiny_model()
+    scaled = tiny_model(cross_attention_logn_length=100)
+    scaled.load_state_dict(plain.state_dict())
+    input_ids, attention_mask, vip_mask = batch()  # rows of 150, 100 and 37 tokens
+    decoder_input_ids = torch.randint(2, 200, (3, 4))
+    with torch.no_grad():
+        a, b = (m(input_ids, attention_mask=attention_mask, vip_mask=vip_mask, decoder_input_ids=decoder_input_ids).logits
+                for m in (plain, scaled))
+    assert torch.equal(a[1:], b[1:])
+    assert not torch.allclose(a[0], b[0], atol=1e-4)
 
 
 def test_padded_length_and_compression_sizes():

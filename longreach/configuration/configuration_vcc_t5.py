@@ -114,6 +114,12 @@ class VCCT5Config(PreTrainedConfig):
             them by 1.1e-5). It costs 40-55 times `torch.softmax`'s time (measured on one thread: 11 ms against
             0.3 ms for [2, 4, 134, 134] scores): set it to `False` for fast eager attention on CPU. `sdpa` attention
             (the default) does not use it; block selection does (small: VIP slots x blocks).
+        cross_attention_logn_length (`int`, *optional*):
+            The number N of encoder tokens of the training inputs: where an example has n > N unmasked encoder tokens,
+            the decoder's cross-attention logits are multiplied by ln n / ln N (log-length scaling, Chiang & Cholak
+            2022; Qwen's `use_logn_attn`), so that a model trained on short inputs attends as sharply on long ones. Up
+            to N tokens nothing changes. `None` (the default, and the original) never scales. See
+            [`LocostConfig`] for a measured case.
 
     Fixed in the port (the only values the original supports or uses): `selector_type="attention_based_selector"`,
     `coarser_type="mean"`, `include_positions_in_mixed_states=True`. `custom_relative_attention`,
@@ -168,6 +174,7 @@ class VCCT5Config(PreTrainedConfig):
     scale_correction: bool = True
     exploration_probability: float = 0.1
     reproducible_softmax: bool = True
+    cross_attention_logn_length: int | None = None
     is_encoder_decoder: bool = True
     use_cache: bool = True
     pad_token_id: int | None = 0
@@ -229,6 +236,13 @@ class VCCT5Config(PreTrainedConfig):
             not isinstance(self.segment_length, int) or isinstance(self.segment_length, bool) or self.segment_length < 1
         ):
             raise ValueError(f"`segment_length` must be a positive integer or None, got {self.segment_length!r}.")
+        logn_length = self.cross_attention_logn_length
+        if logn_length is not None and (isinstance(logn_length, bool) or not isinstance(logn_length, int)
+                                        or logn_length < 2):
+            raise ValueError(
+                "`cross_attention_logn_length` must be None or an integer >= 2 (the number of encoder tokens the model "
+                f"was trained on), got {logn_length!r}."
+            )
         if not 0.0 <= float(self.exploration_probability) <= 1.0:
             raise ValueError(
                 f"`exploration_probability` must lie in [0, 1], got {self.exploration_probability!r}."

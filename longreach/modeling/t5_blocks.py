@@ -583,9 +583,12 @@ class T5Attention(nn.Module):
         key_value_states: torch.Tensor | None = None,
         past_key_values: Cache | None = None,
         output_attentions: bool = False,
+        query_scale: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         is_cross_attention = key_value_states is not None
         query = self._project(self.q, hidden_states)
+        if query_scale is not None:  # [batch, 1, 1, 1]: the logits q·kᵀ of each example times its scale
+            query = query * query_scale.to(query.dtype)
 
         if isinstance(past_key_values, EncoderDecoderCache):
             cache = past_key_values.cross_attention_cache if is_cross_attention else past_key_values.self_attention_cache
@@ -654,10 +657,10 @@ class T5LayerCrossAttention(nn.Module):
         self.dropout = Dropout(config.dropout_rate)
 
     def forward(self, hidden_states, key_value_states, attention_bias=None, past_key_values=None,
-                output_attentions=False):
+                output_attentions=False, query_scale=None):
         output, weights = self.EncDecAttention(
             self.layer_norm(hidden_states), attention_bias, key_value_states=key_value_states,
-            past_key_values=past_key_values, output_attentions=output_attentions,
+            past_key_values=past_key_values, output_attentions=output_attentions, query_scale=query_scale,
         )
         return hidden_states + self.dropout(output), weights
 
@@ -692,6 +695,7 @@ class T5Block(GradientCheckpointingLayer):
         encoder_attention_bias: torch.Tensor | None = None,
         past_key_values: Cache | None = None,
         output_attentions: bool = False,
+        cross_attention_scale: torch.Tensor | None = None,
     ):
         hidden_states, self_weights = self.layer[0](
             hidden_states, attention_bias, past_key_values=past_key_values, output_attentions=output_attentions
@@ -701,7 +705,7 @@ class T5Block(GradientCheckpointingLayer):
         if self.is_decoder and encoder_hidden_states is not None:
             hidden_states, cross_weights = self.layer[1](
                 hidden_states, encoder_hidden_states, encoder_attention_bias, past_key_values=past_key_values,
-                output_attentions=output_attentions,
+                output_attentions=output_attentions, query_scale=cross_attention_scale,
             )
             hidden_states = _clamp_fp16(hidden_states)
         hidden_states = _clamp_fp16(self.layer[-1](hidden_states))
@@ -718,6 +722,23 @@ def padding_bias(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor 
     if mask is None:
         return None
     return (1.0 - mask[:, None, None, :].to(dtype)) * torch.finfo(dtype).min
+
+
+def logn_attention_scale(encoder_attention_mask: torch.Tensor | None, encoder_length: int, train_length: int,
+                         device) -> torch.Tensor:
+    """``[batch, 1, 1, 1]`` factors max(1, ln n / ln N) of the cross-attention logits, n the number of encoder tokens
+    each example attends to, N = ``train_length`` (``config.cross_attention_logn_length``).
+
+    Log-length scaling (Chiang & Cholak, "Overcoming a Theoretical Limitation of Self-Attention", ACL 2022; Qwen's
+    ``use_logn_attn``): with n keys, a key whose logit exceeds the others' by Δ gets 1 / (1 + (n-1)·e^(-Δ)) of the
+    attention, which fades as n grows; scaled by ln n / ln N it keeps the weight it had at N keys. The factor is 1 up
+    to N keys (where the model was trained), so training and short inputs are unchanged to the bit."""
+    if encoder_attention_mask is None:
+        counts = torch.full((1,), float(encoder_length), device=device)
+    else:
+        counts = encoder_attention_mask.to(device=device, dtype=torch.float32).sum(-1)
+    scale = (torch.log(counts.clamp(min=1.0)) / math.log(train_length)).clamp(min=1.0)
+    return scale.view(-1, 1, 1, 1)
 
 
 def causal_bias(query_length: int, key_length: int, past_length: int, device, dtype) -> torch.Tensor:
@@ -843,6 +864,12 @@ class T5DecoderStack(nn.Module):
                 )
             bias = bias + padding_bias(attention_mask, bias.dtype)
         encoder_bias = padding_bias(encoder_attention_mask, dtype) if encoder_hidden_states is not None else None
+        cross_attention_scale = None
+        logn_length = getattr(self.config, "cross_attention_logn_length", None)
+        if logn_length is not None and encoder_hidden_states is not None:
+            cross_attention_scale = logn_attention_scale(
+                encoder_attention_mask, encoder_hidden_states.shape[1], logn_length, device
+            )
 
         hidden_states = self.dropout(inputs_embeds)
         all_hidden = _collect(output_hidden_states)
@@ -857,6 +884,7 @@ class T5DecoderStack(nn.Module):
                 encoder_bias,
                 past_key_values=past_key_values,
                 output_attentions=output_attentions,
+                cross_attention_scale=cross_attention_scale,
             )
             if all_self is not None:
                 all_self.append(self_weights)
