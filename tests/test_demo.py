@@ -94,6 +94,8 @@ def test_demo_smoke_run(tmp_path, capsys, monkeypatch):
     assert "ROUGE on 4 held-out documents" in out and "reference:" in out and "summary:" in out
     assert result["document_tokens"] > 128  # longer than the training inputs (cut to 128 here): read whole
     assert result["output_dir"] == str(output_dir)
+    # trained on inputs of at most 128 tokens, it scales its cross-attention on the longer documents it reads
+    assert json.loads((output_dir / "config.json").read_text())["cross_attention_logn_length"] == 128
     files = set(hub.hub_files(output_dir))
     assert {"model.safetensors", "config.json", "modeling_locost.py", "pipeline_summarization.py",
             "tokenizer.json"} <= files
