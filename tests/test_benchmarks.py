@@ -49,3 +49,26 @@ def test_quick_run_writes_cells_report_and_plot_and_resumes(run_all, tmp_path, m
 def test_bad_lengths_are_refused(run_all):
     with pytest.raises(SystemExit):
         run_all.parse_args(["--lengths", "0"])
+
+
+def test_logn_scaling_benchmark_runs_on_a_demo_model(tmp_path, monkeypatch, capsys):
+    """benchmarks/benchmark_logn_scaling.py on the smoke demo's model: the document count, then one JSON line per
+    setting with a ROUGE-1 in range (no score is asserted: the smoke model is untrained)."""
+    from longreach.cli import main as cli_main
+
+    monkeypatch.chdir(tmp_path)
+    assert cli_main(["demo", "--smoke"]) == 0
+    capsys.readouterr()
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "benchmark_logn_scaling.py"
+    spec = importlib.util.spec_from_file_location("benchmark_logn_scaling", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    monkeypatch.setattr("sys.argv", ["benchmark_logn_scaling.py", "--model", "longreach-demo", "--documents", "2",
+                                     "--min_tokens", "1"])
+    module.main()
+    lines = [json.loads(line) for line in capsys.readouterr().out.strip().splitlines()]
+    assert lines[0]["documents"] == 2 and lines[0]["training_inputs_up_to"] == 128
+    settings = [line["setting"] for line in lines[1:]]
+    assert settings == ["whole", "cut_to_128", "cut_to_256", "cut_to_512", "whole_cross_attention_first_512",
+                        "whole_logn_128", "whole_logn_256", "lead"]
+    assert all(0.0 <= line["rouge1"] <= 100.0 for line in lines[1:])

@@ -85,9 +85,10 @@ class LocostConfig(PreTrainedConfig):
         cross_attention_logn_length (`int`, *optional*):
             For inputs longer than the model was trained on: the number N of encoder tokens of its training inputs.
             Where an example has n > N (unmasked) encoder tokens, the decoder's cross-attention logits are multiplied
-            by ln n / ln N, so that attention stays as sharp as it was at N tokens (log-length scaling, Chiang & Cholak
-            2022; Qwen's `use_logn_attn`). Up to N tokens nothing changes, so training is unaffected. Without it, a
-            small model trained on 128-token inputs and reading documents of 500 to 2,500 tokens (`longreach demo`)
+            by ln n / ln N, so that a position that stood out among N keeps standing out among n (log-length scaling,
+            Chiang & Cholak 2022; Qwen's `use_logn_attn`). Up to N tokens nothing changes, so training is unaffected
+            and it can be set on a trained model (`benchmarks/benchmark_logn_scaling.py` measures it). Without it, a
+            small model trained on 128-token inputs and reading documents of 500 tokens or more (`longreach demo`)
             spread its cross-attention over them and stopped copying: ROUGE-1 25.8 on 40 such training documents, 32.4
             on the same documents cut to 512 tokens, 33.3 whole with N = 128. `None` (the default, and the authors'
             model) never scales.
