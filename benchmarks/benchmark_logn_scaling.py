@@ -51,7 +51,8 @@ def main() -> None:
     scorer = rouge_scorer.RougeScorer(["rouge1"], use_stemmer=True)
 
     def rouge1(summaries: list[str]) -> float:
-        return 100 * statistics.mean(scorer.score(e["summary"], s)["rouge1"].fmeasure for e, s in zip(documents, summaries))
+        scores = [scorer.score(e["summary"], s)["rouge1"].fmeasure for e, s in zip(documents, summaries)]
+        return 100 * statistics.mean(scores)
 
     def summarize(max_length: int | None = None, logn_length: int | None = None, cross_positions: int | None = None):
         model.config.cross_attention_logn_length = logn_length
@@ -81,8 +82,8 @@ def main() -> None:
         summaries = summarize(**options)
         print(json.dumps({"setting": name, "rouge1": round(rouge1(summaries), 2), "first_summary": summaries[0]}),
               flush=True)
-    print(json.dumps({"setting": "lead", "rouge1": round(rouge1([lead_baseline(e["document"]) for e in documents]), 2)}),
-          flush=True)
+    lead = rouge1([lead_baseline(e["document"]) for e in documents])
+    print(json.dumps({"setting": "lead", "rouge1": round(lead, 2)}), flush=True)
 
 
 if __name__ == "__main__":

@@ -28,40 +28,40 @@ What it does, end to end, with no network and no argument:
 The result depends only on the Python version and the installed distributions (and the thread count, through
 floating-point summation order); on one machine, two runs give the same numbers.
 
-Measured with the defaults (1,500 lead-pretraining steps, 1,000 summarization steps), installed exactly as the
-README says (``pip install -e ".[train]"``, so 1,429 training and 39 held-out documents; the corpus depends on what is
+Measured with the defaults (1,500 lead-pretraining steps, 1,000 summarization steps), installed exactly as the README
+says (``pip install -e ".[train]"``, so 1,429 training and 39 held-out documents; the corpus depends on what is
 installed), on a 2-core AMD EPYC machine with AVX2 only (Python 3.11, torch 2.13 CPU), otherwise idle: 532 seconds
-wall clock for ``longreach demo`` (lead pretraining 247 s, summarization 256 s, beam-search evaluation 9 s), peak
-RSS 2.6 GB. Held-out ROUGE-1/2/Lsum 20.36 / 5.01 / 16.84 against 20.04 / 5.27 / 17.27 for the lead baseline: ROUGE-1
-0.32 above the lead, ROUGE-2 and ROUGE-Lsum below it. The longest held-out document (1,269 tokens) is summarized
+wall clock for ``longreach demo`` (lead pretraining 247 s, summarization 256 s, beam-search evaluation 9 s), peak RSS
+2.6 GB. Held-out ROUGE-1/2/Lsum 20.36 / 5.01 / 16.84 against 20.04 / 5.27 / 17.27 for the lead baseline: ROUGE-1 0.32
+above the lead, ROUGE-2 and ROUGE-Lsum below it. The longest held-out document (1,269 tokens) is summarized
 "multiprocess: better multiprocessing and multithreading in Python About Multiprocess" (reference "better
 multiprocessing and multithreading in Python"). The same code on one thread (``OMP_NUM_THREADS=1``: other float
 rounding, so other weights; 840 s beside another one-thread job, so no timing) scored 21.26 / 4.90 / 17.74, with the
 same summary of the longest document. A margin of 0.3 to 1.2 is of the size of the run-to-run noise described below
 (about a point from float rounding alone), and on a validation split the same recipe was under the lead: trained
-without the 10% of training documents whose name hashes to 1 (mod 10), on 44 of those documents with at least 80
-words it scored 20.05 against the lead's 20.53 (no decoding setting tried there beat it: no-repeat 4-grams 20.40,
-repetition penalty 1.2 20.22, encoder repetition penalty 1.5 20.05, 8 beams 20.05; without the scaling 20.01: 38 of
-those 44 documents have fewer than 500 tokens). So on another machine the demo may land just under the lead; what the margin rests on
-is the next paragraph.
+without the 10% of training documents whose name hashes to 1 (mod 10), on 44 of those documents with at least 80 words
+it scored 20.05 against the lead's 20.53 (no decoding setting tried there beat it: no-repeat 4-grams 20.40, repetition
+penalty 1.2 20.22, encoder repetition penalty 1.5 20.05, 8 beams 20.05; without the scaling 20.01: 38 of those 44
+documents have fewer than 500 tokens). So on another machine the demo may land just under the lead; what the margin
+rests on is the next paragraph.
 
 **Log-length scaling of the cross-attention** (``LocostConfig.cross_attention_logn_length``, set to the 128 tokens of
 the longest training input). The model is trained on inputs of at most 128 tokens and reads held-out documents of up
 to 1,269. On 40 *training* documents of 500 tokens or more, the previous default's model scored ROUGE-1 25.8 reading
-them whole, 32.4 reading them cut to 512 tokens (their lead: 31.9), and 32.4 again with the whole document encoded
-but the decoder's cross-attention limited to the first 512 encoder positions: the SSM encoder generalised to the long
+them whole, 32.4 reading them cut to 512 tokens (their lead: 31.9), and 32.4 again with the whole document encoded but
+the decoder's cross-attention limited to the first 512 encoder positions: the SSM encoder generalised to the long
 inputs, the cross-attention did not. Spread over ten times more positions than in training, it stopped copying
 ("annotated-types PEP-5."). With the logits scaled by ln n / ln 128 for n > 128 encoder tokens it scored 33.3 on those
 documents read whole. The factor is 1 up to 128 tokens, so training is unchanged to the bit: the weights of the run
 above are those of the previous default's run, which scored 19.89 held out and summarized the longest document
-"multiprocess." (2 words). Of the 39 held-out summaries, the scaling changed four, those of documents longer than 128
-tokens: two for the better (multiprocess, copy) and two for the worse (aiohappyeyeballs, where "Happy Eyeballs (RFC
-8305)" came out as "Happyeballs (RFC 8305) Usealls (R", and truststore). Without the scaling, with the torch ops instead of the
-compiled kernel and otherwise the same settings, runs gave 19.49 / 4.86 / 16.39 and, with code that differed in float
-rounding only, 19.72 / 4.75 / 16.73 (before the feed-forward became one autograd function, f87be0a) and 20.95 / 5.18 /
-17.77 (the SSM kernel's gradients through autograd, before 7019b3f); the shortest training summary's length as
-``min_new_tokens`` (3 tokens) was set after the summary "multipro" (2 tokens, then end of sequence): it changed that
-one summary and nothing else.
+"multiprocess." (2 words). Of the 39 held-out summaries the scaling changed four (it can only change those of
+documents longer than 128 tokens): two for the better (multiprocess, copy) and two for the worse (aiohappyeyeballs,
+where "Happy Eyeballs (RFC 8305)" came out as "Happyeballs (RFC 8305) Usealls (R", and truststore). Without the
+scaling, with the torch ops instead of the compiled kernel and otherwise the same settings, runs gave 19.49 / 4.86 /
+16.39 and, with code that differed in float rounding only, 19.72 / 4.75 / 16.73 (before the feed-forward became one
+autograd function, f87be0a) and 20.95 / 5.18 / 17.77 (the SSM kernel's gradients through autograd, before 7019b3f);
+the shortest training summary's length as ``min_new_tokens`` (3 tokens) was set after the summary "multipro" (2
+tokens, then end of sequence): it changed that one summary and nothing else.
 
 History (all without the scaling). The earlier defaults (2,000 and 1,200 steps) took 722 s
 on that machine (over the ten minutes the demo is meant to take; 587 s on the faster machine of earlier
@@ -545,7 +545,7 @@ def run_demo(output_dir: str | Path = DEFAULT_OUTPUT_DIR, settings: DemoSettings
         d_ff=settings.d_ff, num_layers=settings.num_layers, num_decoder_layers=settings.num_decoder_layers,
         num_heads=settings.num_heads, dropout_rate=settings.dropout_rate, ssm_dt_min=settings.ssm_dt_min,
         ssm_dt_max=settings.ssm_dt_max, pad_token_id=tokenizer.pad_token_id,
-        # trained on inputs of at most max_source_length tokens, it reads whole documents of up to ~4K: see the field
+        # trained on inputs of at most max_source_length tokens, it reads whole documents of thousands (see the field)
         cross_attention_logn_length=settings.max_source_length,
         eos_token_id=tokenizer.eos_token_id, decoder_start_token_id=tokenizer.pad_token_id,
     )

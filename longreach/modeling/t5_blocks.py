@@ -732,8 +732,8 @@ def logn_attention_scale(encoder_attention_mask: torch.Tensor | None, encoder_le
     Log-length scaling (Chiang & Cholak, "Overcoming a Theoretical Limitation of Self-Attention", ACL 2022; Qwen's
     ``use_logn_attn``): with n keys, a key whose logit exceeds the others' by Δ gets 1 / (1 + (n-1)·e^(-Δ)) of the
     attention, which fades as n grows; with the logits scaled by ln n / ln N the term (n-1)·e^(-Δ·ln n / ln N) is
-    about n^(1 - Δ / ln N), which no longer grows with n for a key that stood out among N keys (Δ ≥ ln N). The factor
-    is 1 up to N keys (where the model was trained), so training and short inputs are unchanged to the bit."""
+    about n^(1 - Δ / ln N), which no longer grows with n for a key that stood out among N keys (Δ ≥ ln N). The
+    factor is 1 up to N keys (where the model was trained), so training and short inputs are unchanged to the bit."""
     if encoder_attention_mask is None:
         counts = torch.full((1,), float(encoder_length), device=device)
     else:
