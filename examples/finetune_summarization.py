@@ -18,6 +18,11 @@ Examples::
     python examples/finetune_summarization.py --model_name_or_path locost-hf --dataset_name ccdv/arxiv-summarization \
         --text_column article --summary_column abstract --output_dir locost-arxiv
 
+    # trained (and evaluated) on 4,096-token inputs, to be used later on whole documents of 16K: scale the saved
+    # model's cross-attention beyond 4,096 tokens (LocostConfig.cross_attention_logn_length; no effect up to 4,096)
+    python examples/finetune_summarization.py --model_name_or_path locost-hf --train_file train.jsonl ... \
+        --max_source_length 4096 --config_overrides '{"cross_attention_logn_length": 4096}'
+
     # VCC-T5 (the VIP mask is built by the model's prepare_summarization_inputs, exactly as at inference)
     python examples/finetune_summarization.py --model_name_or_path vcc-t5-hf --train_file train.jsonl ...
 
@@ -67,7 +72,10 @@ class ModelArguments:
         default=None, metadata={"help": f"Train from scratch instead: one of {MODEL_TYPES} (needs --tokenizer_name)."}
     )
     config_overrides: str | None = field(
-        default=None, metadata={"help": 'JSON object of config fields for --model_type, e.g. \'{"d_model": 256}\'.'}
+        default=None,
+        metadata={"help": 'JSON object of config fields: the sizes for --model_type (\'{"d_model": 256}\'), or changes '
+                  'to a checkpoint\'s config (\'{"cross_attention_logn_length": 4096}\': beyond 4,096 input tokens, '
+                  "scale the cross-attention logits by ln n / ln 4096, for documents longer than the training inputs)."},
     )
     tokenizer_name: str | None = field(default=None, metadata={"help": "Tokenizer (default: the model's)."})
 
@@ -153,9 +161,11 @@ def build_compute_metrics(tokenizer):
 
 
 def load_model_and_tokenizer(model_args: ModelArguments):
+    overrides = json.loads(model_args.config_overrides or "{}")
     if model_args.model_name_or_path is not None:
         tokenizer = AutoTokenizer.from_pretrained(model_args.tokenizer_name or model_args.model_name_or_path)
-        model = AutoModelForSeq2SeqLM.from_pretrained(model_args.model_name_or_path, trust_remote_code=True)
+        model = AutoModelForSeq2SeqLM.from_pretrained(model_args.model_name_or_path, trust_remote_code=True,
+                                                      **overrides)
         return model, tokenizer
     if model_args.model_type not in MODEL_TYPES or model_args.tokenizer_name is None:
         raise ValueError(
@@ -164,7 +174,6 @@ def load_model_and_tokenizer(model_args: ModelArguments):
             f"tokenizer_name={model_args.tokenizer_name!r}."
         )
     tokenizer = AutoTokenizer.from_pretrained(model_args.tokenizer_name)
-    overrides = json.loads(model_args.config_overrides or "{}")
     config = AutoConfig.for_model(
         model_args.model_type, vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id, decoder_start_token_id=tokenizer.pad_token_id, **overrides,

@@ -51,6 +51,22 @@ def test_finetune_summarization_pushes_with_our_card(tmp_path, monkeypatch, reco
     assert "Fine-tuned with `examples/finetune_summarization.py`" in files["README.md"].decode()
 
 
+def test_finetune_summarization_config_overrides_reach_a_checkpoint(tmp_path, monkeypatch):
+    """--config_overrides also changes a loaded checkpoint's config (e.g. the log-length scaling of its cross-attention)."""
+    from longreach import LocostConfig, LocostForConditionalGeneration
+    from tokenizer_helpers import word_level_tokenizer
+
+    LocostForConditionalGeneration(LocostConfig(vocab_size=64, d_model=16, d_state=4, d_kv=4, d_ff=32, num_layers=1,
+                                                num_heads=4)).save_pretrained(tmp_path / "tiny")
+    word_level_tokenizer(vocab_size=64).save_pretrained(tmp_path / "tiny")
+    example = _load_example("finetune_summarization", monkeypatch)
+    for overrides, expected in ((None, None), ('{"cross_attention_logn_length": 256}', 256)):
+        model, _ = example.load_model_and_tokenizer(example.ModelArguments(model_name_or_path=str(tmp_path / "tiny"),
+                                                                           config_overrides=overrides))
+        assert model.config.cross_attention_logn_length == expected
+        assert model.decoder.config.cross_attention_logn_length == expected  # what the decoder reads
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # examples/finetune_dodo.py
 # ---------------------------------------------------------------------------------------------------------------------
