@@ -270,6 +270,19 @@ def test_logn_scaling_is_per_row_and_kept_by_generate_and_the_cache():
     torch.testing.assert_close(eager, batch, atol=1e-5, rtol=1e-5)
 
 
+def test_logn_scale_is_exactly_one_up_to_its_length():
+    """n <= N gives exactly 1 (in float32, ln N / ln N is not always 1: N = 7, 47, 49, 402... would give 1 + 1 ulp)."""
+    from longreach.modeling.t5_blocks import logn_attention_scale
+
+    for length in range(2, 2000):
+        mask = torch.zeros(3, length + 1)
+        for row, n in enumerate((1, length, length + 1)):
+            mask[row, :n] = 1
+        scale = logn_attention_scale(mask, length + 1, length, "cpu").flatten()
+        assert scale[0] == 1.0 and scale[1] == 1.0 and scale[2] > 1.0, length
+    assert logn_attention_scale(None, 50, 7, "cpu").item() == pytest.approx(math.log(50) / math.log(7))
+
+
 def test_logn_length_round_trips_and_bad_values_are_refused(tmp_path):
     config = tiny_config(cross_attention_logn_length=128)
     config.save_pretrained(tmp_path)

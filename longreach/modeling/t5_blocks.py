@@ -738,7 +738,8 @@ def logn_attention_scale(encoder_attention_mask: torch.Tensor | None, encoder_le
         counts = torch.full((1,), float(encoder_length), device=device)
     else:
         counts = encoder_attention_mask.to(device=device, dtype=torch.float32).sum(-1)
-    scale = (torch.log(counts.clamp(min=1.0)) / math.log(train_length)).clamp(min=1.0)
+    longer = counts > train_length  # exactly 1 otherwise (ln N / ln N need not round to 1 in float32)
+    scale = torch.where(longer, torch.log(counts.clamp(min=1.0)) / math.log(train_length), 1.0).clamp(min=1.0)
     return scale.view(-1, 1, 1, 1)
 
 
