@@ -31,8 +31,8 @@ batched matmul alone took 1.7x the plain one (per channel [32, 512] x [512, 64],
 about 170 for a square matmul: it runs at the speed of the caches), and the elementwise powers and per-block ops
 about as much again. So on CPU the same products are one compiled C function (``ssm_cpu_kernel``: each channel's
 powers are made in the caches and used at once; 1.8x-2.2x at 1K over three runs and 1.6x-1.8x at 4K-8K,
-discretisation included, on 2 threads; ``benchmarks/run_all.py`` measures both), up to ``ssm_cpu_kernel.MAX_LAGS`` (8K) lags, beyond which MKL's
-batched matmul is as fast or faster.
+discretisation included, on 2 threads; ``benchmarks/run_all.py`` measures both), up to ``ssm_cpu_kernel.MAX_LAGS``
+(8K) lags, beyond which MKL's batched matmul is as fast or faster.
 
 Training: the convolution is one autograd function (``_FFTConvolution``) that keeps its input and the kernel's
 spectrum for the backward pass (autograd through the FFTs kept the padded input, both spectra and the [H, 2L]
@@ -150,11 +150,20 @@ def s4d_kernel(dtA: torch.Tensor, z: torch.Tensor, C_hat: torch.Tensor, length: 
     beyond exp(ΔA) per mode. The work besides the matmul is O(H·N/2·√L) against its O(H·N·L) multiply-adds.
     ``dtA`` [H, N/2] complex64, ``z = exp(dtA)`` complex128, ``C_hat`` [directions, H, N/2] complex64.
     """
-    directions, width, modes = C_hat.shape
+    directions, width, _ = C_hat.shape
     chunk, num_chunks = _lag_chunks(directions, length, max_chunk)
     if compiled_kernel_usable(num_chunks * chunk, dtA, z, C_hat):  # on CPU up to 8K lags: the same products in C
         values = compiled_s4d_kernel_values(z, C_hat, chunk, num_chunks)
-        return values.view(width, directions, num_chunks * chunk)[..., :length].transpose(0, 1)
+    else:
+        values = _s4d_kernel_values(dtA, z, C_hat, chunk, num_chunks)
+    return values.view(width, directions, num_chunks * chunk)[..., :length].transpose(0, 1)
+
+
+def _s4d_kernel_values(dtA: torch.Tensor, z: torch.Tensor, C_hat: torch.Tensor, chunk: int,
+                       num_chunks: int) -> torch.Tensor:
+    """The torch ops of :func:`s4d_kernel`: ``[H, directions · num_chunks, chunk]``, row d·num_chunks + i holding
+    the lags i·chunk + j of direction d (the layout of ``compiled_s4d_kernel_values``)."""
+    directions, width, modes = C_hat.shape
     values = dtA.real.new_empty(width, directions * num_chunks, chunk)
     weights_buffer = C_hat.new_empty(_channel_block(width, dtA.device), directions, num_chunks, modes)
     weights_first = (2.0 * C_hat).transpose(0, 1)[:, :, None, :]  # 2·Ĉ [h, dirs, 1, N/2]
@@ -166,7 +175,7 @@ def s4d_kernel(dtA: torch.Tensor, z: torch.Tensor, C_hat: torch.Tensor, length: 
         left = torch.view_as_real(weights).reshape(size, directions * num_chunks, 2 * modes)
         right = torch.view_as_real(powers).reshape(size, chunk, 2 * modes).transpose(1, 2)
         torch.bmm(left, right, out=values[rows])
-    return values.view(width, directions, num_chunks * chunk)[..., :length].transpose(0, 1)
+    return values
 
 
 def s4d_kernel_vjp(grad: torch.Tensor, dtA: torch.Tensor, z: torch.Tensor, C_hat: torch.Tensor, length: int,
