@@ -78,6 +78,15 @@ typedef int v4i __attribute__((vector_size(16)));
 #define SHUFFLE(x, y, ...) __builtin_shuffle(x, y, (v4i){__VA_ARGS__})
 #endif
 
+/* Keep a value in a vector register. Without it GCC folds the loads of P into the FMAs and loads each P vector once
+ * per W row (15 loads per 12 FMAs instead of 7: the dot products ran at 0.8x the speed of a matmul, now 1.0x). An
+ * empty asm: it changes where values live, not one rounding. */
+#if defined(__x86_64__) || defined(__i386__)
+#define IN_REGISTER(x) __asm__("" : "+x"(x))
+#else
+#define IN_REGISTER(x) (void)0
+#endif
+
 static long round_up(long x, long m) { return (x + m - 1) / m * m; }
 
 /* [sum(x0), sum(x1), sum(x2), sum(x3)] of four 8-lane vectors */
@@ -100,9 +109,13 @@ static void dot_block(const float *a, const float *b, long kp, float *out, long 
         for (int c = 0; c < NJ; c++) acc[r][c] = (v8){0};
     for (long k = 0; k < kp; k += 8) {
         v8 av[MR];
-        for (int r = 0; r < MR; r++) av[r] = *(const v8 *)(a + r * kp + k);
+        for (int r = 0; r < MR; r++) {
+            av[r] = *(const v8 *)(a + r * kp + k);
+            IN_REGISTER(av[r]);
+        }
         for (int c = 0; c < NJ; c++) {
             v8 bv = *(const v8 *)(b + c * kp + k);
+            IN_REGISTER(bv);
             for (int r = 0; r < MR; r++) acc[r][c] += av[r] * bv;
         }
     }
