@@ -1,5 +1,5 @@
 """The S4D kernel on CPU as one compiled C function, powers and matmul fused: up to 8K lags (``MAX_LAGS``) it takes
-1.4x-2.2x the time of a plain matmul of its multiply-adds where the torch ops of ``ssm.s4d_kernel`` take 2.0x-4.5x
+1.3x-2.0x the time of a plain matmul of its multiply-adds where the torch ops of ``ssm.s4d_kernel`` take 1.7x-3.9x
 (released size, discretisation included, 1 and 2 threads; ``benchmarks/run_all.py`` measures both).
 
 Why C: per channel h the kernel is a product of two small matrices of powers, K[i·chunk + j] = 2·Re Σ_n W_n[i]·P_n[j]
@@ -51,6 +51,8 @@ _THREADING_WORK = 2**21
 #: against 2.52 at 1K, 1.44 / 1.98 at 4K, 1.66 / 1.95 at 8K, then 1.71 / 1.54 at 16K and 1.67 / 1.50 at 32K; 2 threads:
 #: 2.09 / 3.44 at 1K, 1.62 / 2.31 at 4K, 2.08 / 2.27 at 8K, 1.77 / 1.72 at 16K, 1.36 / 1.39 at 32K, 1.67 / 1.41 at 64K.
 #: From 16K lags on, the per-channel products are large enough for MKL's batched matmul to be as fast or faster.
+#: (Measured before the dot products kept their vectors in registers; after it, one run at 16K: 1.82 against 1.77 on
+#: 1 thread, 1.52 against 1.81 on 2: still no clear gain there.)
 MAX_LAGS = 8192
 
 _C_SOURCE = r"""
