@@ -72,3 +72,28 @@ def test_logn_scaling_benchmark_runs_on_a_demo_model(tmp_path, monkeypatch, caps
     assert settings == ["whole", "cut_to_128", "cut_to_256", "cut_to_512", "whole_cross_attention_first_512",
                         "whole_logn_128", "whole_logn_256", "lead"]
     assert all(0.0 <= line["rouge1"] <= 100.0 for line in lines[1:])
+
+
+def test_profile_step_tables_where_the_time_goes(tmp_path, monkeypatch):
+    """benchmarks/profile_step.py on a tiny LOCOST training step: an operator table whose shares add up to the whole,
+    the backward pass of our own autograd functions among its rows, and --out appending one section per run."""
+    benchmarks = Path(__file__).resolve().parents[1] / "benchmarks"
+    monkeypatch.syspath_prepend(str(benchmarks))  # the script imports run_all as its neighbour
+    spec = importlib.util.spec_from_file_location("profile_step", benchmarks / "profile_step.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    out = tmp_path / "profiles.md"
+    text = module.main(["--quick", "--model", "locost", "--task", "train_ckpt", "--length", "48", "--rows", "1000",
+                        "--threads", "1", "--out", str(out)])
+    rows = [line for line in text.splitlines() if line.startswith("| `")]
+    assert len(rows) > 10
+    shares = [float(line.rsplit("|", 2)[1].strip().rstrip("%")) for line in rows]
+    assert sum(shares) == pytest.approx(100.0, abs=0.05 * len(shares) + 1e-9)  # each share rounded to 0.1
+    assert any("_S4DKernelBackward" in line for line in rows)
+    module.main(["--quick", "--model", "t5", "--task", "encode", "--length", "16", "--rows", "3", "--out", str(out)])
+    sections = [line for line in out.read_text().splitlines() if line.startswith("### ")]
+    assert sections == ["### locost, train_ckpt, 48 tokens, float32, cpu (quick: tiny model)",
+                        "### t5, encode, 16 tokens, float32, cpu (quick: tiny model)"]
+    assert not list(tmp_path.glob("*.tmp"))
+    with pytest.raises(SystemExit):
+        module.main(["--length", "0"])

@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# What issue 10 item 5 still lacks after the first GPU session (benchmarks/results/cuda.md, "Not measured"), in one
+# call of about 7 minutes, most useful first; each phase has its own time limit and appends what it finished:
+# LOCOST at 1,000,000 tokens, profiles of a training step (LOCOST and LongT5-local, bfloat16, 16K), Dodo's prefill
+# and compression timed with the synchronised script, transformers' T5 generate(), generate() in float32, LED's
+# checkpointed step at 64K, and the suite's encode cells with the accelerator pieces of 32,768.
+#
+#   benchmarks/run_cuda_gaps.sh [OUT]          # default benchmarks/results/cuda-gaps
+#   SMOKE=1 benchmarks/run_cuda_gaps.sh OUT    # every phase on the CPU with tiny sizes: checks the commands only
+#
+# OUT gets log.txt (everything printed, with each phase's start time), bf16/cells.jsonl, fp32/cells.jsonl,
+# profiles.md and dodo.json. Reports: python benchmarks/run_all.py --report_only --suites locost --device cuda
+# --dtype bfloat16 --out OUT/bf16 (and the same for fp32).
+set -u
+out=${1:-benchmarks/results/cuda-gaps}
+mkdir -p "$out/bf16" "$out/fp32"
+export PYTHONUNBUFFERED=1
+log="$out/log.txt"
+start=$(date +%s)
+phase() { echo "=== $(( $(date +%s) - start )) s: $*" >> "$log"; }
+
+if [ "${SMOKE:-0}" = 1 ]; then  # float32 for bfloat16 too: a CPU without bfloat16 units takes minutes per roofline
+  device=cpu; quick=--quick; bf16=float32; scale=256; long=128; mid=64; short=32
+  dodo="--lengths 256 --steps 2 --rounds 2 --warmup 1"
+else
+  device=cuda; quick=; bf16=bfloat16; scale=1000000; long=65536; mid=16384; short=4096; dodo=
+fi
+suite="python3 benchmarks/run_all.py --suites locost --device $device --in_process --cells_only $quick"
+profile="python3 benchmarks/profile_step.py --device $device --dtype $bf16 --task train --length $mid $quick"
+
+phase environment
+{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>/dev/null || echo "no nvidia-smi"
+  python3 -c "import torch, transformers, peft; print('torch', torch.__version__, '| transformers',
+transformers.__version__, '| peft', peft.__version__, '| cuda', torch.cuda.is_available())"; } >> "$log" 2>&1
+
+phase "LOCOST at $scale tokens, bfloat16 (the accelerator pieces of 32,768)"
+timeout 90 $suite --dtype $bf16 --out "$out/bf16" --models locost --tasks scale --scale_lengths $scale \
+  --skip_flops >> "$log" 2>&1
+phase "profiles of a training step at $mid tokens, bfloat16: LOCOST, then LongT5-local"
+timeout 60 $profile --model locost --out "$out/profiles.md" >> "$log" 2>&1
+timeout 45 $profile --model longt5-local --out "$out/profiles.md" >> "$log" 2>&1
+phase "Dodo vs Llama, float32: prefill and compression synchronised"
+timeout 60 python3 benchmarks/benchmark_dodo.py --device $device $dodo --json "$out/dodo.json" >> "$log" 2>&1
+phase "T5 generate at $short and $mid tokens, bfloat16"
+timeout 60 $suite --dtype $bf16 --out "$out/bf16" --models t5 --tasks generate --lengths $short $mid \
+  --skip_flops >> "$log" 2>&1
+phase "generate at $mid tokens, float32"
+timeout 60 $suite --dtype float32 --out "$out/fp32" --models locost longt5-local led --tasks generate \
+  --lengths $mid --skip_flops >> "$log" 2>&1
+phase "LED's checkpointed training step at $long tokens, bfloat16"
+timeout 45 $suite --dtype $bf16 --out "$out/bf16" --models led --tasks train_ckpt --lengths $long \
+  --skip_flops >> "$log" 2>&1
+phase "LOCOST and LongT5-local encode cells, bfloat16"
+timeout 45 $suite --dtype $bf16 --out "$out/bf16" --models locost longt5-local --tasks encode \
+  --lengths $short $mid $long --skip_flops >> "$log" 2>&1
+phase done
