@@ -8,6 +8,10 @@
 #   benchmarks/run_cuda_gaps.sh [OUT]          # default benchmarks/results/cuda-gaps
 #   SMOKE=1 benchmarks/run_cuda_gaps.sh OUT    # every phase on the CPU with tiny sizes: checks the commands only
 #
+# On a lent GPU, from the repository root, with .whl carried (the device image's transformers and peft differ from the
+# versions the CPU suite uses):
+#   pip install -q --no-deps .whl/*.whl && PYTHONPATH=$PWD benchmarks/run_cuda_gaps.sh "$OUT"
+#
 # OUT gets log.txt (everything printed, with each phase's start time), bf16/cells.jsonl, fp32/cells.jsonl,
 # profiles.md and dodo.json. Reports: python benchmarks/run_all.py --report_only --suites locost --device cuda
 # --dtype bfloat16 --out OUT/bf16 (and the same for fp32).

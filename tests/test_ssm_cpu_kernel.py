@@ -193,3 +193,36 @@ def test_compiler_is_found_where_the_machine_has_one():
     """Not a skip in disguise: where `cc`/`gcc`/`clang` exist, the loader finds one (so the tests above ran)."""
     expected = any(shutil.which(name) for name in ("cc", "gcc", "clang"))
     assert (ssm_cpu_kernel._compiler() is not None) == expected
+
+
+@needs_compiler
+@pytest.mark.parametrize("flags", [["-O3"], ["-O3", "-mno-avx"]], ids=["no -march", "no AVX"])
+def test_the_source_builds_and_computes_without_native_flags(tmp_path, flags):
+    """The loader's last attempt is a plain ``-O3`` build (for compilers or CPUs where ``-march=native`` fails): the
+    source must build there too, and without AVX (an x86 register hint for 8-float vectors once broke both), and give
+    the kernel of the native build (other FMA contraction: close, not the same bits)."""
+    import ctypes
+    import platform
+    import subprocess
+
+    if "-mno-avx" in flags and platform.machine() not in ("x86_64", "AMD64", "i686", "i386"):
+        pytest.skip("-mno-avx is an x86 flag")
+    source, built = tmp_path / "kernel.c", tmp_path / "kernel.so"
+    source.write_text(ssm_cpu_kernel._C_SOURCE)
+    result = subprocess.run([ssm_cpu_kernel._compiler(), *flags, "-std=gnu11", "-fPIC", "-shared", "-o", str(built),
+                             str(source)], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    library = ctypes.CDLL(str(built))
+    torch.manual_seed(0)
+    conv = BidirectionalS4DConvolution(5, 34)
+    with torch.no_grad():
+        _, z, C_hat = conv._discretized()
+    chunk, num_chunks = ssm._lag_chunks(2, 300, conv.kernel_chunk_size)
+    z_pairs, c_pairs = torch.view_as_real(z).contiguous(), torch.view_as_real(C_hat).contiguous()
+    values = torch.empty(5, 2 * num_chunks, chunk)
+    assert library.s4d_kernel_f32(ctypes.c_void_p(z_pairs.data_ptr()), ctypes.c_void_p(c_pairs.data_ptr()),
+                                  ctypes.c_void_p(values.data_ptr()), ctypes.c_long(5), ctypes.c_long(17),
+                                  ctypes.c_long(2), ctypes.c_long(chunk), ctypes.c_long(num_chunks),
+                                  ctypes.c_long(0), ctypes.c_long(5)) == 0
+    expected = ssm_cpu_kernel.compiled_s4d_kernel_values(z, C_hat, chunk, num_chunks)
+    torch.testing.assert_close(values, expected, atol=2e-6 * expected.abs().max().item(), rtol=0)

@@ -82,8 +82,9 @@ typedef int v4i __attribute__((vector_size(16)));
 
 /* Keep a value in a vector register. Without it GCC folds the loads of P into the FMAs and loads each P vector once
  * per W row (15 loads per 12 FMAs instead of 7: the dot products ran at 0.8x the speed of a matmul, now 1.0x). An
- * empty asm: it changes where values live, not one rounding. */
-#if defined(__x86_64__) || defined(__i386__)
+ * empty asm: it changes where values live, not one rounding. Only where an 8-float vector fits one register (AVX):
+ * without AVX the constraint is impossible and the build would fail. */
+#if (defined(__x86_64__) || defined(__i386__)) && defined(__AVX__)
 #define IN_REGISTER(x) __asm__("" : "+x"(x))
 #else
 #define IN_REGISTER(x) (void)0
