@@ -97,3 +97,17 @@ def test_profile_step_tables_where_the_time_goes(tmp_path, monkeypatch):
     assert not list(tmp_path.glob("*.tmp"))
     with pytest.raises(SystemExit):
         module.main(["--length", "0"])
+
+
+@pytest.mark.parametrize("script", ["run_cuda.sh", "run_cuda_followup.sh", "run_cuda_gaps.sh"])
+def test_gpu_scripts_parse(script):
+    """The GPU scripts run where device time is short: a syntax error must show here, not there (``SMOKE=1
+    benchmarks/run_cuda_gaps.sh OUT`` runs every phase of the last one on the CPU, 85 s: not in the default suite)."""
+    import shutil
+    import subprocess
+
+    if shutil.which("bash") is None:
+        pytest.skip("no bash here")
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / script
+    result = subprocess.run(["bash", "-n", str(path)], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
