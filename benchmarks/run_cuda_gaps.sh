@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # What issue 10 item 5 still lacks after the first GPU session (benchmarks/results/cuda.md, "Not measured"), in one
-# call of about 7 minutes, most useful first; each phase has its own time limit and appends what it finished:
+# call of at most about 8 minutes (the phases' time limits add up to 465 s), most useful first; each phase appends
+# what it finished:
 # LOCOST at 1,000,000 tokens, profiles of a training step (LOCOST and LongT5-local, bfloat16, 16K), Dodo's prefill
 # and compression timed with the synchronised script, transformers' T5 generate(), generate() in float32, LED's
 # checkpointed step at 64K, and the suite's encode cells with the accelerator pieces of 32,768.
