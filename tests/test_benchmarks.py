@@ -111,3 +111,28 @@ def test_gpu_scripts_parse(script):
     path = Path(__file__).resolve().parents[1] / "benchmarks" / script
     result = subprocess.run(["bash", "-n", str(path)], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
+
+
+def test_profile_table_on_cuda_counts_kernel_time_once(monkeypatch):
+    """On CUDA the table ranks host-side operators by the device time of the kernels they launched; the kernels' own
+    events (which carry the same time) are left out, so shares are not halved by double counting."""
+    import types
+
+    import torch
+    from torch.autograd import DeviceType
+
+    benchmarks = Path(__file__).resolve().parents[1] / "benchmarks"
+    monkeypatch.syspath_prepend(str(benchmarks))
+    spec = importlib.util.spec_from_file_location("profile_step", benchmarks / "profile_step.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+
+    def event(key, device_type, device_us, count=1):
+        return types.SimpleNamespace(key=key, device_type=device_type, count=count, self_device_time_total=device_us,
+                                     self_cpu_time_total=5.0)
+
+    events = [event("aten::mm", DeviceType.CPU, 3000.0), event("sm90_gemm_kernel", DeviceType.CUDA, 3000.0),
+              event("aten::mul", DeviceType.CPU, 1000.0, count=4), event("elementwise_kernel", DeviceType.CUDA, 1000.0),
+              event("aten::view", DeviceType.CPU, 0.0, count=9)]
+    lines = module.profile_table(events, torch.device("cuda"), rows=10)
+    assert lines[2:] == ["| `aten::mm` | 1 | 3.0 | 75.0% |", "| `aten::mul` | 4 | 1.0 | 25.0% |"]
