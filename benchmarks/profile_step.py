@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 import torch
+from torch.autograd import DeviceType
 from run_all import MODELS, RELEASED, TASKS, TINY, build_model, machine_description, synchronize
 
 
@@ -66,8 +67,6 @@ def profile_table(events, device: torch.device, rows: int) -> list[str]:
     """Markdown rows: the operators with the most self time, their calls and share. On CUDA an operator's time is
     the device time of the kernels it launched itself (``self_device_time_total`` of the host-side operator); the
     kernels' own rows are left out, as they would count that time twice."""
-    from torch.autograd import DeviceType
-
     events = [e for e in events if e.device_type == DeviceType.CPU]
     attribute = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
     events = [e for e in events if getattr(e, attribute) > 0]
@@ -98,6 +97,8 @@ def main(argv: list[str] | None = None) -> str:
     args = parser.parse_args(argv)
     if args.length < 1:
         parser.error(f"--length must be at least 1, got {args.length}")
+    if args.rows < 1:
+        parser.error(f"--rows must be at least 1, got {args.rows}")
     if args.threads:
         torch.set_num_threads(args.threads)
     from torch.profiler import ProfilerActivity, profile
@@ -120,8 +121,6 @@ def main(argv: list[str] | None = None) -> str:
         run()
         synchronize(device)
         wall = time.perf_counter() - start
-    from torch.autograd import DeviceType
-
     events = list(profiler.key_averages())
     operators = [e for e in events if e.device_type == DeviceType.CPU]
     calls = sum(e.count for e in operators)
