@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # What issue 10 item 5 still lacks after the first GPU session (benchmarks/results/cuda.md, "Not measured"), in one
-# call of at most about 8 minutes (the phases' time limits add up to 465 s), most useful first; each phase appends
+# call of at most about 8.5 minutes (the phases' time limits add up to 495 s), most useful first; each phase appends
 # what it finished:
 # LOCOST at 1,000,000 tokens, profiles of a training step (LOCOST and LongT5-local, bfloat16, 16K), Dodo's prefill
 # and compression timed with the synchronised script, transformers' T5 generate(), generate() in float32, LED's
@@ -47,10 +47,10 @@ timeout 45 $profile --model longt5-local --out "$out/profiles.md" >> "$log" 2>&1
 phase "Dodo vs Llama, float32: prefill and compression synchronised"
 timeout 60 python3 benchmarks/benchmark_dodo.py --device $device $dodo --json "$out/dodo.json" >> "$log" 2>&1
 phase "T5 generate at $short and $mid tokens, bfloat16"
-timeout 60 $suite --dtype $bf16 --out "$out/bf16" --models t5 --tasks generate --lengths $short $mid \
+timeout 75 $suite --dtype $bf16 --out "$out/bf16" --models t5 --tasks generate --lengths $short $mid \
   --skip_flops >> "$log" 2>&1
-phase "generate at $mid tokens, float32"
-timeout 60 $suite --dtype float32 --out "$out/fp32" --models locost longt5-local led --tasks generate \
+phase "generate at $mid tokens, float32: LOCOST and LongT5-local (each cell about 20 s: 3 runs of 256 steps)"
+timeout 75 $suite --dtype float32 --out "$out/fp32" --models locost longt5-local --tasks generate \
   --lengths $mid --skip_flops >> "$log" 2>&1
 phase "LED's checkpointed training step at $long tokens, bfloat16"
 timeout 45 $suite --dtype $bf16 --out "$out/bf16" --models led --tasks train_ckpt --lengths $long \
