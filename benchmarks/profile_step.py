@@ -1,5 +1,5 @@
 """Where the time of one benchmark cell goes: ``torch.profiler``'s table of one run of a ``run_all.py`` cell (same
-model, sizes and inputs), by operator, for LOCOST and any peer, on CPU or CUDA.
+model, sizes, inputs and timed function, ``run_all.make_run``), by operator, for LOCOST and any peer, on CPU or CUDA.
 
 ``run_all.py`` says how long a cell takes; this says why, which is what issue 10 asks for where a target is missed
 (for example the training step on a GPU, where LOCOST takes about twice LongT5-local's time). One warm-up run, then
@@ -28,39 +28,7 @@ from pathlib import Path
 
 import torch
 from torch.autograd import DeviceType
-from run_all import MODELS, RELEASED, TASKS, TINY, build_model, machine_description, synchronize
-
-
-def make_run(model, task: str, input_ids: torch.Tensor, labels: torch.Tensor, summary_length: int):
-    """The function a ``run_all.py`` cell times, for ``task``."""
-    ssm_layers = [module for module in model.modules() if hasattr(module, "clear_kernel_cache")]
-    if task == "encode":
-        model.eval()
-        encoder = model.get_encoder()
-
-        def run():
-            for layer in ssm_layers:
-                layer.clear_kernel_cache()
-            with torch.no_grad():
-                encoder(input_ids=input_ids)
-    elif task in ("train", "train_ckpt"):
-        model.train()
-        model.config.use_cache = False
-        if task == "train_ckpt":
-            model.activation_checkpointing_enable()
-
-        def run():
-            model.zero_grad(set_to_none=True)
-            model(input_ids=input_ids, labels=labels).loss.backward()
-    elif task == "generate":
-        model.eval()
-
-        def run():
-            model.generate(input_ids, max_new_tokens=summary_length, min_new_tokens=summary_length, do_sample=False,
-                           num_beams=1)
-    else:
-        raise ValueError(f"`task` must be one of {TASKS}, got {task!r}.")
-    return run
+from run_all import MODELS, RELEASED, TASKS, TINY, build_model, machine_description, make_run, synchronize
 
 
 def profile_table(events, device: torch.device, rows: int) -> list[str]:

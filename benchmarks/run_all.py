@@ -261,21 +261,11 @@ def kernel_versus_matmul(model, length: int, dtype, device) -> dict:
     return result
 
 
-def run_cell(cell: dict) -> dict:
+def make_run(model, task: str, input_ids, labels, summary_length: int):
+    """The function a cell times for ``task`` (``profile_step.py`` profiles the same one): the model is put in the
+    task's mode, LOCOST's kernel cache is emptied before every encode run, and outputs are checked."""
     import torch
-    from torch.utils.flop_counter import FlopCounterMode
 
-    if cell.get("threads"):
-        torch.set_num_threads(cell["threads"])
-    torch.manual_seed(0)
-    sizes = TINY if cell["quick"] else RELEASED
-    device, dtype = torch.device(cell["device"]), getattr(torch, cell["dtype"])
-    task, length = cell["task"], cell["length"]
-    with device:  # initialised where it runs (a GPU initialises the 250M parameters in a fraction of the time)
-        model = build_model(cell["model"], sizes, length)
-    model = model.to(dtype=dtype)
-    input_ids = torch.randint(3, sizes["vocab_size"], (1, length), device=device)
-    labels = torch.randint(3, sizes["vocab_size"], (1, sizes["summary_length"]), device=device)
     ssm_layers = [module for module in model.modules() if hasattr(module, "clear_kernel_cache")]
 
     if task in ("encode", "scale"):
@@ -302,12 +292,31 @@ def run_cell(cell: dict) -> dict:
         model.eval()
 
         def run():
-            output = model.generate(input_ids, max_new_tokens=sizes["summary_length"],
-                                    min_new_tokens=sizes["summary_length"], do_sample=False, num_beams=1)
-            if output.shape[1] < sizes["summary_length"]:
+            output = model.generate(input_ids, max_new_tokens=summary_length,
+                                    min_new_tokens=summary_length, do_sample=False, num_beams=1)
+            if output.shape[1] < summary_length:
                 raise RuntimeError(f"generated {output.shape[1]} tokens")
     else:
         raise ValueError(f"`task` must be one of {TASKS + ['scale']}, got {task!r}.")
+    return run
+
+
+def run_cell(cell: dict) -> dict:
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    if cell.get("threads"):
+        torch.set_num_threads(cell["threads"])
+    torch.manual_seed(0)
+    sizes = TINY if cell["quick"] else RELEASED
+    device, dtype = torch.device(cell["device"]), getattr(torch, cell["dtype"])
+    task, length = cell["task"], cell["length"]
+    with device:  # initialised where it runs (a GPU initialises the 250M parameters in a fraction of the time)
+        model = build_model(cell["model"], sizes, length)
+    model = model.to(dtype=dtype)
+    input_ids = torch.randint(3, sizes["vocab_size"], (1, length), device=device)
+    labels = torch.randint(3, sizes["vocab_size"], (1, sizes["summary_length"]), device=device)
+    run = make_run(model, task, input_ids, labels, sizes["summary_length"])
 
     gc.collect()
     if cell.get("count_flops"):
