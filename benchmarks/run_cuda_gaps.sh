@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # What issue 10 item 5 still lacks after the first GPU session (benchmarks/results/cuda.md, "Not measured"), in one
-# call of at most about 8.5 minutes (the phases' time limits add up to 495 s), most useful first; each phase appends
+# call of at most about 8.5 minutes (the phases' time limits add up to 530 s), most useful first; each phase appends
 # what it finished:
 # LOCOST at 1,000,000 tokens, profiles of a training step (LOCOST and LongT5-local, bfloat16, 16K), Dodo's prefill
 # and compression timed with the synchronised script, transformers' T5 generate(), generate() in float32, LED's
-# checkpointed step at 64K, and the suite's encode cells with the accelerator pieces of 32,768.
+# checkpointed step at 64K, the suite's encode cells with the accelerator pieces of 32,768, and last the CUDA tests
+# (tests/test_cuda.py) on the code as it is now. Without a CUDA device it stops after printing the environment.
 #
 #   benchmarks/run_cuda_gaps.sh [OUT]          # default benchmarks/results/cuda-gaps
 #   SMOKE=1 benchmarks/run_cuda_gaps.sh OUT    # every phase on the CPU with tiny sizes: checks the commands only
@@ -37,6 +38,9 @@ phase environment
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>/dev/null || echo "no nvidia-smi"
   python3 -c "import torch, transformers, peft; print('torch', torch.__version__, '| transformers',
 transformers.__version__, '| peft', peft.__version__, '| cuda', torch.cuda.is_available())"; } >> "$log" 2>&1
+if [ "$device" = cuda ] && ! python3 -c "import sys, torch; sys.exit(not torch.cuda.is_available())"; then
+  phase "no CUDA device: stopping before the phases"; cat "$log"; exit 3
+fi
 
 phase "LOCOST at $scale tokens, bfloat16 (the accelerator pieces of 32,768)"
 timeout 90 $suite --dtype $bf16 --out "$out/bf16" --models locost --tasks scale --scale_lengths $scale \
@@ -58,4 +62,6 @@ timeout 45 $suite --dtype $bf16 --out "$out/bf16" --models led --tasks train_ckp
 phase "LOCOST and LongT5-local encode cells, bfloat16"
 timeout 45 $suite --dtype $bf16 --out "$out/bf16" --models locost longt5-local --tasks encode \
   --lengths $short $mid $long --skip_flops >> "$log" 2>&1
+phase "the CUDA tests (tests/test_cuda.py), against the code as it is now"
+[ "$device" = cuda ] && timeout 35 python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py >> "$log" 2>&1
 phase done
