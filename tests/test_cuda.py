@@ -16,6 +16,7 @@ import warnings
 
 import pytest
 import torch
+import transformers.generation
 from test_model_contract import KINDS, ModelTester, transformers_peer
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
@@ -23,6 +24,12 @@ from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 DTYPES = [torch.float32, torch.bfloat16]
+
+
+# Frames are told apart by the packages' own folders, not by a folder name in their path: in a virtual environment at
+# /opt/torch/.venv every installed package's path holds "/torch/".
+TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+GENERATION_DIR = os.path.dirname(transformers.generation.__file__) + os.sep
 
 
 class CPUTensorOps(TorchDispatchMode):
@@ -39,13 +46,13 @@ class CPUTensorOps(TorchDispatchMode):
         tensors = [t for t in torch.utils._pytree.tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor)]
         if any(t.device.type == "cpu" and t.dim() > 0 and t.numel() > 0 for t in tensors):
             callers = [frame for frame in traceback.extract_stack()[:-1]
-                       if f"{os.sep}torch{os.sep}" not in frame.filename and frame.filename != __file__]
+                       if not frame.filename.startswith(TORCH_DIR) and frame.filename != __file__]
             where = f"{callers[-1].filename}:{callers[-1].lineno}" if callers else "?"
             self.ops.append(f"{func._overloadpacket.__name__} at {where}")
         return out
 
     def ours(self) -> list[str]:
-        return [op for op in self.ops if f"transformers{os.sep}generation{os.sep}" not in op]
+        return [op for op in self.ops if f" at {GENERATION_DIR}" not in op]
 
 
 def on_cuda(tester: ModelTester, dtype=torch.float32):
@@ -161,3 +168,4 @@ def test_from_pretrained_to_cuda_in_bfloat16(tester, tmp_path):
     with torch.no_grad():
         out = model.generate(**inputs, max_new_tokens=4, min_new_tokens=4, do_sample=False)
     assert out.device.type == "cuda" and out.shape[0] == 2
+
