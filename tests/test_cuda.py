@@ -169,3 +169,57 @@ def test_from_pretrained_to_cuda_in_bfloat16(tester, tmp_path):
         out = model.generate(**inputs, max_new_tokens=4, min_new_tokens=4, do_sample=False)
     assert out.device.type == "cuda" and out.shape[0] == 2
 
+
+class MatrixProducts(TorchDispatchMode):
+    """The operand dtypes of every matrix product (mm, addmm, bmm and their in-place forms) dispatched inside."""
+
+    PRODUCTS = {"mm", "addmm", "addmm_", "bmm", "baddbmm"}
+
+    def __init__(self):
+        super().__init__()
+        self.operands: list[tuple[str, tuple[torch.dtype, ...]]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func._overloadpacket.__name__
+        if name in self.PRODUCTS:
+            self.operands.append((name, tuple(a.dtype for a in args if isinstance(a, torch.Tensor) and a.dim() >= 2)))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_fused_feed_forward_weight_gradients_use_half_precision_products(monkeypatch, dtype):
+    # The training path of the gated feed-forward sublayer (`_GatedFeedForwardFunction`) sums its weight gradients in
+    # float32 over steps of a few positions. On CUDA every product of its backward pass takes the half-precision
+    # operands (the tensor cores, with a float32 result where it is summed), none converted to float32 first, and the
+    # gradients are the modules' up to rounding.
+    import longreach.modeling.t5_blocks as t5_blocks
+    from transformers import T5Config
+
+    torch.manual_seed(0)
+    config = T5Config(d_model=64, d_ff=128, feed_forward_proj="gated-gelu", dropout_rate=0.0)
+    layer = t5_blocks.T5LayerFF(config).to(device="cuda", dtype=dtype).train()
+    x = torch.randn(2, 300, 64, device="cuda", dtype=dtype, requires_grad=True)
+    grad = torch.randn_like(x)
+    monkeypatch.setattr(t5_blocks, "FEED_FORWARD_STEP_ELEMENTS", 128 * 64)  # 64 positions per step: 10 steps
+
+    def step(fused: bool):
+        monkeypatch.setattr(t5_blocks.T5LayerFF, "_fused_dropout_p",
+                            original if fused else lambda self, hidden_states: None)
+        x.grad = None
+        layer.zero_grad()
+        out = layer(x)
+        with MatrixProducts() as products:
+            out.backward(grad)
+        return out, [x.grad] + [p.grad for p in layer.parameters()], products.operands
+
+    original = t5_blocks.T5LayerFF._fused_dropout_p
+    assert original(layer, x) == 0.0
+    out, grads, operands = step(fused=True)
+    expected, expected_grads, _ = step(fused=False)
+    assert len(operands) >= 10 * 3  # the three weight gradients of every step
+    assert all(set(dtypes) == {dtype} for _, dtypes in operands), operands
+    torch.testing.assert_close(out, expected, atol=3e-2, rtol=3e-2)
+    for got, want in zip(grads, expected_grads):
+        assert got.dtype == dtype
+        torch.testing.assert_close(got, want, atol=3e-2, rtol=3e-2)
+

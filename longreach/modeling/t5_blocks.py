@@ -227,6 +227,25 @@ class T5DenseGatedActDense(nn.Module):
 #: `_GatedFeedForwardFunction` computes the gated product over this many elements at a time ([rows, d_ff]).
 FEED_FORWARD_STEP_ELEMENTS = 2**22
 
+#: torch's matrix product with a float32 result from bfloat16/float16 operands (``torch.mm(..., out_dtype=)``, CUDA).
+_MM_HAS_OUT_DTYPE = "dtype" in torch.ops.aten.mm.overloads()
+
+
+def _add_weight_gradient(accumulator: torch.Tensor, grad_rows: torch.Tensor, input_rows: torch.Tensor) -> None:
+    """``accumulator += grad_rowsᵀ · input_rows`` with a float32 ``accumulator``, as one matrix product would sum it.
+
+    On CUDA, bfloat16/float16 operands go to the tensor cores with a float32 result (the products of two such
+    numbers are exact in float32, and the sums are float32 either way). Converting them to float32 first ran these
+    products as float32 matmuls: a quarter of the GPU time of a LOCOST training step at 16K tokens in bfloat16 on an
+    H200 (`benchmarks/results/cuda.md`). Elsewhere (the CPU has no such product) the operands are converted, which
+    costs nothing in float32.
+    """
+    if (_MM_HAS_OUT_DTYPE and grad_rows.device.type == "cuda"
+            and grad_rows.dtype in (torch.bfloat16, torch.float16) and input_rows.dtype == grad_rows.dtype):
+        accumulator.add_(torch.mm(grad_rows.T, input_rows, out_dtype=torch.float32))
+    else:
+        accumulator.addmm_(grad_rows.T.float(), input_rows.float())
+
 
 class _GatedFeedForwardFunction(torch.autograd.Function):
     """T5's gated tanh-GELU feed-forward sublayer without its residual, ``wo(dropout(gelu_tanh(wi_0 n) ⊙ wi_1 n))``
@@ -292,7 +311,7 @@ class _GatedFeedForwardFunction(torch.autograd.Function):
                 product = activation * value[step]
                 if mask is not None:
                     product.mul_(dropout_scale)
-                accumulators["wo"].addmm_(grad_out[step].T.float(), product.float())
+                _add_weight_gradient(accumulators["wo"], grad_out[step], product)
                 del product
             grad_value = grad_product * activation
             del activation
@@ -301,9 +320,9 @@ class _GatedFeedForwardFunction(torch.autograd.Function):
             if needs_wi_0 or needs_wi_1:
                 normed = norm_weight * _normalized(x[step], inverse_rms[step], norm_weight)  # the linears' input
                 if needs_wi_0:
-                    accumulators["wi_0"].addmm_(grad_gate.T.float(), normed.float())
+                    _add_weight_gradient(accumulators["wi_0"], grad_gate, normed)
                 if needs_wi_1:
-                    accumulators["wi_1"].addmm_(grad_value.T.float(), normed.float())
+                    _add_weight_gradient(accumulators["wi_1"], grad_value, normed)
                 del normed
             grad_normed = torch.addmm(grad_gate @ wi_0, grad_value, wi_1)  # ∂(RMSNorm output)
             del grad_gate, grad_value
