@@ -223,3 +223,38 @@ def test_fused_feed_forward_weight_gradients_use_half_precision_products(monkeyp
         assert got.dtype == dtype
         torch.testing.assert_close(got, want, atol=3e-2, rtol=3e-2)
 
+
+@pytest.mark.parametrize("kind", [kind for kind in KINDS if kind != "dodo"])  # the T5 decoder's attention
+def test_float32_decoding_steps_attend_with_matrix_products(monkeypatch, kind):
+    # With sdpa, a float32 decoding step (one query) on CUDA runs the eager function (sdpa's float32 kernel is slow
+    # for one query: see t5_blocks._one_float32_query_on_cuda); longer queries keep sdpa, and the logits equal those
+    # of the same model with eager attention.
+    import longreach.modeling.t5_blocks as t5_blocks
+
+    tester = ModelTester(kind)
+    model, inputs = on_cuda(tester, torch.float32)
+    assert model.config._attn_implementation == "sdpa"
+    query_lengths = []
+    eager = t5_blocks.eager_attention_forward
+
+    def spy(module, query, *args, **kwargs):
+        query_lengths.append(query.shape[-2])
+        return eager(module, query, *args, **kwargs)
+
+    monkeypatch.setattr(t5_blocks, "eager_attention_forward", spy)
+    with torch.no_grad():
+        encoder_outputs = model.get_encoder()(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"])
+        start = torch.full((inputs["input_ids"].shape[0], 1), model.config.decoder_start_token_id, device="cuda")
+        step = model(encoder_outputs=encoder_outputs, attention_mask=inputs["attention_mask"], decoder_input_ids=start)
+        assert query_lengths and set(query_lengths) == {1}  # the decoder's self- and cross-attention, one query each
+        query_lengths.clear()
+        longer = model(encoder_outputs=encoder_outputs, attention_mask=inputs["attention_mask"],
+                       decoder_input_ids=start.repeat(1, 3))
+        assert 3 not in query_lengths  # three decoder queries: sdpa
+        model.set_attn_implementation("eager")
+        reference = model(encoder_outputs=encoder_outputs, attention_mask=inputs["attention_mask"],
+                          decoder_input_ids=start)
+        reference_longer = model(encoder_outputs=encoder_outputs, attention_mask=inputs["attention_mask"],
+                                 decoder_input_ids=start.repeat(1, 3))
+    torch.testing.assert_close(step.logits, reference.logits, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(longer.logits, reference_longer.logits, atol=1e-5, rtol=1e-5)

@@ -539,6 +539,14 @@ def eager_attention_forward(
     return output, weights
 
 
+def _one_float32_query_on_cuda(query: torch.Tensor) -> bool:
+    """A decoding step (one query per head) in float32 on CUDA, where sdpa's only kernel for float32 (memory-efficient
+    attention) spreads the work over query blocks and heads alone: one decoding step's cross-attention over 16K
+    encoder states took 1.95 ms through sdpa and 0.06 ms as two matrix products and a softmax, on an H200
+    (`benchmarks/results/cuda.md`). Such steps run the eager function, which computes the same in float32."""
+    return query.shape[-2] == 1 and query.dtype == torch.float32 and query.device.type == "cuda"
+
+
 class T5Attention(nn.Module):
     """Multi-head attention with T5's names (q, k, v, o; no biases) and no 1/sqrt(d_kv) scaling.
 
@@ -628,6 +636,8 @@ class T5Attention(nn.Module):
         implementation = self.config._attn_implementation
         if output_attentions and implementation != "eager":
             implementation = "eager"  # only eager returns the weights
+        elif implementation == "sdpa" and _one_float32_query_on_cuda(query):
+            implementation = "eager"
         attention: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager_attention_forward)
         if attention_bias is not None:
             attention_bias = attention_bias.to(query.dtype)
