@@ -136,3 +136,18 @@ def test_profile_table_on_cuda_counts_kernel_time_once(monkeypatch):
               event("aten::view", DeviceType.CPU, 0.0, count=9)]
     lines = module.profile_table(events, torch.device("cuda"), rows=10)
     assert lines[2:] == ["| `aten::mm` | 1 | 3.0 | 75.0% |", "| `aten::mul` | 4 | 1.0 | 25.0% |"]
+
+
+def test_decode_attention_benchmark_times_every_way_on_the_cpu(capsys):
+    spec = importlib.util.spec_from_file_location("benchmark_decode_attention",
+                                                  RUN_ALL.parent / "benchmark_decode_attention.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    rows = module.main(["--device", "cpu", "--lengths", "64", "--iterations", "2"])
+    assert [(row["dtype"], row["length"]) for row in rows] == [("float32", 64), ("bfloat16", 64)]
+    for row in rows:
+        assert row["eager"] > 0 and row["sdpa"] > 0 and row["sdpa math"] > 0
+        assert str(row["sdpa efficient_attention"]).startswith("n/a")  # a CUDA kernel: refused on the CPU
+    assert "| float32 | 64 |" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="--iterations"):
+        module.main(["--device", "cpu", "--iterations", "0"])

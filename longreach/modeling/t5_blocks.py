@@ -541,9 +541,9 @@ def eager_attention_forward(
 
 def _one_float32_query_on_cuda(query: torch.Tensor) -> bool:
     """A decoding step (one query per head) in float32 on CUDA, where sdpa's only kernel for float32 (memory-efficient
-    attention) spreads the work over query blocks and heads alone: one decoding step's cross-attention over 16K
-    encoder states took 1.95 ms through sdpa and 0.06 ms as two matrix products and a softmax, on an H200
-    (`benchmarks/results/cuda.md`). Such steps run the eager function, which computes the same in float32."""
+    attention) is slow with one query: one decoding step's cross-attention over 16K encoder states took 1.95 ms through
+    sdpa and 0.06 ms as two matrix products and a softmax, on an H200 (`benchmarks/benchmark_decode_attention.py`,
+    `benchmarks/results/cuda.md`). Such steps run the eager function, which computes the same in float32."""
     return query.shape[-2] == 1 and query.dtype == torch.float32 and query.device.type == "cuda"
 
 
