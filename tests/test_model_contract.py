@@ -336,6 +336,34 @@ def test_torch_compile_of_the_forward_gives_the_same_logits(kind):
     torch.testing.assert_close(compiled, expected, atol=1e-5, rtol=1e-5)
 
 
+def test_locost_training_step_compiles_as_one_graph_with_the_eager_gradients():
+    """``torch.compile(fullgraph=True)`` of LOCOST's training forward (loss included; aot_eager backend, so its
+    backward is traced too): no graph break, so an accelerator runs the step without returning to Python between ops
+    (the host-bound GPU step of `benchmarks/results/cuda.md`), and the loss and every gradient equal eager mode's."""
+    from longreach import LocostForConditionalGeneration
+
+    tester = ModelTester("locost")
+    torch.manual_seed(0)  # dropout off: a compiled graph draws its dropout masks in another order
+    model = LocostForConditionalGeneration(tester.model.config.__class__(**{**tester.model.config.to_dict(),
+                                                                          "dropout_rate": 0.0})).train()
+    inputs = dict(tester.inputs(), labels=torch.randint(3, tester.vocab_size, (2, 4), generator=torch.Generator()
+                                                        .manual_seed(2)))
+
+    def step(forward):
+        model.zero_grad(set_to_none=True)
+        loss = forward(**inputs).loss
+        loss.backward()
+        return loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+
+    expected_loss, expected_grads = step(model.forward)
+    torch._dynamo.reset()
+    loss, grads = step(torch.compile(model.forward, backend="aot_eager", fullgraph=True))
+    torch.testing.assert_close(loss, expected_loss, atol=1e-5, rtol=1e-5)
+    assert grads.keys() == expected_grads.keys() and any(name.endswith("ssm.conv.log_dt") for name in grads)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, expected_grads[name], atol=1e-5, rtol=1e-4, msg=name)
+
+
 def test_dodo_refuses_padding_free_batches():
     """transformers' padding-free check (`*_padding_matches_padding_free_with_position_ids`) packs sequences into one
     row with restarting position_ids; Dodo conditions each row on its own nuggets, so packing is not applicable and

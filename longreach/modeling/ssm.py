@@ -90,7 +90,10 @@ def _geometric(first: torch.Tensor, ratio_powers, count: int, out: torch.Tensor)
         if filled >= count:
             break
         size = min(filled, count - filled)
-        torch.mul(out[..., :size, :], ratio, out=out[..., filled:filled + size, :])
+        if torch.compiler.is_compiling():  # the same products; torch.compile takes no `out=` view (a graph break)
+            out[..., filled:filled + size, :] = out[..., :size, :] * ratio
+        else:
+            torch.mul(out[..., :size, :], ratio, out=out[..., filled:filled + size, :])
         filled += size
     return out
 
