@@ -279,16 +279,20 @@ class VCCT5Encoder(nn.Module):
         original has no default and an undefined selection for such rows.
         """
         first_tokens = (attention_mask > 0) & (attention_mask.cumsum(dim=1) <= self.config.num_vip_slots)
+        compiling = torch.compiler.is_compiling()  # no logging and no read-back inside a compiled graph
         if vip_mask is None:
-            logger.warning_once(
-                "VCC-T5: no `vip_mask` given; the first `num_vip_slots` (%d) tokens of every row are used as VIP tokens. "
-                "Pass `vip_mask` (1 = VIP, e.g. the query; see `prepare_vip_inputs`) to choose them.",
-                self.config.num_vip_slots,
-            )
+            if not compiling:
+                logger.warning_once(
+                    "VCC-T5: no `vip_mask` given; the first `num_vip_slots` (%d) tokens of every row are used as VIP "
+                    "tokens. Pass `vip_mask` (1 = VIP, e.g. the query; see `prepare_vip_inputs`) to choose them.",
+                    self.config.num_vip_slots,
+                )
             return first_tokens.long()
         vip = (vip_mask != 0) & (attention_mask > 0)
         empty_rows = ~vip.any(dim=1)
-        if bool(empty_rows.any()):
+        if compiling:
+            vip = torch.where(empty_rows[:, None], first_tokens, vip)  # the same, without asking whether any is empty
+        elif bool(empty_rows.any()):
             logger.warning_once(
                 "VCC-T5: some rows of `vip_mask` mark no real token; their first `num_vip_slots` tokens are used as "
                 "VIP tokens."
@@ -301,6 +305,8 @@ class VCCT5Encoder(nn.Module):
         if vip_mask is None:
             return
         check_mask("vip_mask", vip_mask, "input_ids", like)
+        if torch.compiler.is_compiling():  # data-dependent: checked in eager mode only (as `check_token_ids` is)
+            return
         if vip_mask.dtype.is_complex or bool(((vip_mask != 0) & (vip_mask != 1)).any()):
             raise ValueError(f"`vip_mask` must hold only 0 and 1 (1 = VIP token), got {describe(vip_mask)} with other values.")
 
@@ -350,7 +356,8 @@ class VCCT5Encoder(nn.Module):
         # padding goes at the end. Rows padded elsewhere (left padding) are realigned with their real tokens first, in
         # order, and restored at the end, so that every row computes what it computes alone.
         realign = None
-        if bool((attention_mask[:, 1:] > attention_mask[:, :-1]).any()):
+        # (compiled: always, since asking would read a value back; a stable sort leaves right-padded rows as they are)
+        if torch.compiler.is_compiling() or bool((attention_mask[:, 1:] > attention_mask[:, :-1]).any()):
             realign = torch.sort(attention_mask, dim=1, descending=True, stable=True).indices
             attention_mask, vip = attention_mask.gather(1, realign), vip.gather(1, realign)
             if inputs_embeds is None:
