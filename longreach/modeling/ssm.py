@@ -390,8 +390,12 @@ class BidirectionalS4DConvolution(Float32ParametersModule):
         return self.C, self.B, self.inv_A_real, self.A_imag, self.log_dt
 
     def _cacheable(self) -> bool:
-        """Inference only: eval mode, and no autograd graph wanted through the kernel."""
+        """Inference only: eval mode, and no autograd graph wanted through the kernel. Not inside ``torch.compile``: the
+        cache is keyed by the parameters' storage and version, which a compiled graph cannot read (it recomputes the
+        kernel, a function of the parameters alone)."""
         if self.training or self.kernel_cache_lengths < 1 or self.kernel_cache_bytes < 1:
+            return False
+        if torch.compiler.is_compiling():
             return False
         return not self._records_kernel_graph()
 
