@@ -375,6 +375,15 @@ def test_training_step_compiles_as_one_graph_with_the_eager_gradients(kind):
         torch.testing.assert_close(grad, expected_grads[name], atol=1e-5, rtol=1e-4, msg=name)
 
 
+@pytest.mark.parametrize("kind", ["locost", "vcc"])
+def test_a_static_cache_is_refused_with_a_clear_error(kind):
+    """The T5 decoder grows its self-attention cache per step; a preallocated (static) cache would make it attend to
+    the zeros past the filled length, so `cache_implementation="static"` gets an error that says what to do."""
+    tester = ModelTester(kind)
+    with pytest.raises(ValueError, match=r"`past_key_values` must be a dynamic cache.*'static'` is not supported"):
+        tester.model.generate(**tester.inputs(), max_new_tokens=2, cache_implementation="static")
+
+
 def test_dodo_refuses_padding_free_batches():
     """transformers' padding-free check (`*_padding_matches_padding_free_with_position_ids`) packs sequences into one
     row with restarting position_ids; Dodo conditions each row on its own nuggets, so packing is not applicable and

@@ -876,6 +876,13 @@ class T5DecoderStack(nn.Module):
             past_key_values = EncoderDecoderCache(DynamicCache(), DynamicCache())  # layers are added lazily
         if not use_cache and self.training:
             past_key_values = None
+        if past_key_values is not None and getattr(past_key_values, "is_compileable", False):
+            # a static (preallocated) cache: keys past the filled length are zeros that this decoder would attend to
+            raise ValueError(
+                f"`past_key_values` must be a dynamic cache (an `EncoderDecoderCache` of `DynamicCache`s, the default of "
+                f"`generate()`), got {type(past_key_values).__name__} with static layers: `cache_implementation="
+                f"'static'` is not supported by this decoder; leave `cache_implementation` unset."
+            )
 
         batch, query_length = inputs_embeds.shape[:2]
         past_length = past_key_values.get_seq_length() if past_key_values is not None else 0
