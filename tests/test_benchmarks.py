@@ -99,7 +99,7 @@ def test_profile_step_tables_where_the_time_goes(tmp_path, monkeypatch):
         module.main(["--length", "0"])
 
 
-@pytest.mark.parametrize("script", ["run_cuda.sh", "run_cuda_followup.sh", "run_cuda_gaps.sh"])
+@pytest.mark.parametrize("script", ["run_cuda.sh", "run_cuda_followup.sh", "run_cuda_gaps.sh", "run_cuda_next.sh"])
 def test_gpu_scripts_parse(script):
     """The GPU scripts run where device time is short: a syntax error must show here, not there (``SMOKE=1
     benchmarks/run_cuda_gaps.sh OUT`` runs every phase of the last one on the CPU, 71 s: not in the default suite)."""
@@ -151,3 +151,21 @@ def test_decode_attention_benchmark_times_every_way_on_the_cpu(capsys):
     assert "| float32 | 64 |" in capsys.readouterr().out
     with pytest.raises(ValueError, match="--iterations"):
         module.main(["--device", "cpu", "--iterations", "0"])
+
+
+def test_compiled_step_benchmark_times_eager_and_compiled_steps(monkeypatch, capsys):
+    monkeypatch.syspath_prepend(str(RUN_ALL.parent))  # the script imports run_all as its neighbour
+    spec = importlib.util.spec_from_file_location("benchmark_compiled_step",
+                                                  RUN_ALL.parent / "benchmark_compiled_step.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    rows = module.main(["--quick", "--backend", "aot_eager", "--models", "locost", "--lengths", "32",
+                        "--repeats", "1"])
+    assert [(row["model"], row["mode"], row["backend"]) for row in rows] == [("locost", "eager", "eager"),
+                                                                             ("locost", "default", "aot_eager")]
+    assert all("error" not in row and row["seconds"] > 0 and row["first_step_seconds"] > 0 for row in rows)
+    assert "| 32 | locost | default |" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="--modes"):
+        module.main(["--quick", "--backend", "aot_eager", "--modes", "reduce-overhead"])
+    with pytest.raises(ValueError, match="--repeats"):
+        module.main(["--quick", "--repeats", "0"])

@@ -1,0 +1,118 @@
+"""One training step (forward + backward, batch 1) of LOCOST and its peers, eager against ``torch.compile``: the
+question the GPU profile left (``benchmarks/results/cuda.md``: LOCOST's bfloat16 step at 16K launches twice as many
+operators as LongT5-local's and the GPU waits for the host). LOCOST's training forward compiles as one graph, so a
+compiled step runs without returning to Python between operators, and with CUDA graphs (``--modes reduce-overhead``)
+without launching them one by one either.
+
+Same models, sizes and inputs as ``run_all.py``'s ``train`` cells (``run_all.build_model``, ``run_all.make_run``);
+per model and mode: the first step (compilation included) and the median of the timed steps after it, and the ratio
+of each mode's median to eager's. ``--modes reduce-overhead`` (CUDA graphs) is for CUDA only.
+
+    python benchmarks/benchmark_compiled_step.py --device cuda --dtype bfloat16 --lengths 4096 16384
+    python benchmarks/benchmark_compiled_step.py --quick --backend aot_eager    # smoke run on the CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+import run_all
+
+
+def time_steps(model_name: str, length: int, mode: str, args) -> dict:
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    sizes = run_all.TINY if args.quick else run_all.RELEASED
+    torch.manual_seed(0)
+    with device:
+        model = run_all.build_model(model_name, sizes, length)
+    model = model.to(dtype=dtype)
+    input_ids = torch.randint(3, sizes["vocab_size"], (1, length), device=device)
+    labels = torch.randint(3, sizes["vocab_size"], (1, sizes["summary_length"]), device=device)
+    model.train()
+    model.config.use_cache = False
+    forward = model.forward
+    if mode != "eager":
+        torch._dynamo.reset()
+        options = {"backend": args.backend} if args.backend != "inductor" else {"mode": None if mode == "default"
+                                                                                  else mode}
+        forward = torch.compile(model.forward, **options)
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        loss = forward(input_ids=input_ids, labels=labels).loss
+        loss.backward()
+        return loss
+
+    def timed():
+        run_all.synchronize(device)
+        started = time.perf_counter()
+        loss = step()
+        run_all.synchronize(device)
+        return time.perf_counter() - started, loss
+
+    first, loss = timed()
+    if not torch.isfinite(loss):
+        raise RuntimeError(f"{model_name} ({mode}): non-finite loss")
+    seconds = [timed()[0] for _ in range(args.repeats)]
+    return {"model": model_name, "length": length, "mode": mode, "device": args.device, "dtype": args.dtype,
+            "backend": "eager" if mode == "eager" else args.backend, "first_step_seconds": first,
+            "seconds": statistics.median(seconds), "seconds_all": seconds}
+
+
+def markdown(rows: list[dict]) -> str:
+    eager = {(row["model"], row["length"]): row["seconds"] for row in rows if row["mode"] == "eager"}
+    lines = ["| tokens | model | mode | first step (s) | step (s, median) | eager / this |", "|---:|---|---|---:|---:|---:|"]
+    for row in rows:
+        if "error" in row:
+            lines.append(f"| {row['length']} | {row['model']} | {row['mode']} | {row['error']} | | |")
+            continue
+        base = eager.get((row["model"], row["length"]))
+        ratio = f"{base / row['seconds']:.2f}" if base else "-"
+        lines.append(f"| {row['length']} | {row['model']} | {row['mode']} | {row['first_step_seconds']:.2f} | "
+                     f"{row['seconds']:.3f} | {ratio} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", nargs="+", default=["locost", "longt5-local"], choices=run_all.MODELS)
+    parser.add_argument("--lengths", type=int, nargs="+", default=[4096, 16384])
+    parser.add_argument("--modes", nargs="+", default=["eager", "default"],
+                        choices=["eager", "default", "reduce-overhead", "max-autotune-no-cudagraphs"])
+    parser.add_argument("--backend", default="inductor", help="torch.compile backend (aot_eager: a smoke run).")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--repeats", type=int, default=3, help="Timed steps after the first.")
+    parser.add_argument("--quick", action="store_true", help="Tiny models (a smoke run, not a measurement).")
+    parser.add_argument("--json", default=None, help="Also write the rows to this file.")
+    args = parser.parse_args(argv)
+    if args.repeats < 1 or any(length < 1 for length in args.lengths):
+        raise ValueError(f"`--repeats` and `--lengths` must be positive, got {args.repeats} and {args.lengths}.")
+    if args.backend != "inductor" and any(mode not in ("eager", "default") for mode in args.modes):
+        raise ValueError(f"`--modes` {args.modes}: modes other than eager and default need the inductor backend, "
+                         f"got --backend {args.backend}.")
+    rows = []
+    for length in args.lengths:
+        for model_name in args.models:
+            for mode in args.modes:
+                try:
+                    row = time_steps(model_name, length, mode, args)
+                except Exception as error:  # noqa: BLE001  a cell that fails (out of memory, a compile error) is a row
+                    row = {"model": model_name, "length": length, "mode": mode,
+                           "error": f"{type(error).__name__}: {str(error).splitlines()[0][:120]}"}
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    print(markdown(rows))
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as handle:
+            json.dump(rows, handle, indent=2)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
