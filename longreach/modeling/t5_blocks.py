@@ -879,8 +879,8 @@ class T5DecoderStack(nn.Module):
         if past_key_values is not None and getattr(past_key_values, "is_compileable", False):
             # a static (preallocated) cache: keys past the filled length are zeros that this decoder would attend to
             raise ValueError(
-                f"`past_key_values` must be a dynamic cache (an `EncoderDecoderCache` of `DynamicCache`s, the default of "
-                f"`generate()`), got {type(past_key_values).__name__} with static layers: `cache_implementation="
+                f"`past_key_values` must be a dynamic cache (an `EncoderDecoderCache` of `DynamicCache`s, the default "
+                f"of `generate()`), got {type(past_key_values).__name__} with static layers: `cache_implementation="
                 f"'static'` is not supported by this decoder; leave `cache_implementation` unset."
             )
 
