@@ -36,7 +36,8 @@ clock for ``longreach demo`` (lead pretraining 247 s, summarization 256 s, beam-
 the same first three lines of the corpus output, in 569 s at a busier hour, lead pretraining 275 s and summarization
 276 s; and after the GPU-only changes of 85be8a8 and e62d309 and the compile changes of 72a45e9, the same output
 again, in 608 s, lead pretraining 316 s and summarization 279 s: the machine's speed varies by that much). Held-out
-ROUGE-1/2/Lsum 20.36 / 5.01 / 16.84 against 20.04 / 5.27 / 17.27 for the lead baseline: ROUGE-1 0.32 above the lead, ROUGE-2 and ROUGE-Lsum below it. The longest held-out document (1,269 tokens) is summarized
+ROUGE-1/2/Lsum 20.36 / 5.01 / 16.84 against 20.04 / 5.27 / 17.27 for the lead baseline: ROUGE-1 0.32 above the lead,
+ROUGE-2 and ROUGE-Lsum below it. The longest held-out document (1,269 tokens) is summarized
 "multiprocess: better multiprocessing and multithreading in Python About Multiprocess" (reference "better
 multiprocessing and multithreading in Python"). The same code on one thread (``OMP_NUM_THREADS=1``: other float
 rounding, so other weights; 840 s beside another one-thread job, so no timing) scored 21.26 / 4.90 / 17.74, with the
