@@ -23,7 +23,7 @@ mkdir -p "$out/bf16" "$out/fp32"
 export PYTHONUNBUFFERED=1
 log="$out/log.txt"
 start=$(date +%s)
-phase() { echo "=== $(( $(date +%s) - start )) s: $*" >> "$log"; }
+. "$(dirname "$0")/gpu_phases.sh"  # phase, environment_or_stop
 
 if [ "${SMOKE:-0}" = 1 ]; then  # float32 for bfloat16 too: a CPU without bfloat16 units takes minutes per roofline
   device=cpu; quick=--quick; bf16=float32; scale=256; long=128; mid=64; short=32
@@ -34,13 +34,7 @@ fi
 suite="python3 benchmarks/run_all.py --suites locost --device $device --in_process --cells_only $quick"
 profile="python3 benchmarks/profile_step.py --device $device --dtype $bf16 --task train --length $mid $quick"
 
-phase environment
-{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>/dev/null || echo "no nvidia-smi"
-  python3 -c "import torch, transformers, peft; print('torch', torch.__version__, '| transformers',
-transformers.__version__, '| peft', peft.__version__, '| cuda', torch.cuda.is_available())"; } >> "$log" 2>&1
-if [ "$device" = cuda ] && ! python3 -c "import sys, torch; sys.exit(not torch.cuda.is_available())"; then
-  phase "no CUDA device: stopping before the phases"; cat "$log"; exit 3
-fi
+environment_or_stop
 
 phase "LOCOST at $scale tokens, bfloat16 (the accelerator pieces of 32,768)"
 timeout 90 $suite --dtype $bf16 --out "$out/bf16" --models locost --tasks scale --scale_lengths $scale \

@@ -20,7 +20,7 @@ mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 log="$out/log.txt"
 start=$(date +%s)
-phase() { echo "=== $(( $(date +%s) - start )) s: $*" >> "$log"; }
+. "$(dirname "$0")/gpu_phases.sh"  # phase, environment_or_stop
 
 if [ "${SMOKE:-0}" = 1 ]; then
   device=cpu; dtype=float32; length=32; size=--quick; backend="--backend aot_eager"; modes="eager default"
@@ -28,13 +28,7 @@ else
   device=cuda; dtype=bfloat16; length=16384; size=; backend=; modes="eager default reduce-overhead"
 fi
 
-phase environment
-{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>/dev/null || echo "no nvidia-smi"
-  python3 -c "import torch, transformers, peft; print('torch', torch.__version__, '| transformers',
-transformers.__version__, '| peft', peft.__version__, '| cuda', torch.cuda.is_available())"; } >> "$log" 2>&1
-if [ "$device" = cuda ] && ! python3 -c "import sys, torch; sys.exit(not torch.cuda.is_available())"; then
-  phase "no CUDA device: stopping before the phases"; cat "$log"; exit 3
-fi
+environment_or_stop
 
 phase "training step at $length tokens, $dtype: eager against torch.compile ($modes), LOCOST then LongT5-local"
 for model in locost longt5-local; do

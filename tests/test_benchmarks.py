@@ -99,7 +99,8 @@ def test_profile_step_tables_where_the_time_goes(tmp_path, monkeypatch):
         module.main(["--length", "0"])
 
 
-@pytest.mark.parametrize("script", ["run_cuda.sh", "run_cuda_followup.sh", "run_cuda_gaps.sh", "run_cuda_next.sh"])
+@pytest.mark.parametrize("script", ["run_cuda.sh", "run_cuda_followup.sh", "run_cuda_gaps.sh", "run_cuda_next.sh",
+                                    "gpu_phases.sh"])
 def test_gpu_scripts_parse(script):
     """The GPU scripts run where device time is short: a syntax error must show here, not there (``SMOKE=1
     benchmarks/run_cuda_gaps.sh OUT`` runs every phase of the last one on the CPU, 71 s: not in the default suite)."""
