@@ -9,15 +9,21 @@ from pathlib import Path
 
 import pytest
 
-RUN_ALL = Path(__file__).resolve().parents[1] / "benchmarks" / "run_all.py"
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+RUN_ALL = BENCHMARKS / "run_all.py"
+
+
+def load_benchmark(name: str):
+    """The script ``benchmarks/NAME.py`` as a module (the scripts are not a package)."""
+    spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 @pytest.fixture(scope="module")
 def run_all():
-    spec = importlib.util.spec_from_file_location("run_all", RUN_ALL)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("run_all")
 
 
 def test_quick_run_writes_cells_report_and_plot_and_resumes(run_all, tmp_path, monkeypatch):
@@ -59,10 +65,7 @@ def test_logn_scaling_benchmark_runs_on_a_demo_model(tmp_path, monkeypatch, caps
     monkeypatch.chdir(tmp_path)
     assert cli_main(["demo", "--smoke"]) == 0
     capsys.readouterr()
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "benchmark_logn_scaling.py"
-    spec = importlib.util.spec_from_file_location("benchmark_logn_scaling", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_benchmark("benchmark_logn_scaling")
     monkeypatch.setattr("sys.argv", ["benchmark_logn_scaling.py", "--model", "longreach-demo", "--documents", "2",
                                      "--min_tokens", "1"])
     module.main()
@@ -77,11 +80,8 @@ def test_logn_scaling_benchmark_runs_on_a_demo_model(tmp_path, monkeypatch, caps
 def test_profile_step_tables_where_the_time_goes(tmp_path, monkeypatch):
     """benchmarks/profile_step.py on a tiny LOCOST training step: an operator table whose shares add up to the whole,
     the backward pass of our own autograd functions among its rows, and --out appending one section per run."""
-    benchmarks = Path(__file__).resolve().parents[1] / "benchmarks"
-    monkeypatch.syspath_prepend(str(benchmarks))  # the script imports run_all as its neighbour
-    spec = importlib.util.spec_from_file_location("profile_step", benchmarks / "profile_step.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    monkeypatch.syspath_prepend(str(BENCHMARKS))  # the script imports run_all as its neighbour
+    module = load_benchmark("profile_step")
     out = tmp_path / "profiles.md"
     text = module.main(["--quick", "--model", "locost", "--task", "train_ckpt", "--length", "48", "--rows", "1000",
                         "--threads", "1", "--out", str(out)])
@@ -109,7 +109,7 @@ def test_gpu_scripts_parse(script):
 
     if shutil.which("bash") is None:
         pytest.skip("no bash here")
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / script
+    path = BENCHMARKS / script
     result = subprocess.run(["bash", "-n", str(path)], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
 
@@ -122,11 +122,8 @@ def test_profile_table_on_cuda_counts_kernel_time_once(monkeypatch):
     import torch
     from torch.autograd import DeviceType
 
-    benchmarks = Path(__file__).resolve().parents[1] / "benchmarks"
-    monkeypatch.syspath_prepend(str(benchmarks))
-    spec = importlib.util.spec_from_file_location("profile_step", benchmarks / "profile_step.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    module = load_benchmark("profile_step")
 
     def event(key, device_type, device_us, count=1):
         return types.SimpleNamespace(key=key, device_type=device_type, count=count, self_device_time_total=device_us,
@@ -140,10 +137,7 @@ def test_profile_table_on_cuda_counts_kernel_time_once(monkeypatch):
 
 
 def test_decode_attention_benchmark_times_every_way_on_the_cpu(capsys):
-    spec = importlib.util.spec_from_file_location("benchmark_decode_attention",
-                                                  RUN_ALL.parent / "benchmark_decode_attention.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_benchmark("benchmark_decode_attention")
     rows = module.main(["--device", "cpu", "--lengths", "64", "--iterations", "2"])
     assert [(row["dtype"], row["length"]) for row in rows] == [("float32", 64), ("bfloat16", 64)]
     for row in rows:
@@ -155,11 +149,8 @@ def test_decode_attention_benchmark_times_every_way_on_the_cpu(capsys):
 
 
 def test_compiled_step_benchmark_times_eager_and_compiled_steps(monkeypatch, capsys):
-    monkeypatch.syspath_prepend(str(RUN_ALL.parent))  # the script imports run_all as its neighbour
-    spec = importlib.util.spec_from_file_location("benchmark_compiled_step",
-                                                  RUN_ALL.parent / "benchmark_compiled_step.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    monkeypatch.syspath_prepend(str(BENCHMARKS))  # the script imports run_all as its neighbour
+    module = load_benchmark("benchmark_compiled_step")
     rows = module.main(["--quick", "--backend", "aot_eager", "--models", "locost", "--lengths", "32",
                         "--repeats", "1"])
     assert [(row["model"], row["mode"], row["backend"]) for row in rows] == [("locost", "eager", "eager"),
