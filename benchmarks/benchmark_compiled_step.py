@@ -26,6 +26,11 @@ import run_all
 
 def time_steps(model_name: str, length: int, mode: str, args) -> dict:
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    if args.feed_forward_step_elements:  # LOCOST's memory-saving feed-forward function: elements per step
+        from longreach.modeling import t5_blocks
+
+        name = "FEED_FORWARD_STEP_ELEMENTS" if device.type == "cpu" else "ACCELERATOR_FEED_FORWARD_STEP_ELEMENTS"
+        setattr(t5_blocks, name, args.feed_forward_step_elements)
     sizes = run_all.TINY if args.quick else run_all.RELEASED
     torch.manual_seed(0)
     with device:
@@ -61,6 +66,7 @@ def time_steps(model_name: str, length: int, mode: str, args) -> dict:
     seconds = [timed()[0] for _ in range(args.repeats)]
     return {"model": model_name, "length": length, "mode": mode, "device": args.device, "dtype": args.dtype,
             "backend": "eager" if mode == "eager" else args.backend, "first_step_seconds": first,
+            "feed_forward_step_elements": args.feed_forward_step_elements or "default",
             "seconds": statistics.median(seconds), "seconds_all": seconds}
 
 
@@ -89,10 +95,15 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--repeats", type=int, default=3, help="Timed steps after the first.")
     parser.add_argument("--quick", action="store_true", help="Tiny models (a smoke run, not a measurement).")
+    parser.add_argument("--feed_forward_step_elements", type=int, default=None,
+                        help="Elements per step of LOCOST's memory-saving feed-forward function (default: the "
+                             "library's for the device).")
     parser.add_argument("--json", default=None, help="Also write the rows to this file.")
     args = parser.parse_args(argv)
     if args.repeats < 1 or any(length < 1 for length in args.lengths):
         raise ValueError(f"`--repeats` and `--lengths` must be positive, got {args.repeats} and {args.lengths}.")
+    if args.feed_forward_step_elements is not None and args.feed_forward_step_elements < 1:
+        raise ValueError(f"`--feed_forward_step_elements` must be positive, got {args.feed_forward_step_elements}.")
     if args.backend != "inductor" and any(mode not in ("eager", "default") for mode in args.modes):
         raise ValueError(f"`--modes` {args.modes}: modes other than eager and default need the inductor backend, "
                          f"got --backend {args.backend}.")

@@ -7,7 +7,7 @@ cost does not depend on the values). "full" = the same model with θ and the who
 prefill of context + prompt); "Dodo" = θ with the nugget cache (+ soft prompt + prompt). After an 8-token prompt, one
 decode step = one forward of 1 new token over the cache; the cache is cropped back after every step so that all steps
 see the same length. Full and Dodo steps are interleaved (``--rounds`` x ``--steps``, after warm-up steps) to share
-the machine's noise. Batch 1, float32, sdpa, ``torch.no_grad()``.
+the machine's noise. Batch 1, float32 (``--dtype``), sdpa, ``torch.no_grad()``.
 
 KV bytes are measured from the cache tensors (keys + values of every layer); Dodo also keeps K float32 scores (listed
 apart). "compress" is the φ pass over the context plus the scorer's ι-layer pass.
@@ -67,7 +67,7 @@ def one_step(model, token, attention_mask, cache, nuggets=None):
     return output
 
 
-def run(lengths: list[int], steps: int, rounds: int, warmup: int, device: str) -> list[dict]:
+def run(lengths: list[int], steps: int, rounds: int, warmup: int, device: str, dtype: str = "float32") -> list[dict]:
     import longreach  # noqa: F401
     from longreach import DodoLlamaConfig, DodoLlamaForCausalLM
 
@@ -85,7 +85,7 @@ def run(lengths: list[int], steps: int, rounds: int, warmup: int, device: str) -
         return result, time.perf_counter() - start
 
     torch.manual_seed(0)
-    model = DodoLlamaForCausalLM(DodoLlamaConfig(**SIZES)).to(device).eval()
+    model = DodoLlamaForCausalLM(DodoLlamaConfig(**SIZES)).to(device=device, dtype=getattr(torch, dtype)).eval()
     rows = []
     with torch.no_grad():  # warm-up of both passes (kernels, allocator), not timed
         warm = torch.randint(3, SIZES["vocab_size"], (1, 64), device=device)
@@ -115,6 +115,7 @@ def run(lengths: list[int], steps: int, rounds: int, warmup: int, device: str) -
         rows.append(
             {
                 "context_tokens": length,
+                "dtype": dtype,
                 "nuggets": k,
                 "kv_bytes_full_context": full_context_bytes,
                 "kv_bytes_nuggets": nugget_bytes,
@@ -255,6 +256,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                        help="The model's dtype (the decode-step run; --training_memory is float32).")
     parser.add_argument("--json", default=None, help="Also write the rows to this file.")
     parser.add_argument(
         "--training_memory", action="store_true", help="Peak memory of a training step with/without checkpointing."
@@ -265,11 +268,13 @@ def main() -> None:
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.training_memory and args.dtype != "float32":
+        raise ValueError(f"`--training_memory` runs in float32, got `--dtype {args.dtype}`.")
     if args.training_memory:
         rows = training_memory(args.lengths, args.target_length, args.layers, args.repeats, args.device)
     else:
-        rows = run(args.lengths, args.steps, args.rounds, args.warmup, args.device)
-    print(f"torch {torch.__version__}, device {args.device}, threads {torch.get_num_threads()}, sizes {SIZES}")
+        rows = run(args.lengths, args.steps, args.rounds, args.warmup, args.device, args.dtype)
+    print(f"torch {torch.__version__}, device {args.device}, dtype {args.dtype}, threads {torch.get_num_threads()}, sizes {SIZES}")
     print(training_markdown(rows) if args.training_memory else markdown(rows))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as handle:

@@ -13,6 +13,10 @@ Usage::
 
     python benchmarks/benchmark_vcc_t5.py                               # VCC at 8K/16K/64K, T5 at 8K/16K
     python benchmarks/benchmark_vcc_t5.py --vcc_lengths 8192 --t5_lengths 8192 --threads 2 --json out.json
+    python benchmarks/benchmark_vcc_t5.py --generate 64 --vcc_lengths 16384 --t5_lengths 16384 --device cuda
+
+``--generate N`` times ``generate()`` of N new tokens (greedy, ``min_new_tokens=N``) of the whole seq2seq models
+instead (VCC-T5 with T5's weights, decoder included), the encoder's memory then included in the peak.
 
 Prints a Markdown table with the VCC/T5 ratios. Not a test: timings depend on the machine and its load.
 """
@@ -33,29 +37,37 @@ NUM_VIP = 5
 
 
 def run_cell(model: str, length: int, threads: int, repeats: int, attention: str, device: str = "cpu",
-             dtype: str = "float32") -> dict:
+             dtype: str = "float32", generate_tokens: int = 0) -> dict:
     import resource
 
     import torch
-    from transformers import T5Config, T5EncoderModel
+    from transformers import T5Config, T5EncoderModel, T5ForConditionalGeneration
 
     torch.set_num_threads(threads)
     torch.manual_seed(0)
     device = torch.device(device)
-    t5_config = T5Config(**SIZES)
+    token_ids = dict(decoder_start_token_id=0, pad_token_id=0, eos_token_id=1)
+    t5_config = T5Config(**SIZES, **token_ids)
     t5_config._attn_implementation = attention
-    t5 = T5EncoderModel(t5_config).eval()
+    if generate_tokens:  # the whole seq2seq model, with T5's decoder (the same one in both)
+        t5 = T5ForConditionalGeneration(t5_config).eval()
+    else:
+        t5 = T5EncoderModel(t5_config).eval()
     inputs = {"input_ids": torch.randint(3, SIZES["vocab_size"], (1, length))}
     extra = {}
     if model == "vcc":
-        from longreach import VCCT5Config
+        from longreach import VCCT5Config, VCCT5ForConditionalGeneration
         from longreach.modeling.modeling_vcc_t5 import VCCT5Encoder
 
-        config = VCCT5Config(**SIZES, **VCC)
+        config = VCCT5Config(**SIZES, **token_ids, **VCC)
         config._attn_implementation = attention
-        encoder = VCCT5Encoder(config, torch.nn.Embedding(config.vocab_size, config.d_model)).eval()
-        state_dict = {key.removeprefix("encoder."): value for key, value in t5.state_dict().items()
-                      if key.startswith("encoder.")}
+        if generate_tokens:
+            encoder = VCCT5ForConditionalGeneration(config).eval()
+            state_dict = t5.state_dict()
+        else:
+            encoder = VCCT5Encoder(config, torch.nn.Embedding(config.vocab_size, config.d_model)).eval()
+            state_dict = {key.removeprefix("encoder."): value for key, value in t5.state_dict().items()
+                          if key.startswith("encoder.")}
         missing, unexpected = encoder.load_state_dict(state_dict, strict=False)
         assert not missing and not unexpected, (missing, unexpected)  # embed_tokens too: the same weights
         vip_mask = torch.zeros_like(inputs["input_ids"])
@@ -88,11 +100,19 @@ def run_cell(model: str, length: int, threads: int, repeats: int, attention: str
         for index in range(warmup + repeats):
             synchronize()
             start = time.perf_counter()
-            output = encoder(**inputs).last_hidden_state
+            if generate_tokens:
+                output = encoder.generate(**inputs, max_new_tokens=generate_tokens, min_new_tokens=generate_tokens,
+                                          do_sample=False)
+            else:
+                output = encoder(**inputs).last_hidden_state
             synchronize()
             if index >= warmup:
                 times.append(time.perf_counter() - start)
-    assert output.shape == (1, length, SIZES["d_model"]) and torch.isfinite(output).all()
+    if generate_tokens:
+        assert output.shape == (1, generate_tokens + 1)  # the decoder start token and the new tokens
+        extra["generated_tokens"] = generate_tokens
+    else:
+        assert output.shape == (1, length, SIZES["d_model"]) and torch.isfinite(output).all()
     if device.type == "cuda":
         extra["peak_cuda_above_start_mib"] = (torch.cuda.max_memory_allocated() - cuda_before) / 2**20
     return {
@@ -106,7 +126,8 @@ def run_cell(model: str, length: int, threads: int, repeats: int, attention: str
 
 def run_in_subprocess(model: str, length: int, args) -> dict:
     command = [sys.executable, __file__, "--cell", model, str(length), "--threads", str(args.threads),
-               "--repeats", str(args.repeats), "--attn", args.attn, "--device", args.device, "--dtype", args.dtype]
+               "--repeats", str(args.repeats), "--attn", args.attn, "--device", args.device, "--dtype", args.dtype,
+               "--generate", str(args.generate)]
     started = time.perf_counter()
     try:
         result = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout)
@@ -163,12 +184,15 @@ def main() -> None:
     parser.add_argument("--timeout", type=int, default=1800, help="Seconds per cell.")
     parser.add_argument("--device", default="cpu", help="cpu, cuda, ...")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--generate", type=int, default=0, metavar="TOKENS",
+                        help="Time generate() of this many new tokens (greedy), the whole seq2seq model, instead of "
+                             "the encoder.")
     parser.add_argument("--json", default=None, help="Also write the cells to this file.")
     parser.add_argument("--cell", nargs=2, metavar=("MODEL", "LENGTH"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.cell:
         print(json.dumps(run_cell(args.cell[0], int(args.cell[1]), args.threads, args.repeats, args.attn, args.device,
-                                  args.dtype)))
+                                  args.dtype, args.generate)))
         return
     cells = []
     for model, lengths in (("vcc", args.vcc_lengths), ("t5", args.t5_lengths)):

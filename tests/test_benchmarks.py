@@ -161,3 +161,34 @@ def test_compiled_step_benchmark_times_eager_and_compiled_steps(monkeypatch, cap
         module.main(["--quick", "--backend", "aot_eager", "--modes", "reduce-overhead"])
     with pytest.raises(ValueError, match="--repeats"):
         module.main(["--quick", "--repeats", "0"])
+    from longreach.modeling import t5_blocks
+
+    monkeypatch.setattr(t5_blocks, "FEED_FORWARD_STEP_ELEMENTS", t5_blocks.FEED_FORWARD_STEP_ELEMENTS)  # restored after
+    (row,) = module.main(["--quick", "--models", "locost", "--lengths", "32", "--modes", "eager", "--repeats", "1",
+                          "--feed_forward_step_elements", "640"])  # the tiny d_ff is 64: 10 positions per step
+    assert t5_blocks.FEED_FORWARD_STEP_ELEMENTS == 640 and row["feed_forward_step_elements"] == 640
+    assert "error" not in row and row["seconds"] > 0
+    with pytest.raises(ValueError, match="--feed_forward_step_elements"):
+        module.main(["--quick", "--feed_forward_step_elements", "0"])
+
+
+def test_vcc_t5_benchmark_times_generate_of_both_models_with_the_same_weights():
+    module = load_benchmark("benchmark_vcc_t5")
+    cells = [module.run_cell(model, 2048, threads=1, repeats=1, attention="sdpa", generate_tokens=3)
+             for model in ("vcc", "t5")]
+    for cell in cells:
+        assert cell["generated_tokens"] == 3 and cell["seconds_median"] > 0 and cell["runs"] == 1
+    assert cells[0]["compressed_length"] < 2048  # VCC-T5's encoder compressed the input
+    assert "| 2048 |" in module.table(cells)
+
+
+def test_dodo_benchmark_runs_in_bfloat16():
+    module = load_benchmark("benchmark_dodo")
+    (row,) = module.run([64], steps=1, rounds=1, warmup=0, device="cpu", dtype="bfloat16")
+    assert row["dtype"] == "bfloat16" and row["nuggets"] == 7  # k = int(0.1·64 + 0.99)
+    # keys and values of every layer, 2 bytes each: bfloat16 caches
+    sizes = module.SIZES
+    head_dim = sizes["hidden_size"] // sizes["num_attention_heads"]
+    per_token = 2 * sizes["num_hidden_layers"] * sizes["num_key_value_heads"] * head_dim * 2
+    assert row["kv_bytes_full_context"] == 64 * per_token
+    assert row["kv_bytes_nuggets"] == 7 * per_token

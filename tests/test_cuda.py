@@ -200,7 +200,7 @@ def test_fused_feed_forward_weight_gradients_use_half_precision_products(monkeyp
     layer = t5_blocks.T5LayerFF(config).to(device="cuda", dtype=dtype).train()
     x = torch.randn(2, 300, 64, device="cuda", dtype=dtype, requires_grad=True)
     grad = torch.randn_like(x)
-    monkeypatch.setattr(t5_blocks, "FEED_FORWARD_STEP_ELEMENTS", 128 * 64)  # 64 positions per step: 10 steps
+    monkeypatch.setattr(t5_blocks, "ACCELERATOR_FEED_FORWARD_STEP_ELEMENTS", 128 * 64)  # 64 positions a step: 10 steps
 
     def step(fused: bool):
         monkeypatch.setattr(t5_blocks.T5LayerFF, "_fused_dropout_p",

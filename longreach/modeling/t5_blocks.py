@@ -224,8 +224,18 @@ class T5DenseGatedActDense(nn.Module):
         return self.wo(_to_weight_dtype(hidden_states, self.wo))
 
 
-#: `_GatedFeedForwardFunction` computes the gated product over this many elements at a time ([rows, d_ff]).
+#: `_GatedFeedForwardFunction` computes the gated product over this many elements at a time ([rows, d_ff]) on CPU,
 FEED_FORWARD_STEP_ELEMENTS = 2**22
+#: and on an accelerator, where each step's dozen launches cost host time the GPU waits for: at 16K tokens and
+#: d_ff 2048, steps of 2**22 elements made a quarter of LOCOST's bfloat16 training-step operators (eight steps per
+#: layer, forward and backward); 2**24 takes two, with [rows, d_ff] temporaries of 32 MiB in bfloat16.
+ACCELERATOR_FEED_FORWARD_STEP_ELEMENTS = 2**24
+
+
+def _feed_forward_step_rows(d_ff: int, device: torch.device) -> int:
+    """Positions per step of `_GatedFeedForwardFunction`."""
+    elements = FEED_FORWARD_STEP_ELEMENTS if device.type == "cpu" else ACCELERATOR_FEED_FORWARD_STEP_ELEMENTS
+    return max(1, elements // d_ff)
 
 #: torch's matrix product with a float32 result from bfloat16/float16 operands (``torch.mm(..., out_dtype=)``, CUDA).
 _MM_HAS_OUT_DTYPE = "dtype" in torch.ops.aten.mm.overloads()
@@ -250,8 +260,8 @@ def _add_weight_gradient(accumulator: torch.Tensor, grad_rows: torch.Tensor, inp
 class _GatedFeedForwardFunction(torch.autograd.Function):
     """T5's gated tanh-GELU feed-forward sublayer without its residual, ``wo(dropout(gelu_tanh(wi_0 n) ⊙ wi_1 n))``
     with ``n = RMSNorm(x)``, for training: the modules' ops (on CPU the same bool dropout mask from the same random
-    draw as `Dropout`), the gated product and ``wo`` computed ``FEED_FORWARD_STEP_ELEMENTS // d_ff`` positions at a
-    time (so equal to the modules' output up to the matmul's float rounding).
+    draw as `Dropout`), the gated product and ``wo`` computed a few positions at a time
+    (``_feed_forward_step_rows``; so equal to the modules' output up to the matmul's float rounding).
 
     It keeps x, 1/rms and the two [*, d_ff] projections (and the dropout mask as bool) for the backward pass, which
     recomputes n and the gated product (elementwise work, no matmul) step by step too, accumulating the weight
@@ -274,7 +284,7 @@ class _GatedFeedForwardFunction(torch.autograd.Function):
         output = gate.new_empty(*gate.shape[:-1], wo.shape[0])
         flat_gate, flat_value = gate.reshape(-1, d_ff), value.reshape(-1, d_ff)
         flat_output = output.view(-1, wo.shape[0])
-        rows = max(1, FEED_FORWARD_STEP_ELEMENTS // d_ff)
+        rows = _feed_forward_step_rows(d_ff, gate.device)
         for step in (slice(start, start + rows) for start in range(0, flat_gate.shape[0], rows)):
             product = nn.functional.gelu(flat_gate[step], approximate="tanh") * flat_value[step]
             if mask is not None:
@@ -299,7 +309,7 @@ class _GatedFeedForwardFunction(torch.autograd.Function):
         accumulators = {name: torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
                         for name, weight, needed in wanted if needed}
         grad_x = torch.empty_like(x) if needs_x else None
-        rows = max(1, FEED_FORWARD_STEP_ELEMENTS // d_ff)
+        rows = _feed_forward_step_rows(d_ff, x.device)
         for start in range(0, x.shape[0], rows):
             step = slice(start, start + rows)
             activation = nn.functional.gelu(gate[step], approximate="tanh")
