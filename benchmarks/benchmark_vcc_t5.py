@@ -7,7 +7,8 @@ parameter names are identical). Each (model, length) cell runs in a fresh subpro
 (``ru_maxrss``, whole process, including ~250 MiB of Python + torch) is its own; with ``--device cuda`` the memory is
 the CUDA allocator's peak above the weights and inputs. Batch 1, float32 (``--dtype``), ``torch.no_grad()``,
 eval, the default attention implementation (sdpa) unless ``--attn eager``; time = median of ``--repeats`` forwards
-after one warm-up (T5 at >= 16K tokens: a single forward, no warm-up, because one forward takes minutes).
+after one warm-up (T5 at >= 16K tokens on a CPU: a single forward, no warm-up, because one forward takes minutes; on
+a GPU the first session's T5 cells at 16K had no warm-up either).
 
 Usage::
 
@@ -92,7 +93,7 @@ def run_cell(model: str, length: int, threads: int, repeats: int, attention: str
         torch.cuda.reset_peak_memory_stats()
         cuda_before = torch.cuda.memory_allocated()
     rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    warmup = 0 if (model == "t5" and length >= 16384) else 1
+    warmup = 0 if (model == "t5" and length >= 16384 and device.type == "cpu") else 1  # minutes a forward there
     if warmup == 0:
         repeats = 1
     times = []

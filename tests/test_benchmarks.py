@@ -157,6 +157,10 @@ def test_compiled_step_benchmark_times_eager_and_compiled_steps(monkeypatch, cap
                                                                              ("locost", "default", "aot_eager")]
     assert all("error" not in row and row["seconds"] > 0 and row["first_step_seconds"] > 0 for row in rows)
     assert "| 32 | locost | default |" in capsys.readouterr().out
+    (row,) = module.main(["--quick", "--backend", "aot_eager", "--models", "locost", "--lengths", "32", "--repeats",
+                          "1", "--modes", "default", "--scope", "blocks"])
+    assert row["scope"] == "blocks" and row["compiled_modules"] == 4  # 2 encoder and 2 decoder blocks, each compiled
+    assert "error" not in row and row["seconds"] > 0
     with pytest.raises(ValueError, match="--modes"):
         module.main(["--quick", "--backend", "aot_eager", "--modes", "reduce-overhead"])
     with pytest.raises(ValueError, match="--repeats"):
