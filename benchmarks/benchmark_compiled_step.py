@@ -25,6 +25,7 @@ import argparse
 import json
 import statistics
 import time
+import traceback
 
 import torch
 
@@ -135,8 +136,10 @@ def main(argv=None) -> list[dict]:
                 try:
                     row = time_steps(model_name, length, mode, args)
                 except Exception as error:  # noqa: BLE001  a cell that fails (out of memory, a compile error) is a row
+                    traceback.print_exc()  # the whole story goes to the log; the row says what failed
+                    message = (str(error).splitlines() or [""])[0][:120]
                     row = {"model": model_name, "length": length, "mode": mode,
-                           "error": f"{type(error).__name__}: {str(error).splitlines()[0][:120]}"}
+                           "error": f"{type(error).__name__}: {message}"}
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     print(markdown(rows))

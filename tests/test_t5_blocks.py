@@ -221,6 +221,31 @@ def test_dropout_keeps_a_bool_mask_and_equals_torch_dropout_bit_for_bit():
     assert torch.equal(ours.eval()(x), x)
 
 
+@pytest.mark.parametrize("dropout", [0.0, 0.3])
+def test_fused_feed_forward_saves_only_tensors_for_backward(monkeypatch, dropout):
+    """torch.compile in torch 2.11 (the GPU image's) fails an assertion when an autograd function passes None to
+    ``save_for_backward`` (the feed-forward function did, for its dropout mask when there is no dropout; torch 2.13
+    takes it): every value saved is a tensor, and the mask is saved only when there is one."""
+    import longreach.modeling.t5_blocks as t5_blocks
+
+    saved = []
+    original = torch.autograd.function.FunctionCtx.save_for_backward
+
+    def save_for_backward(ctx, *tensors):
+        saved.append(tensors)
+        return original(ctx, *tensors)
+
+    monkeypatch.setattr(torch.autograd.function.FunctionCtx, "save_for_backward", save_for_backward)
+    config = T5Config(d_model=32, d_ff=64, feed_forward_proj="gated-gelu", dropout_rate=dropout)
+    layer = t5_blocks.T5LayerFF(config).train()
+    x = torch.randn(2, 10, 32, requires_grad=True)
+    layer(x).sum().backward()
+    assert x.grad is not None and saved
+    assert all(isinstance(value, torch.Tensor) for values in saved for value in values), saved
+    masks = [value for values in saved for value in values if value.dtype == torch.bool]
+    assert len(masks) == (2 if dropout else 0)  # the function's inner dropout and the sublayer's residual dropout
+
+
 @pytest.mark.parametrize("dtype, dropout", [(torch.float32, 0.0), (torch.float32, 0.3), (torch.bfloat16, 0.0)])
 def test_fused_feed_forward_equals_the_modules_and_keeps_less(monkeypatch, dtype, dropout):
     """In training, the gated tanh-GELU sublayer runs as one autograd function: the modules' output and gradients up

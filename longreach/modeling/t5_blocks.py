@@ -290,14 +290,17 @@ class _GatedFeedForwardFunction(torch.autograd.Function):
             if mask is not None:
                 product = product * mask.reshape(-1, d_ff)[step].to(product.dtype).div_(1 - dropout_p)
             flat_output[step] = nn.functional.linear(product, wo)
-        ctx.save_for_backward(hidden_states, inverse_rms, norm_weight, wi_0, wi_1, wo, gate, value, mask)
+        # tensors only: torch 2.11's compiler fails an assertion on a saved None (2.13 takes it)
+        masks = () if mask is None else (mask,)
+        ctx.save_for_backward(hidden_states, inverse_rms, norm_weight, wi_0, wi_1, wo, gate, value, *masks)
         ctx.dropout_p = dropout_p
         return output
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_output):
-        hidden_states, inverse_rms, norm_weight, wi_0, wi_1, wo, gate, value, mask = ctx.saved_tensors
+        hidden_states, inverse_rms, norm_weight, wi_0, wi_1, wo, gate, value, *masks = ctx.saved_tensors
+        mask = masks[0] if masks else None
         needs_x, needs_norm, _, needs_wi_0, needs_wi_1, needs_wo, _ = ctx.needs_input_grad
         width, d_ff = hidden_states.shape[-1], gate.shape[-1]
         x, grad_out = hidden_states.reshape(-1, width), grad_output.reshape(-1, width)
