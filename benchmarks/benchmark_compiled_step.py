@@ -34,6 +34,10 @@ import run_all
 
 def time_steps(model_name: str, length: int, mode: str, args) -> dict:
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    if args.unfused_feed_forward:  # LOCOST's feed-forward sublayers through their modules, not the fused function
+        from longreach.modeling import t5_blocks
+
+        t5_blocks.T5LayerFF._fused_dropout_p = lambda self, hidden_states: None
     if args.feed_forward_step_elements:  # LOCOST's memory-saving feed-forward function: elements per step
         from longreach.modeling import t5_blocks
 
@@ -84,6 +88,7 @@ def time_steps(model_name: str, length: int, mode: str, args) -> dict:
             "backend": "eager" if mode == "eager" else args.backend, "first_step_seconds": first,
             "feed_forward_step_elements": args.feed_forward_step_elements or "default",
             "scope": "-" if mode == "eager" else args.scope, "compiled_modules": compiled_graphs,
+            "unfused_feed_forward": args.unfused_feed_forward,
             "seconds": statistics.median(seconds), "seconds_all": seconds}
 
 
@@ -117,6 +122,9 @@ def main(argv=None) -> list[dict]:
                         help="Compile the whole forward (model) or each block on its own (blocks: transformers' "
                              "'regional compilation'; the blocks of a stack share their compiled code, so it compiles "
                              "about one block's worth, and the Python between blocks stays eager).")
+    parser.add_argument("--unfused_feed_forward", action="store_true",
+                        help="Run LOCOST's feed-forward sublayers through their modules instead of the fused "
+                             "memory-saving function (its compile failed under torch 2.11 on a GPU).")
     parser.add_argument("--feed_forward_step_elements", type=int, default=None,
                         help="Elements per step of LOCOST's memory-saving feed-forward function (default: the "
                              "library's for the device).")

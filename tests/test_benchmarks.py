@@ -172,6 +172,15 @@ def test_compiled_step_benchmark_times_eager_and_compiled_steps(monkeypatch, cap
                           "--feed_forward_step_elements", "640"])  # the tiny d_ff is 64: 10 positions per step
     assert t5_blocks.FEED_FORWARD_STEP_ELEMENTS == 640 and row["feed_forward_step_elements"] == 640
     assert "error" not in row and row["seconds"] > 0
+    monkeypatch.setattr(t5_blocks.T5LayerFF, "_fused_dropout_p", t5_blocks.T5LayerFF._fused_dropout_p)  # restored
+    (row,) = module.main(["--quick", "--backend", "aot_eager", "--models", "locost", "--lengths", "32", "--repeats",
+                          "1", "--modes", "default", "--unfused_feed_forward"])
+    assert row["unfused_feed_forward"] and "error" not in row
+    import torch
+    from transformers import T5Config
+
+    layer = t5_blocks.T5LayerFF(T5Config(d_model=8, d_ff=16, feed_forward_proj="gated-gelu")).train()
+    assert layer._fused_dropout_p(torch.zeros(1, 8, requires_grad=True)) is None  # the modules run
     with pytest.raises(ValueError, match="--feed_forward_step_elements"):
         module.main(["--quick", "--feed_forward_step_elements", "0"])
 

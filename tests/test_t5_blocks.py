@@ -223,9 +223,9 @@ def test_dropout_keeps_a_bool_mask_and_equals_torch_dropout_bit_for_bit():
 
 @pytest.mark.parametrize("dropout", [0.0, 0.3])
 def test_fused_feed_forward_saves_only_tensors_for_backward(monkeypatch, dropout):
-    """torch.compile in torch 2.11 (the GPU image's) fails an assertion when an autograd function passes None to
-    ``save_for_backward`` (the feed-forward function did, for its dropout mask when there is no dropout; torch 2.13
-    takes it): every value saved is a tensor, and the mask is saved only when there is one."""
+    """Every value the feed-forward function saves for backward is a tensor: its dropout mask only when there is one
+    (it saved a None without dropout; suspected, then ruled out, as the cause of LOCOST's compile failure under torch
+    2.11 on a GPU: benchmarks/results/cuda.md)."""
     import longreach.modeling.t5_blocks as t5_blocks
 
     saved = []

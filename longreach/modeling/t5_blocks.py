@@ -290,7 +290,7 @@ class _GatedFeedForwardFunction(torch.autograd.Function):
             if mask is not None:
                 product = product * mask.reshape(-1, d_ff)[step].to(product.dtype).div_(1 - dropout_p)
             flat_output[step] = nn.functional.linear(product, wo)
-        # tensors only: torch 2.11's compiler fails an assertion on a saved None (2.13 takes it)
+        # the mask only when there is one: no None among the saved values
         masks = () if mask is None else (mask,)
         ctx.save_for_backward(hidden_states, inverse_rms, norm_weight, wi_0, wi_1, wo, gate, value, *masks)
         ctx.dropout_p = dropout_p
