@@ -227,8 +227,10 @@ class T5DenseGatedActDense(nn.Module):
 #: `_GatedFeedForwardFunction` computes the gated product over this many elements at a time ([rows, d_ff]) on CPU,
 FEED_FORWARD_STEP_ELEMENTS = 2**22
 #: and on an accelerator, where each step's dozen launches cost host time the GPU waits for: at 16K tokens and
-#: d_ff 2048, steps of 2**22 elements made a quarter of LOCOST's bfloat16 training-step operators (eight steps per
-#: layer, forward and backward); 2**24 takes two, with [rows, d_ff] temporaries of 32 MiB in bfloat16.
+#: d_ff 2048, steps of 2**22 elements (eight per layer) made a quarter of the operators LOCOST's training step
+#: dispatches (counted on CPU with the accelerator's code paths: 15,912, against 12,384 with 2**24, two steps with
+#: [rows, d_ff] temporaries of 32 MiB in bfloat16). On an H100 the step times of the two were mixed
+#: (benchmarks/results/cuda.md, third session).
 ACCELERATOR_FEED_FORWARD_STEP_ELEMENTS = 2**24
 
 
@@ -236,6 +238,7 @@ def _feed_forward_step_rows(d_ff: int, device: torch.device) -> int:
     """Positions per step of `_GatedFeedForwardFunction`."""
     elements = FEED_FORWARD_STEP_ELEMENTS if device.type == "cpu" else ACCELERATOR_FEED_FORWARD_STEP_ELEMENTS
     return max(1, elements // d_ff)
+
 
 #: torch's matrix product with a float32 result from bfloat16/float16 operands (``torch.mm(..., out_dtype=)``, CUDA).
 _MM_HAS_OUT_DTYPE = "dtype" in torch.ops.aten.mm.overloads()
