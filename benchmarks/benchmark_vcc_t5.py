@@ -191,6 +191,8 @@ def main() -> None:
     parser.add_argument("--json", default=None, help="Also write the cells to this file.")
     parser.add_argument("--cell", nargs=2, metavar=("MODEL", "LENGTH"), help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.generate < 0:
+        raise ValueError(f"`--generate` must be 0 (the encoder) or a number of new tokens, got {args.generate}.")
     if args.cell:
         print(json.dumps(run_cell(args.cell[0], int(args.cell[1]), args.threads, args.repeats, args.attn, args.device,
                                   args.dtype, args.generate)))
