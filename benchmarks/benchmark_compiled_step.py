@@ -64,7 +64,10 @@ def time_steps(model_name: str, length: int, mode: str, args) -> dict:
         else:  # regional compilation: each block (the model's `_no_split_modules`) on its own, one graph for all
             blocks = [module for module in model.modules() if type(module).__name__ in model._no_split_modules]
             for block in blocks:
-                block.compile(**options)
+                # static sizes: encoder and decoder blocks enter through one frame (transformers'
+                # `forward_with_checkpointing`), so the decoder's first call recompiles it, with symbolic sizes unless
+                # told otherwise; the lengths here never change
+                block.compile(dynamic=False, **options)
             compiled_graphs = len(blocks)
 
     def step():
@@ -124,7 +127,7 @@ def main(argv=None) -> list[dict]:
                              "about one block's worth, and the Python between blocks stays eager).")
     parser.add_argument("--unfused_feed_forward", action="store_true",
                         help="Run LOCOST's feed-forward sublayers through their modules instead of the fused "
-                             "memory-saving function (its compile failed under torch 2.11 on a GPU).")
+                             "memory-saving function in eager steps too (compiled steps always do).")
     parser.add_argument("--feed_forward_step_elements", type=int, default=None,
                         help="Elements per step of LOCOST's memory-saving feed-forward function (default: the "
                              "library's for the device).")

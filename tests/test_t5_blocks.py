@@ -221,6 +221,22 @@ def test_dropout_keeps_a_bool_mask_and_equals_torch_dropout_bit_for_bit():
     assert torch.equal(ours.eval()(x), x)
 
 
+def test_feed_forward_runs_through_its_modules_inside_torch_compile(monkeypatch):
+    """Inside ``torch.compile`` the gated feed-forward sublayer runs through its modules, not the fused function: under
+    torch 2.11 the fused function failed a dynamo assertion once sizes were symbolic (LOCOST's compiled training
+    step on a GPU; on CPU in a torch 2.11 environment, a compiled LOCOST training forward failed on the first batch
+    of a new length and passed with this). This suite's torch traces the fused function, so what is checked here is
+    the choice itself; the compiled steps' values are checked in test_model_contract.py."""
+    import longreach.modeling.t5_blocks as t5_blocks
+
+    config = T5Config(d_model=32, d_ff=64, feed_forward_proj="gated-gelu", dropout_rate=0.0)
+    layer = t5_blocks.T5LayerFF(config).train()
+    x = torch.randn(2, 5, 32, requires_grad=True)
+    assert layer._fused_dropout_p(x) == 0.0  # eager training: the fused function
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert layer._fused_dropout_p(x) is None
+
+
 @pytest.mark.parametrize("dropout", [0.0, 0.3])
 def test_fused_feed_forward_saves_only_tensors_for_backward(monkeypatch, dropout):
     """Every value the feed-forward function saves for backward is a tensor: its dropout mask only when there is one

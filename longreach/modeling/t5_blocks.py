@@ -365,8 +365,8 @@ class T5LayerFF(nn.Module):
     """Pre-norm residual feed-forward sublayer: ``x + dropout(FF(RMSNorm(x)))``.
 
     In training, the gated tanh-GELU sublayer of plain modules runs as `_GatedFeedForwardFunction` (same values,
-    less memory); anything else (PEFT LoRA on its linears, hooks, autocast, mixed dtypes, dropout on an accelerator)
-    runs through the modules.
+    less memory); anything else (PEFT LoRA on its linears, hooks, autocast, mixed dtypes, dropout on an accelerator,
+    ``torch.compile``) runs through the modules.
     """
 
     def __init__(self, config):
@@ -378,9 +378,15 @@ class T5LayerFF(nn.Module):
         self.dropout = Dropout(config.dropout_rate)
 
     def _fused_dropout_p(self, hidden_states: torch.Tensor) -> float | None:
-        """The inner dropout probability to pass to `_GatedFeedForwardFunction`, or None where it does not apply."""
+        """The inner dropout probability to pass to `_GatedFeedForwardFunction`, or None where it does not apply.
+
+        Not inside ``torch.compile``: the compiler picks what to keep for the backward pass itself, and the function's
+        loop over steps of positions does not trace under symbolic shapes in torch 2.11 (a dynamo assertion on the
+        first batch of a new length, or in a block compiled a second time: seen on a GPU, reproduced on CPU)."""
         dense = self.DenseReluDense
         if not (torch.is_grad_enabled() and isinstance(dense, T5DenseGatedActDense) and dense._tanh_gelu):
+            return None
+        if torch.compiler.is_compiling():
             return None
         linears = (dense.wi_0, dense.wi_1, dense.wo)
         parameters = [self.layer_norm.weight] + [linear.weight for linear in linears]
