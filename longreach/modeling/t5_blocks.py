@@ -380,9 +380,10 @@ class T5LayerFF(nn.Module):
     def _fused_dropout_p(self, hidden_states: torch.Tensor) -> float | None:
         """The inner dropout probability to pass to `_GatedFeedForwardFunction`, or None where it does not apply.
 
-        Not inside ``torch.compile``: the compiler picks what to keep for the backward pass itself, and the function's
-        loop over steps of positions does not trace under symbolic shapes in torch 2.11 (a dynamo assertion on the
-        first batch of a new length, or in a block compiled a second time: seen on a GPU, reproduced on CPU)."""
+        Not inside ``torch.compile``: the compiler picks what to keep for the backward pass itself, and with symbolic
+        sizes (the first batch of a new length, or a block compiled a second time) torch 2.11's dynamo fails an
+        assertion on the function, whose forward graph hands a symbolic size to the backward pass (seen on a GPU,
+        reproduced on CPU; torch 2.13 traces it)."""
         dense = self.DenseReluDense
         if not (torch.is_grad_enabled() and isinstance(dense, T5DenseGatedActDense) and dense._tanh_gelu):
             return None
