@@ -30,17 +30,14 @@ import traceback
 import torch
 
 import run_all
+from longreach.modeling import t5_blocks
 
 
 def time_steps(model_name: str, length: int, mode: str, args) -> dict:
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     if args.unfused_feed_forward:  # LOCOST's feed-forward sublayers through their modules, not the fused function
-        from longreach.modeling import t5_blocks
-
         t5_blocks.T5LayerFF._fused_dropout_p = lambda self, hidden_states: None
     if args.feed_forward_step_elements:  # LOCOST's memory-saving feed-forward function: elements per step
-        from longreach.modeling import t5_blocks
-
         name = "FEED_FORWARD_STEP_ELEMENTS" if device.type == "cpu" else "ACCELERATOR_FEED_FORWARD_STEP_ELEMENTS"
         setattr(t5_blocks, name, args.feed_forward_step_elements)
     sizes = run_all.TINY if args.quick else run_all.RELEASED
