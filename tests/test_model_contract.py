@@ -178,6 +178,17 @@ def test_decoding_steps_sync_with_the_host_no_more_than_transformers_models(test
     assert ours <= theirs, f"{tester.kind}: {ours} host syncs per decoding step, transformers' model {theirs}"
 
 
+@pytest.mark.parametrize("kind", ["locost", "vcc"])
+def test_static_cache_decoding_steps_sync_with_the_host_no_more_than_t5(kind):
+    """With a static cache the filled length is a 0-d tensor: the decoder builds its positions and masks from it
+    without reading it back, so a step syncs no more often than transformers' T5 with the same cache."""
+    tester = ModelTester(kind)
+    peer = transformers_peer(tester)
+    ours = host_syncs_per_new_token(tester.model, tester.inputs(), cache_implementation="static")
+    theirs = host_syncs_per_new_token(peer, {"input_ids": tester.inputs()["input_ids"]}, cache_implementation="static")
+    assert ours <= theirs, f"{kind}: {ours} host syncs per static-cache decoding step, T5 {theirs}"
+
+
 class TensorsFromPythonValues(TorchDispatchMode):
     """Where our code makes a tensor from Python values (``torch.tensor(...)``, dispatched as ``lift_fresh``): on a GPU
     that is a host-to-device copy from pageable memory, which waits for the device. Callers outside longreach (e.g.
@@ -376,12 +387,65 @@ def test_training_step_compiles_as_one_graph_with_the_eager_gradients(kind):
 
 
 @pytest.mark.parametrize("kind", ["locost", "vcc"])
-def test_a_static_cache_is_refused_with_a_clear_error(kind):
-    """The T5 decoder grows its self-attention cache per step; a preallocated (static) cache would make it attend to
-    the zeros past the filled length, so `cache_implementation="static"` gets an error that says what to do."""
+@pytest.mark.parametrize("mode", [dict(num_beams=1), dict(num_beams=2), dict(num_beams=2, num_return_sequences=2),
+                                  dict(num_beams=1, do_sample=True)],
+                         ids=["greedy", "beam_search", "two_sequences", "sample"])
+def test_a_static_cache_generates_what_the_dynamic_cache_does(kind, mode):
+    """`cache_implementation="static"` preallocates the self-attention cache (and the cross-attention one at the
+    encoder's length): the decoder then sees every slot, and its causal mask hides the unfilled ones, so the tokens
+    are those of the default dynamic cache, with a padded encoder row, in every decoding mode."""
     tester = ModelTester(kind)
-    with pytest.raises(ValueError, match=r"`past_key_values` must be a dynamic cache.*'static'` is not supported"):
-        tester.model.generate(**tester.inputs(), max_new_tokens=2, cache_implementation="static")
+    outputs = []
+    for cache_implementation in (None, "static"):
+        torch.manual_seed(0)
+        with torch.no_grad():
+            outputs.append(tester.model.generate(**tester.inputs(), max_new_tokens=6, min_new_tokens=6,
+                                                 cache_implementation=cache_implementation, **mode))
+    assert torch.equal(outputs[1], outputs[0])
+
+
+def static_cache(config, max_cache_len: int, encoder_length: int):
+    from transformers.cache_utils import EncoderDecoderCache, StaticCache
+
+    return EncoderDecoderCache(StaticCache(config=config, max_cache_len=max_cache_len),
+                               StaticCache(config=config, max_cache_len=encoder_length))
+
+
+def test_static_cache_steps_match_the_dynamic_cache_with_a_decoder_mask_and_compile_as_one_graph():
+    """Decoding step by step as `generate()` does with a static cache: a prefill of three decoder tokens with a padded
+    decoder position (the 2D `decoder_attention_mask` is widened to the cache's slots), then two steps through
+    `torch.compile(fullgraph=True)`, which the static cache exists for: the logits of every step equal those of the
+    dynamic cache in eager mode. (The decoder is the one VCC-T5 uses too.)"""
+    from transformers.cache_utils import DynamicCache, EncoderDecoderCache
+
+    tester = ModelTester("locost")
+    model, inputs = tester.model, tester.inputs()
+    decoder_ids = torch.randint(3, tester.vocab_size, (2, 5), generator=torch.Generator().manual_seed(3))
+    decoder_mask = torch.ones_like(decoder_ids)
+    decoder_mask[1, 1] = 0
+    with torch.no_grad():
+        encoder_outputs = model.get_encoder()(**inputs)
+        caches = [EncoderDecoderCache(DynamicCache(), DynamicCache()),
+                  static_cache(model.config, 8, encoder_outputs.last_hidden_state.shape[1])]
+        torch._dynamo.reset()
+        steps = [(model.forward, model.forward), (model.forward, torch.compile(model.forward, fullgraph=True,
+                                                                              backend="eager"))]
+        for end in (3, 4, 5):
+            logits = [
+                forward(encoder_outputs=encoder_outputs, attention_mask=inputs["attention_mask"],
+                        decoder_input_ids=decoder_ids[:, end - 1 if end > 3 else 0:end],
+                        decoder_attention_mask=decoder_mask[:, :end], past_key_values=cache, use_cache=True).logits
+                for cache, forward in zip(caches, steps[end > 3])
+            ]
+            torch.testing.assert_close(logits[1], logits[0], atol=1e-5, rtol=1e-5, msg=f"first {end} tokens")
+
+
+def test_a_4d_decoder_mask_gets_a_clear_error():
+    tester = ModelTester("locost")
+    with pytest.raises(ValueError, match=r"`decoder_attention_mask` must be a 2D \[batch, decoder positions\] mask.*"
+                                         r"got shape \(2, 1, 3, 3\)"):
+        tester.model(**tester.inputs(), decoder_input_ids=torch.zeros(2, 3, dtype=torch.long),
+                     decoder_attention_mask=torch.ones(2, 1, 3, 3))
 
 
 def test_dodo_refuses_padding_free_batches():

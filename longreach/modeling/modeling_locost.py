@@ -212,6 +212,8 @@ class LocostPreTrainedModel(HubReadyMixin, PreTrainedModel):
     _supports_sdpa = True
     _supports_flash_attn = False
     _supports_flex_attn = False
+    # forward and a decoding step with a static cache compile without graph breaks (tests/test_model_contract.py)
+    _can_compile_fullgraph = True
     _hub_pipeline_auto_class = "AutoModelForSeq2SeqLM"
     _hub_auto_classes = {"AutoModel": "LocostModel", "AutoModelForSeq2SeqLM": "LocostForConditionalGeneration"}
 

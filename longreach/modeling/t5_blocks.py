@@ -795,11 +795,10 @@ def logn_attention_scale(encoder_attention_mask: torch.Tensor | None, encoder_le
     return scale.view(-1, 1, 1, 1)
 
 
-def causal_bias(query_length: int, key_length: int, past_length: int, device, dtype) -> torch.Tensor:
-    """``[1, 1, Lq, Lk]`` additive causal mask; query i sits at absolute position ``past_length + i``."""
-    query_positions = torch.arange(query_length, device=device)[:, None] + past_length
-    key_positions = torch.arange(key_length, device=device)[None, :]
-    blocked = key_positions > query_positions
+def causal_bias(query_positions: torch.Tensor, key_positions: torch.Tensor, dtype) -> torch.Tensor:
+    """``[1, 1, Lq, Lk]`` additive causal mask for absolute positions ``[Lq]`` and ``[Lk]``: keys after the query are
+    hidden."""
+    blocked = key_positions[None, :] > query_positions[:, None]
     return (blocked.to(dtype) * torch.finfo(dtype).min)[None, None]
 
 
@@ -860,7 +859,10 @@ class T5DecoderStack(nn.Module):
     """T5 decoder: causal self-attention with unidirectional relative bias, cross-attention, feed-forward.
 
     Caching uses the v5 :class:`~transformers.EncoderDecoderCache`: self-attention keys/values grow per step, the
-    cross-attention keys/values are computed once from the encoder output and reused.
+    cross-attention keys/values are computed once from the encoder output and reused. Either cache may be static
+    (``generate(cache_implementation="static")``, preallocated for ``torch.compile``): the self-attention then sees
+    all ``max_cache_len`` slots, and the causal mask hides the unfilled ones (they lie after every query), as in
+    transformers' T5. The filled length of a static cache is a 0-d tensor, so nothing here reads it on the host.
     """
 
     def __init__(self, config, embed_tokens: nn.Embedding):
@@ -890,38 +892,43 @@ class T5DecoderStack(nn.Module):
     ) -> BaseModelOutputWithPastAndCrossAttentions:
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Pass exactly one of `decoder_input_ids` and `decoder_inputs_embeds`.")
-        if input_ids is not None and (past_key_values is None or past_key_values.get_seq_length() == 0):
-            # the caller's ids (later steps of generate() feed back the model's own tokens: not checked again)
-            check_token_ids("decoder_input_ids", input_ids, vocab_size=self.embed_tokens.num_embeddings)
-        if inputs_embeds is None:
-            inputs_embeds = self.embed_tokens(input_ids)
         if use_cache and past_key_values is None:
             past_key_values = EncoderDecoderCache(DynamicCache(), DynamicCache())  # layers are added lazily
         if not use_cache and self.training:
             past_key_values = None
-        if past_key_values is not None and getattr(past_key_values, "is_compileable", False):
-            # a static (preallocated) cache: keys past the filled length are zeros that this decoder would attend to
-            raise ValueError(
-                f"`past_key_values` must be a dynamic cache (an `EncoderDecoderCache` of `DynamicCache`s, the default "
-                f"of `generate()`), got {type(past_key_values).__name__} with static layers: `cache_implementation="
-                f"'static'` is not supported by this decoder; leave `cache_implementation` unset."
-            )
+        # Tokens already cached: an int for a dynamic cache; for a static one a 0-d tensor once it holds any (0 before).
+        past_length = past_key_values.get_seq_length() if past_key_values is not None else 0
+        if input_ids is not None and not torch.is_tensor(past_length) and past_length == 0:
+            # the caller's ids (later steps of generate() feed back the model's own tokens: not checked again)
+            check_token_ids("decoder_input_ids", input_ids, vocab_size=self.embed_tokens.num_embeddings)
+        if inputs_embeds is None:
+            inputs_embeds = self.embed_tokens(input_ids)
 
         batch, query_length = inputs_embeds.shape[:2]
-        past_length = past_key_values.get_seq_length() if past_key_values is not None else 0
-        key_length = past_length + query_length
+        static = past_key_values is not None and getattr(past_key_values, "is_compileable", False)
+        # Keys the self-attention sees: the cached and the new ones, or every slot of a static cache.
+        key_length = past_key_values.get_mask_sizes(query_length, 0)[0] if past_key_values is not None else query_length
         device, dtype = inputs_embeds.device, inputs_embeds.dtype
 
         # Relative position bias (block 0 owns the table), causal mask and optional padding, computed once.
-        query_positions = torch.arange(past_length, key_length, device=device)
+        query_positions = torch.arange(query_length, device=device) + past_length
         key_positions = torch.arange(key_length, device=device)
         bias = self.block[0].layer[0].SelfAttention.compute_bias(query_positions, key_positions)
-        bias = bias + causal_bias(query_length, key_length, past_length, device, bias.dtype)
+        bias = bias + causal_bias(query_positions, key_positions, bias.dtype)
         if attention_mask is not None:
+            if attention_mask.dim() != 2:
+                raise ValueError(
+                    f"`decoder_attention_mask` must be a 2D [batch, decoder positions] mask of 1s and 0s (this decoder "
+                    f"builds its causal mask itself), got shape {tuple(attention_mask.shape)}."
+                )
+            if static and attention_mask.shape[-1] <= key_length:
+                # covers the cached and the new positions; the slots after them are hidden by the causal mask
+                attention_mask = nn.functional.pad(attention_mask, (0, key_length - attention_mask.shape[-1]), value=1)
             if attention_mask.shape[-1] != key_length:
                 raise ValueError(
                     f"`decoder_attention_mask` must cover the cached and the new decoder positions "
-                    f"({key_length}), got shape {tuple(attention_mask.shape)}."
+                    f"({key_length}{' at most, the static cache' if static else ''}), got shape "
+                    f"{tuple(attention_mask.shape)}."
                 )
             bias = bias + padding_bias(attention_mask, bias.dtype)
         encoder_bias = padding_bias(encoder_attention_mask, dtype) if encoder_hidden_states is not None else None
@@ -1045,6 +1052,12 @@ class T5Seq2SeqLMMixin:
         pad = self.config.pad_token_id if self.config.pad_token_id is not None else 0
         input_ids, attention_mask = pad_right(list(rows), pad)
         return {"input_ids": input_ids.to(self.device), "attention_mask": attention_mask.to(self.device)}, list(dropped)
+
+    def create_masks_for_generate(self, config, inputs_embeds, attention_mask, cache, **kwargs):
+        """``generate()`` calls this for a prepared 4D decoder mask when the cache is static (transformers'
+        ``create_masks_for_generate``); this decoder builds its causal mask and relative position bias from the
+        positions itself, so the 2D padding mask (or None) passes through unchanged."""
+        return attention_mask
 
     def _decode(
         self,
