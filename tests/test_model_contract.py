@@ -99,12 +99,13 @@ def test_assisted_decoding_equals_greedy(tester):
 
 
 def test_dodo_cache_crop_keeps_nuggets_and_counts_tokens():
+    from longreach.modeling.input_checks import cache_of
     from longreach.modeling.modeling_dodo import DodoCache
 
     tester = ModelTester("dodo")
     inputs = tester.inputs(batch=1)
     with torch.no_grad():
-        cache = tester.model(**inputs, use_cache=True).cache
+        cache = cache_of(tester.model(**inputs, use_cache=True))  # `.cache` from transformers 5.24 on
     assert isinstance(cache, DodoCache) and cache.seen_tokens == 6
     columns = cache.get_seq_length()  # nugget slots + soft prompt + 6 tokens
     cache.crop(4)  # DynamicCache semantics: keep 4 tokens
@@ -440,12 +441,19 @@ def test_static_cache_steps_match_the_dynamic_cache_with_a_decoder_mask_and_comp
             torch.testing.assert_close(logits[1], logits[0], atol=1e-5, rtol=1e-5, msg=f"first {end} tokens")
 
 
-def test_a_4d_decoder_mask_gets_a_clear_error():
+def test_a_decoder_mask_of_the_wrong_shape_gets_a_clear_error():
     tester = ModelTester("locost")
+    decoder_ids = torch.zeros(2, 3, dtype=torch.long)
     with pytest.raises(ValueError, match=r"`decoder_attention_mask` must be a 2D \[batch, decoder positions\] mask.*"
                                          r"got shape \(2, 1, 3, 3\)"):
-        tester.model(**tester.inputs(), decoder_input_ids=torch.zeros(2, 3, dtype=torch.long),
-                     decoder_attention_mask=torch.ones(2, 1, 3, 3))
+        tester.model(**tester.inputs(), decoder_input_ids=decoder_ids, decoder_attention_mask=torch.ones(2, 1, 3, 3))
+    with pytest.raises(ValueError, match=r"must cover the cached and the new decoder positions \(3\), got shape "
+                                         r"\(2, 5\)"):
+        tester.model(**tester.inputs(), decoder_input_ids=decoder_ids, decoder_attention_mask=torch.ones(2, 5))
+    cache = static_cache(tester.model.config, 4, tester.inputs()["input_ids"].shape[1])
+    with pytest.raises(ValueError, match=r"\(at most the static cache's 4 slots\), got shape \(2, 5\)"):
+        tester.model(**tester.inputs(), decoder_input_ids=decoder_ids, decoder_attention_mask=torch.ones(2, 5),
+                     past_key_values=cache, use_cache=True)
 
 
 def test_dodo_refuses_padding_free_batches():

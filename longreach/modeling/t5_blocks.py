@@ -907,7 +907,7 @@ class T5DecoderStack(nn.Module):
         batch, query_length = inputs_embeds.shape[:2]
         static = past_key_values is not None and getattr(past_key_values, "is_compileable", False)
         # Keys the self-attention sees: the cached and the new ones, or every slot of a static cache.
-        key_length = past_key_values.get_mask_sizes(query_length, 0)[0] if past_key_values is not None else query_length
+        key_length = query_length if past_key_values is None else past_key_values.get_mask_sizes(query_length, 0)[0]
         device, dtype = inputs_embeds.device, inputs_embeds.dtype
 
         # Relative position bias (block 0 owns the table), causal mask and optional padding, computed once.
@@ -922,13 +922,14 @@ class T5DecoderStack(nn.Module):
                     f"builds its causal mask itself), got shape {tuple(attention_mask.shape)}."
                 )
             if static and attention_mask.shape[-1] <= key_length:
-                # covers the cached and the new positions; the slots after them are hidden by the causal mask
+                # It covers the cached and the new positions, the slots after them are hidden by the causal mask.
+                # (That it covers exactly those is not checked: the filled length would have to be read back.)
                 attention_mask = nn.functional.pad(attention_mask, (0, key_length - attention_mask.shape[-1]), value=1)
             if attention_mask.shape[-1] != key_length:
+                expected = f"at most the static cache's {key_length} slots" if static else f"{key_length}"
                 raise ValueError(
-                    f"`decoder_attention_mask` must cover the cached and the new decoder positions "
-                    f"({key_length}{' at most, the static cache' if static else ''}), got shape "
-                    f"{tuple(attention_mask.shape)}."
+                    f"`decoder_attention_mask` must cover the cached and the new decoder positions ({expected}), got "
+                    f"shape {tuple(attention_mask.shape)}."
                 )
             bias = bias + padding_bias(attention_mask, bias.dtype)
         encoder_bias = padding_bias(encoder_attention_mask, dtype) if encoder_hidden_states is not None else None
@@ -1053,10 +1054,10 @@ class T5Seq2SeqLMMixin:
         input_ids, attention_mask = pad_right(list(rows), pad)
         return {"input_ids": input_ids.to(self.device), "attention_mask": attention_mask.to(self.device)}, list(dropped)
 
-    def create_masks_for_generate(self, config, inputs_embeds, attention_mask, cache, **kwargs):
+    def create_masks_for_generate(self, attention_mask=None, **kwargs):
         """``generate()`` calls this for a prepared 4D decoder mask when the cache is static (transformers'
-        ``create_masks_for_generate``); this decoder builds its causal mask and relative position bias from the
-        positions itself, so the 2D padding mask (or None) passes through unchanged."""
+        ``create_masks_for_generate``, keyword arguments only); this decoder builds its causal mask and relative
+        position bias from the positions itself, so the 2D padding mask (or None) passes through unchanged."""
         return attention_mask
 
     def _decode(
