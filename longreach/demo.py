@@ -44,105 +44,13 @@ what is installed, so the two trained on different data and are two draws of the
   (fonttools, 5,712 tokens) summarized "What is this? fontTools is a library for manipulating fonts, written in"
   (reference "Tools to manipulate font files"; the lead skips the question, the model copied it).
 
-One draw on each side of the lead, as the ten runs below predict (their mean was the lead's score). The lead
-pretraining went from 1,500 to 1,000 steps (and the evaluation from ``Seq2SeqTrainer.predict``, whose batches of 32 in
-name order padded every document to the longest, 53 s, to batches of similar lengths, 4 s with the same summaries)
-because the earlier defaults took longer than the ten minutes the demo has on this machine on a slow day: 608 s in one
-run, and 700 s in the development environment on 2026-11-26 with other work on the machine part of the time, where it
-scored 19.13 against the lead's 20.21 (on 120 training documents of at least 80 words that model scored 24.48, and
-24.61 with no-repeat 4-grams, against the lead's 25.10: decoding does not close the gap, as below). The earlier
-defaults' runs, which the rest of this docstring describes: installed as the README says, 532 seconds wall clock
-(lead pretraining 247 s, summarization 256 s, beam-search evaluation 9 s), peak RSS 2.6 GB (rerun after 8cb37bd,
-whose kernel gives the same bits: the same scores, the same summary of the longest document and the same first three
-lines of the corpus output, in 569 s at a busier hour, lead pretraining 275 s and summarization 276 s; and after
-the GPU-only changes of 85be8a8 and e62d309 and the compile changes of 72a45e9, the same output
-again, in 608 s, lead pretraining 316 s and summarization 279 s: the machine's speed varies by that much). Held-out
-ROUGE-1/2/Lsum 20.36 / 5.01 / 16.84 against 20.04 / 5.27 / 17.27 for the lead baseline: ROUGE-1 0.32 above the lead,
-ROUGE-2 and ROUGE-Lsum below it. The longest held-out document (1,269 tokens) is summarized
-"multiprocess: better multiprocessing and multithreading in Python About Multiprocess" (reference "better
-multiprocessing and multithreading in Python"). The same code on one thread (``OMP_NUM_THREADS=1``: other float
-rounding, so other weights; 840 s beside another one-thread job, so no timing) scored 21.26 / 4.90 / 17.74, with the
-same summary of the longest document. A margin of 0.3 to 1.2 is of the size of the run-to-run noise described below
-(about a point from float rounding alone), and on a validation split the same recipe was under the lead: trained
-without the 10% of training documents whose name hashes to 1 (mod 10), on 44 of those documents with at least 80 words
-it scored 20.05 against the lead's 20.53 (no decoding setting tried there beat it: no-repeat 4-grams 20.40, repetition
-penalty 1.2 20.22, encoder repetition penalty 1.5 20.05, 8 beams 20.05; without the scaling 20.01: 38 of those 44
-documents have fewer than 500 tokens). So on another machine the demo may land just under the lead; what the margin
-rests on is the next paragraph.
-
-**Log-length scaling of the cross-attention** (``LocostConfig.cross_attention_logn_length``, set to the 128 tokens of
-the longest training input). The model is trained on inputs of at most 128 tokens and reads held-out documents of up
-to 1,269. On 40 *training* documents of 500 tokens or more, the previous default's model scored ROUGE-1 25.8 reading
-them whole, 32.4 reading them cut to 512 tokens (their lead: 31.9), and 32.4 again with the whole document encoded but
-the decoder's cross-attention limited to the first 512 encoder positions: the SSM encoder generalised to the long
-inputs, the cross-attention did not. Spread over ten times more positions than in training, it stopped copying
-("annotated-types PEP-5."). With the logits scaled by ln n / ln 128 for n > 128 encoder tokens it scored 33.3 on those
-documents read whole. The factor is 1 up to 128 tokens, so training is unchanged to the bit: the weights of the run
-above are those of the previous default's run, which scored 19.89 held out and summarized the longest document
-"multiprocess." (2 words). Of the 39 held-out summaries the scaling changed four (it can only change those of
-documents longer than 128 tokens): two for the better (multiprocess, copy) and two for the worse (aiohappyeyeballs,
-where "Happy Eyeballs (RFC 8305)" came out as "Happyeballs (RFC 8305) Usealls (R", and truststore). Without the
-scaling, with the torch ops instead of the compiled kernel and otherwise the same settings, runs gave 19.49 / 4.86 /
-16.39 and, with code that differed in float rounding only, 19.72 / 4.75 / 16.73 (before the feed-forward became one
-autograd function, f87be0a) and 20.95 / 5.18 / 17.77 (the SSM kernel's gradients through autograd, before 7019b3f);
-the shortest training summary's length as ``min_new_tokens`` (3 tokens) was set after the summary "multipro" (2
-tokens, then end of sequence): it changed that one summary and nothing else.
-
-History (all without the scaling). The earlier defaults (2,000 and 1,200 steps) took 722 s
-on that machine (over the ten minutes the demo is meant to take; 587 s on the faster machine of earlier
-measurements) for 20.31 / 4.88 / 17.60: fewer steps cost nothing measurable here. The model has learned to read a
-document and copy its opening, mostly readable and about the document, but not to write abstractive summaries.
-Earlier measurements, with the 2,000 + 1,200-step defaults and the ``[test]`` extras installed (1,493 training and
-48 held-out documents, a lead of 23.63) on a faster 2-core machine: 23.31, 22.46 and 23.33 with code that differed in
-float rounding only (the GELU as one op instead of five, the backward passes of the norm and the convolution, the
-stride powers by squaring instead of a second exponential): rounding alone moves the score by about a point.
-What was tried (the earlier machine, held-out ROUGE-1; before the data fix and the lead that skips questions, against a
-lead of 22.49): summaries alone, 600 to 1,500 steps, 7.9 to 12.5 (the model ignores its input and writes "Return the
-..." for every document); lead pretraining alone 21.7; lead pretraining then summaries alone 10.0 to 15.0 (the
-copying is forgotten); training on the oracle sentence (the one closest to the summary) 17.1 to 18.8; 600 summary
-steps mixed with copy pairs 20.9 (greedy with a 3-gram ban), 21.6 with beam search; 1,000 steps 22.3; 1,200 steps at
-5e-4 23.3; 3,000 lead-pretraining steps instead of 2,000, 20.7 (d_model 192 did not learn to copy at this learning
-rate); with the released SSM timescales, copying learned on 48-token inputs failed on whole documents (5.9). After
-the data fix (against a lead of 23.63; one thread per run, two runs at a time): 1,200 steps at 5e-4 19.9, at 7e-4
-22.0; with twice the copy pairs and random windows (the defaults) 22.5 at 5e-4, 22.4 at 3e-4. Runs differ by about 2
-points with the learning rate alone and by about 1 with float rounding alone, so gaps of 0.3 (the 6b54147 kernel code)
-and 1.2 (534ce9e) to the lead are both within that noise, and a win would have to be larger than it to mean
-something. Stage 2 from one stage-1 checkpoint, the summaries replaced by the oracle compression of the lead (its
-contiguous span of at least 4 words closest to the summary; 39.4 if it were predicted perfectly): 22.0; that span
-only where its ROUGE-1 F1 is at least 0.3: 22.3; both: 20.3. Decoding variants chosen on 120 training documents
-(no-repeat 4- or 6-grams, repetition penalty 1.2) left ROUGE-1 there at 25.8 against the lead's 26.8: the model
-trails the lead even on its training documents (copy errors such as "for example for example"), so what would close
-the gap is copy fidelity, not decoding.
-Tried with the present code (held-out ROUGE-1 against the lead's 20.04): random-window copy targets cut where the
-lead cuts (at the end of the window's first statement) instead of after 12 words, 19.49 in 527 s (23.12 against the
-lead's 23.75 on 150 training documents); an 8,000-token vocabulary, 19.79 in 610 s (over the budget); T5's task
-prefix ("summarize: ") before the documents of the summarization pairs only, so that the model can tell the two tasks
-apart (and in ``config.prefix`` for evaluation), 13.10: with the prefix it writes the summaries' style and ignores the
-document ("Return a file object.", "Return a list of a newffff."), as the summaries alone did; a title heading before
-every document (its qualified name, "statistics.harmonic_mean.", or the distribution's name; the lead skips it as a
-heading, so the lead is unchanged), so that the model could say what a function does from its name, 18.68 in 608 s:
-the title too made it write the summaries' style more often and copy less ("Return a new to the bytes."); a running
-average of the weights over the summarization steps (decay 0.995, from the same stage-1 weights as the 19.49 run),
-19.23 in 589 s; from their own stage 1 (one thread each, two runs at a time, so other float rounding), d_state 64
-20.31 and 8 heads of 16 20.32, with 25.45 and 24.74 on the 150 training documents of the next sentence (the
-default: 25.42): the same model within the noise, on either side of the lead. The PEP 257 docstrings of the installed third-party packages as
-more summarization pairs (19,109 more training documents, none with a held-out document's text, summary or first 12
-words; from the default's stage 1, one thread, torch ops): 20.70 held out, but 24.89 on those 150 training
-documents, and reading the packages' sources took about 100 s that the ten minutes do not have: not adopted on one
-run on either side of the noise. Over the ten runs of this
-configuration or of variants that changed nothing measurable (the rounding variants above, the earlier defaults of
-2,000 + 1,200 steps, the 8,000-token vocabulary, the cut copy targets, the weight average, d_state 64, 8 heads), the
-mean is 20.06 against the lead's 20.04, and single runs fall between 19.23 and 20.95. The 19.49 model on 150
-training documents of at least 80 words, against the lead's 25.49: 25.42 with the default beam search of 4, 24.39
-greedy, 25.39 with 8 beams, 24.66 and 25.38 with length penalties 0.5 and 2: it is the lead, copied with a few
-errors, and no decoding setting changes that. And no simple
-extractive rule beats the lead on these data (training documents of at least 80 words, the lead at 24.06): the most
-central statement (PEGASUS's gap-sentence choice, the sentence closest to the rest of the document) scores 16.81,
-20.52 among the first three statements and 18.88 among the first five; "Return the" before a 10-word lead (the
-commonest opening of the standard-library summaries) 21.92 against 22.15 on those documents. A model that beats the
-lead clearly here has to write some of its summaries itself, which this budget has not yet bought; with the
-log-length scaling it copies the lead of long documents as well as of short ones, which is what puts it at or just
-above the lead.
+One draw on each side of the lead, as ten runs of the earlier defaults predicted (their mean was the lead's score):
+the model learns to copy a document's opening, with a few copy errors, and to read documents ten times longer than its
+training inputs through log-length scaling of the cross-attention (``LocostConfig.cross_attention_logn_length``); it
+does not write abstractive summaries. The lead pretraining went from 1,500 to 1,000 steps on 2026-11-26 (and the
+evaluation from ``Seq2SeqTrainer.predict``, 53 s, to batches of similar lengths, 4 s, the same summaries) to stay
+under ten minutes on a slow day. The record of the earlier runs, of what the scaling changed and of the twenty-odd
+recipes tried is ``benchmarks/results/demo.md``.
 
 The workflow is the one to use with a converted, pretrained LOCOST (``examples/finetune_summarization.py``).
 """
