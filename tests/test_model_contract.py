@@ -395,14 +395,20 @@ def test_a_static_cache_generates_what_the_dynamic_cache_does(kind, mode):
     """`cache_implementation="static"` preallocates the self-attention cache (and the cross-attention one at the
     encoder's length): the decoder then sees every slot, and its causal mask hides the unfilled ones, so the tokens
     are those of the default dynamic cache, with a padded encoder row, in every decoding mode."""
+    from transformers.cache_utils import StaticCache
+
+    from longreach.modeling.input_checks import cache_of
+
     tester = ModelTester(kind)
     outputs = []
     for cache_implementation in (None, "static"):
         torch.manual_seed(0)
         with torch.no_grad():
             outputs.append(tester.model.generate(**tester.inputs(), max_new_tokens=6, min_new_tokens=6,
-                                                 cache_implementation=cache_implementation, **mode))
-    assert torch.equal(outputs[1], outputs[0])
+                                                 cache_implementation=cache_implementation,
+                                                 return_dict_in_generate=True, **mode))
+    assert isinstance(cache_of(outputs[1]).self_attention_cache, StaticCache)  # the static path ran
+    assert torch.equal(outputs[1].sequences, outputs[0].sequences)
 
 
 def static_cache(config, max_cache_len: int, encoder_length: int):
