@@ -274,7 +274,8 @@ def main() -> None:
         rows = training_memory(args.lengths, args.target_length, args.layers, args.repeats, args.device)
     else:
         rows = run(args.lengths, args.steps, args.rounds, args.warmup, args.device, args.dtype)
-    print(f"torch {torch.__version__}, device {args.device}, dtype {args.dtype}, threads {torch.get_num_threads()}, sizes {SIZES}")
+    print(f"torch {torch.__version__}, device {args.device}, dtype {args.dtype}, threads {torch.get_num_threads()}, "
+          f"sizes {SIZES}")
     print(training_markdown(rows) if args.training_memory else markdown(rows))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as handle:

@@ -63,13 +63,13 @@ def run_cell(model: str, length: int, threads: int, repeats: int, attention: str
         config = VCCT5Config(**SIZES, **token_ids, **VCC)
         config._attn_implementation = attention
         if generate_tokens:
-            encoder = VCCT5ForConditionalGeneration(config).eval()
+            timed_model = VCCT5ForConditionalGeneration(config).eval()
             state_dict = t5.state_dict()
         else:
-            encoder = VCCT5Encoder(config, torch.nn.Embedding(config.vocab_size, config.d_model)).eval()
+            timed_model = VCCT5Encoder(config, torch.nn.Embedding(config.vocab_size, config.d_model)).eval()
             state_dict = {key.removeprefix("encoder."): value for key, value in t5.state_dict().items()
                           if key.startswith("encoder.")}
-        missing, unexpected = encoder.load_state_dict(state_dict, strict=False)
+        missing, unexpected = timed_model.load_state_dict(state_dict, strict=False)
         assert not missing and not unexpected, (missing, unexpected)  # embed_tokens too: the same weights
         vip_mask = torch.zeros_like(inputs["input_ids"])
         vip_mask[:, :NUM_VIP] = 1
@@ -78,10 +78,10 @@ def run_cell(model: str, length: int, threads: int, repeats: int, attention: str
         extra = {"padded_length": config.padded_length(length), "compressed_length": sizes["compressed_length"]}
         del t5
     elif model == "t5":
-        encoder = t5
+        timed_model = t5
     else:
         raise ValueError(f"unknown model {model!r}")
-    encoder = encoder.to(device=device, dtype=getattr(torch, dtype))
+    timed_model = timed_model.to(device=device, dtype=getattr(torch, dtype))
     inputs = {name: tensor.to(device) for name, tensor in inputs.items()}
 
     def synchronize():
@@ -102,10 +102,10 @@ def run_cell(model: str, length: int, threads: int, repeats: int, attention: str
             synchronize()
             start = time.perf_counter()
             if generate_tokens:
-                output = encoder.generate(**inputs, max_new_tokens=generate_tokens, min_new_tokens=generate_tokens,
-                                          do_sample=False)
+                output = timed_model.generate(**inputs, max_new_tokens=generate_tokens,
+                                              min_new_tokens=generate_tokens, do_sample=False)
             else:
-                output = encoder(**inputs).last_hidden_state
+                output = timed_model(**inputs).last_hidden_state
             synchronize()
             if index >= warmup:
                 times.append(time.perf_counter() - start)
