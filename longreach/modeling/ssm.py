@@ -83,17 +83,27 @@ def _geometric(first: torch.Tensor, ratio_powers, count: int, out: torch.Tensor)
 
     Doubling: the first m terms times r^m give the next m, so every term is a product of at most log2(count) + 1
     factors (relative error O(log(count)·ε)) and costs one complex multiplication, written into ``out``.
+
+    Inside ``torch.compile`` the same products are concatenated instead, and ``out`` is not used: there a write into
+    a slice of ``out`` becomes a ``slice_scatter``, which copies the whole buffer at every doubling, and inductor
+    generates no code for complex tensors, so it cannot make that write in place. (On an H100, at 16K tokens and the
+    released size, those copies took two thirds of a compiled training step's GPU time.)
     """
+    if torch.compiler.is_compiling():
+        terms = first
+        for ratio in ratio_powers:
+            filled = terms.shape[-2]
+            if filled >= count:
+                break
+            terms = torch.cat([terms, terms[..., :min(filled, count - filled), :] * ratio], dim=-2)
+        return terms
     out[..., :1, :] = first
     filled = 1
     for ratio in ratio_powers:
         if filled >= count:
             break
         size = min(filled, count - filled)
-        if torch.compiler.is_compiling():  # the same products; torch.compile takes no `out=` view (a graph break)
-            out[..., filled:filled + size, :] = out[..., :size, :] * ratio
-        else:
-            torch.mul(out[..., :size, :], ratio, out=out[..., filled:filled + size, :])
+        torch.mul(out[..., :size, :], ratio, out=out[..., filled:filled + size, :])
         filled += size
     return out
 
@@ -200,7 +210,7 @@ def s4d_kernel_vjp(grad: torch.Tensor, dtA: torch.Tensor, z: torch.Tensor, C_hat
     lags = torch.arange(num_chunks * chunk, device=grad.device, dtype=torch.float32)
     starts_buffer = C_hat.new_empty(_channel_block(width, dtA.device), num_chunks, modes)
     ones = torch.ones(1, dtype=C_hat.dtype, device=C_hat.device).expand(width, 1, modes)
-    sums = C_hat.new_empty(width, directions * 2, modes)  # Σ_l G conj(z)^l and Σ_l l·G conj(z)^l per direction
+    sums = []  # per block of channels: Σ_l G conj(z)^l and Σ_l l·G conj(z)^l per direction [h, directions·2, N/2]
     for rows, powers, stride in _conjugate_powers_by_block(dtA, z, chunk, num_chunks):
         size = powers.shape[0]
         starts = _geometric(ones[rows], torch.conj_physical(stride)[:, :, None, :].unbind(), num_chunks,
@@ -209,8 +219,8 @@ def s4d_kernel_vjp(grad: torch.Tensor, dtA: torch.Tensor, z: torch.Tensor, C_hat
         left = weighted.permute(2, 0, 1, 3).reshape(size, directions * 2 * num_chunks, chunk)
         right = torch.view_as_real(powers).reshape(size, chunk, 2 * modes)
         partial = torch.view_as_complex(torch.bmm(left, right).view(size, directions * 2, num_chunks, modes, 2))
-        sums[rows] = (partial * starts[:, None]).sum(dim=2)
-    sums = sums.view(width, directions, 2, modes)
+        sums.append((partial * starts[:, None]).sum(dim=2))
+    sums = torch.cat(sums).view(width, directions, 2, modes)  # (a list, not slices of one buffer: see `_geometric`)
     grad_C_hat = 2.0 * sums[:, :, 0].transpose(0, 1)
     grad_dtA = 2.0 * (C_hat.conj().transpose(0, 1) * sums[:, :, 1]).sum(dim=1)
     return grad_dtA, grad_C_hat
