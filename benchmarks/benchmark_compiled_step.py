@@ -28,8 +28,10 @@ import time
 import traceback
 
 import torch
+from torch.autograd import DeviceType
 
 import run_all
+from profile_step import profile_table
 from longreach.modeling import t5_blocks
 
 
@@ -84,12 +86,34 @@ def time_steps(model_name: str, length: int, mode: str, args) -> dict:
     if not torch.isfinite(loss):
         raise RuntimeError(f"{model_name} ({mode}): non-finite loss")
     seconds = [timed()[0] for _ in range(args.repeats)]
-    return {"model": model_name, "length": length, "mode": mode, "device": args.device, "dtype": args.dtype,
+    profile = profile_one_step(timed, device, args.profile, f"{model_name}, {length} tokens, {mode}") \
+        if args.profile else {}
+    return {**profile, "model": model_name, "length": length, "mode": mode, "device": args.device, "dtype": args.dtype,
             "backend": "eager" if mode == "eager" else args.backend, "first_step_seconds": first,
             "feed_forward_step_elements": args.feed_forward_step_elements or "default",
             "scope": "-" if mode == "eager" else args.scope, "compiled_modules": compiled_graphs,
             "unfused_feed_forward": args.unfused_feed_forward,
             "seconds": statistics.median(seconds), "seconds_all": seconds}
+
+
+def profile_one_step(timed, device: torch.device, rows: int, title: str) -> dict:
+    """One more step under ``torch.profiler``: prints the operators with the most device time (``profile_step``'s
+    table; compiled code shows as its generated kernels and the operators it falls back to) and returns the step's
+    device time, host time and number of kernels launched (on CUDA; on the CPU, the operator calls)."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as profiler:
+        wall, _ = timed()
+    events = profiler.key_averages()
+    kernels = [e for e in events if e.device_type == DeviceType.CUDA]
+    device_ms = sum(e.self_device_time_total for e in kernels) / 1e3
+    launches = sum(e.count for e in kernels) if device.type == "cuda" else sum(
+        e.count for e in events if e.device_type == DeviceType.CPU)
+    print(f"\n{title}: profiled step {wall:.3f} s, device time {device_ms:.1f} ms, "
+          f"{launches} {'kernels' if device.type == 'cuda' else 'operator calls'}")
+    print("\n".join(profile_table(list(events), device, rows)), flush=True)
+    return {"profiled_step_seconds": wall, "profiled_device_ms": device_ms, "profiled_launches": launches}
 
 
 def markdown(rows: list[dict]) -> str:
@@ -128,6 +152,8 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--feed_forward_step_elements", type=int, default=None,
                         help="Elements per step of LOCOST's memory-saving feed-forward function (default: the "
                              "library's for the device).")
+    parser.add_argument("--profile", type=int, default=0, metavar="ROWS",
+                        help="After the timed steps, profile one more and print this many operators by device time.")
     parser.add_argument("--json", default=None, help="Also write the rows to this file.")
     args = parser.parse_args(argv)
     if args.repeats < 1 or any(length < 1 for length in args.lengths):

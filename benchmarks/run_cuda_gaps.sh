@@ -12,7 +12,8 @@
 #
 # On a lent GPU, from the repository root, with .whl carried (the device image's transformers and peft differ from the
 # versions the CPU suite uses):
-#   pip install -q --no-deps .whl/*.whl && PYTHONPATH=$PWD benchmarks/run_cuda_gaps.sh "$OUT"
+#   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+#     && PYTHONPATH=/tmp/site:$PWD benchmarks/run_cuda_gaps.sh "$OUT"
 #
 # OUT gets log.txt (everything printed, with each phase's start time), bf16/cells.jsonl, fp32/cells.jsonl,
 # profiles.md and dodo.json. Reports: python benchmarks/run_all.py --report_only --suites locost --device cuda

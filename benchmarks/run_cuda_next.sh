@@ -9,16 +9,19 @@
 #   3. the eager steps of LOCOST and LongT5-local, and LongT5-local's compiled with CUDA graphs, on the same machine
 #      (the third session's: 0.151 s eager and 0.06-0.07 s with CUDA graphs on an H100);
 #   4. LOCOST's decoding steps at 4K tokens, bfloat16: dynamic cache, static cache, static cache with the step compiled
-#      (CUDA graphs), which generate() does by itself with cache_implementation="static" (never run on a GPU yet).
+#      (CUDA graphs), which generate() does by itself with cache_implementation="static".
+# The fourth session ran it on an H100 (benchmarks/results/cuda.md, "Fourth session"; files in cuda-session4/).
 # Without a CUDA device it stops after printing the environment.
 #
 #   benchmarks/run_cuda_next.sh [OUT]          # default benchmarks/results/cuda-next
 #   SMOKE=1 benchmarks/run_cuda_next.sh OUT    # on the CPU with tiny sizes and the aot_eager backend: the commands only
 #
 # On a lent GPU, from the repository root, with .whl carried (the device image's transformers and peft differ from the
-# versions the CPU suite uses). The device tool returns at most 8 files from its output folder, so pack them:
-#   pip install -q --no-deps .whl/*.whl && PYTHONPATH=$PWD benchmarks/run_cuda_next.sh /tmp/next; \
-#   tar czf "$OUT/next.tgz" -C /tmp next; grep -v warn /tmp/next/log.txt | tail -c 8000
+# versions the CPU suite uses). Install the wheels into their own folder: in the fourth session a plain `pip install`
+# left the image's transformers 5.17.0 and peft 0.21.0 in front of them. OUT holds 7 files, within the 8 the device
+# tool returns:
+#   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+#     && PYTHONPATH=/tmp/site:$PWD benchmarks/run_cuda_next.sh "$OUT/next"
 #
 # OUT gets log.txt (everything printed, with each phase's start time) and one JSON file per run.
 set -u
