@@ -174,6 +174,12 @@ def test_compiled_step_benchmark_times_eager_and_compiled_steps(monkeypatch, cap
                           "1", "--modes", "default", "--scope", "blocks"])
     assert row["scope"] == "blocks" and row["compiled_modules"] == 4  # 2 encoder and 2 decoder blocks, each compiled
     assert "error" not in row and row["seconds"] > 0
+    capsys.readouterr()
+    (row,) = module.main(["--quick", "--models", "locost", "--lengths", "32", "--repeats", "1", "--modes", "eager",
+                          "--profile", "3"])  # one more step, profiled: on the CPU, operator calls stand for kernels
+    assert row["profiled_launches"] > 100 and row["profiled_step_seconds"] > 0 and row["profiled_device_ms"] == 0
+    table = capsys.readouterr().out.split("locost, 32 tokens, eager: profiled step")[1]
+    assert "| operator | calls | self CPU time (ms) | share |" in table and "(the other " in table
     with pytest.raises(ValueError, match="--modes"):
         module.main(["--quick", "--backend", "aot_eager", "--modes", "reduce-overhead"])
     with pytest.raises(ValueError, match="--repeats"):
