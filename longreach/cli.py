@@ -224,8 +224,16 @@ def load_summarizer(model_path: str, tokenizer_path: str | None = None, device: 
 
 def _generate_kwargs(args: argparse.Namespace) -> dict:
     return {name: getattr(args, name) for name in ("max_new_tokens", "num_beams", "length_penalty",
-                                                   "no_repeat_ngram_size", "repetition_penalty", "min_new_tokens")
+                                                   "no_repeat_ngram_size", "repetition_penalty", "min_new_tokens",
+                                                   "cache_implementation")
             if getattr(args, name, None) is not None}
+
+
+def _check_generation_options(args: argparse.Namespace, model) -> None:
+    """Options that only some models take, refused before any document is read."""
+    if getattr(args, "cache_implementation", None) == "static" and model.config.model_type == "dodo_llama":
+        raise UsageError(f"--cache_implementation static: {type(model).__name__} decodes with its own dynamic cache, "
+                         "which holds the nuggets; leave the option out or pass dynamic")
 
 
 def _read_document(file: str) -> str:
@@ -258,6 +266,7 @@ def summarize(args: argparse.Namespace) -> int:
     _progress(f"loading {args.model} ...")
     summarizer = load_summarizer(args.model, args.tokenizer, args.device, args.dtype)
     model = summarizer.model
+    _check_generation_options(args, model)
     num_tokens = len(summarizer.tokenizer(document)["input_ids"])
     _progress(f"{type(model).__name__} ({model.config.model_type}, {model.num_parameters() / 1e6:.1f}M parameters) "
               f"loaded in {time.perf_counter() - start:.1f}s; document: {len(document)} characters, {num_tokens} tokens")
@@ -304,6 +313,7 @@ def summarize_corpus_command(args: argparse.Namespace) -> int:
     _progress(f"{len(corpus.ids)} documents in {args.input}" + (f" ({len(corpus.errors)} unreadable)" if corpus.errors
                                                                  else ""))
     summarizer = load_summarizer(args.model, args.tokenizer, device, args.dtype)
+    _check_generation_options(args, summarizer.model)
     try:
         stats = corpus_module.summarize_corpus(
             summarizer, corpus, args.output, max_batch_tokens=args.max_batch_tokens,
@@ -423,6 +433,10 @@ def build_parser() -> argparse.ArgumentParser:
     generation.add_argument("--length_penalty", type=float, default=None)
     generation.add_argument("--no_repeat_ngram_size", type=positive_int, default=None)
     generation.add_argument("--repetition_penalty", type=float, default=None)
+    generation.add_argument("--cache_implementation", default=None, choices=["dynamic", "static"],
+                            help="static (LOCOST, VCC-T5): preallocated decoder caches, the same summaries; on a "
+                                 "GPU generate() then compiles the decoding step (CUDA graphs). A new batch shape "
+                                 "may compile again: worth it on long runs.")
     generation.add_argument("--max_input_length", type=positive_int, default=None,
                             help="Keep at most this many document tokens (a warning reports what is dropped).")
     summarize_parser.add_argument("--device", default=None, help="e.g. cpu, cuda, cuda:1 (default: cuda if present).")

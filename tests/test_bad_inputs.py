@@ -4,6 +4,8 @@ without a single real token (which would otherwise generate a repeated token sil
 
 from __future__ import annotations
 
+import argparse
+
 import pytest
 import torch
 from test_modeling_dodo import tiny_model as tiny_dodo
@@ -77,3 +79,25 @@ def test_dodo_token_ids_outside_the_vocabulary_and_empty_rows():
     attention_mask[0] = 0
     with pytest.raises(ValueError, match=r"rows \[0\]"):
         model.generate(input_ids=prompt, attention_mask=attention_mask, context_input_ids=context, max_new_tokens=2)
+
+
+def test_dodo_refuses_a_static_cache_instead_of_ignoring_it():
+    """Dodo keeps its nuggets and the new tokens in its own growing DodoCache: a static cache asked for (in the call
+    or in the generation config) would be ignored, so it is refused, and the CLI refuses it before reading documents."""
+    from transformers import GenerationConfig
+
+    from longreach.cli import UsageError, _check_generation_options
+
+    model = tiny_dodo()
+    prompt = torch.randint(3, vocab(model), (1, 6))
+    context = torch.randint(3, vocab(model), (1, 20))
+    with pytest.raises(ValueError, match=r"`cache_implementation`='static' is not supported by Dodo.*'dynamic'"):
+        model.generate(input_ids=prompt, context_input_ids=context, max_new_tokens=2, cache_implementation="static")
+    with pytest.raises(ValueError, match=r"`cache_implementation`='static'"):
+        model.generate(input_ids=prompt, context_input_ids=context,
+                       generation_config=GenerationConfig(max_new_tokens=2, cache_implementation="static"))
+    assert model.generate(input_ids=prompt, context_input_ids=context, max_new_tokens=2,
+                          cache_implementation="dynamic").shape == (1, 8)
+    with pytest.raises(UsageError, match="--cache_implementation static: DodoLlamaForCausalLM"):
+        _check_generation_options(argparse.Namespace(cache_implementation="static"), model)
+    _check_generation_options(argparse.Namespace(cache_implementation="dynamic"), model)

@@ -100,6 +100,35 @@ def test_a_jsonl_corpus_with_references_gets_rouge(model_folder, tmp_path, capsy
     assert "no text to summarize" in (tmp_path / "bad-out.errors.jsonl").read_text()
 
 
+def test_a_static_cache_gives_the_same_summaries(model_folder, tmp_path, monkeypatch):
+    """`--cache_implementation static` reaches every generate() call and changes no summary (on a GPU it is what lets
+    generate() compile the decoding step)."""
+    write_jsonl(tmp_path / "corpus.jsonl", 6)
+    from transformers import GenerationMixin
+
+    from longreach.modeling.input_checks import cache_of
+
+    caches = []
+    generate = GenerationMixin.generate
+
+    def recording_generate(self, *args, **kwargs):
+        output = generate(self, *args, **kwargs, return_dict_in_generate=True)
+        cache = cache_of(output).self_attention_cache
+        caches.append((kwargs.get("cache_implementation"), type(cache).__name__))
+        return output.sequences
+
+    monkeypatch.setattr(GenerationMixin, "generate", recording_generate)
+    runs = {}
+    for name, options in (("dynamic", []), ("static", ["--cache_implementation", "static"])):
+        output = tmp_path / f"{name}.jsonl"
+        assert main(["summarize", "--model", str(model_folder), "--input", str(tmp_path / "corpus.jsonl"), "--output",
+                     str(output), "--id_column", "doc_id", "--max_batch_tokens", "300", *GENERATION, *options]) == 0
+        runs[name] = read_output(output)
+    assert runs["static"] == runs["dynamic"] and len(runs["static"]) == 6
+    assert {cache for cache in caches if cache[0] is None} == {(None, "DynamicCache")}
+    assert {cache for cache in caches if cache[0] is not None} == {("static", "StaticCache")}
+
+
 def test_bad_corpus_arguments_are_one_line(model_folder, tmp_path, capsys):
     write_jsonl(tmp_path / "corpus.jsonl", 3)
     assert main(["summarize", "--model", str(model_folder), "--input", str(tmp_path / "corpus.jsonl"),

@@ -1194,6 +1194,13 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
         Greedy, sampling and beam search work; the returned sequences start with `input_ids` (the prompt). Without
         nuggets: the plain Llama with θ, or the autoregressive mode when ``config.recent_window`` is set.
         """
+        requested = kwargs.get("cache_implementation",
+                               getattr(kwargs.get("generation_config") or self.generation_config,
+                                       "cache_implementation", None))
+        if requested not in (None, "dynamic"):  # the nuggets live in a DodoCache, which grows: it would be ignored
+            raise ValueError(f"`cache_implementation`={requested!r} is not supported by Dodo's generate(), which keeps "
+                             "the nuggets and the new tokens in its own dynamic cache (DodoCache); expected None or "
+                             "'dynamic'.")
         if context_input_ids is not None:
             check_token_ids("context_input_ids", context_input_ids, vocab_size=self.get_input_embeddings().num_embeddings)
             if nuggets is not None:
