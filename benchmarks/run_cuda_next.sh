@@ -1,16 +1,15 @@
 #!/usr/bin/env bash
-# What the third GPU session left (benchmarks/results/cuda.md, "Not measured"): LOCOST's training step compiled, which
-# failed under the GPU image's torch 2.11 (a dynamo assertion on the fused feed-forward function once sizes were
-# symbolic; under torch.compile that sublayer now runs through its modules, checked on CPU with torch 2.11). Surest
-# first; each phase appends what it finished; the phases' time limits add up to 540 s:
+# What the fourth GPU session left (benchmarks/results/cuda.md, "Not measured"); that session ran this script as it was
+# at 57c45ee (git show 57c45ee:benchmarks/run_cuda_next.sh). Surest first; each phase appends what it finished; the
+# phases' time limits add up to 550 s:
 #   1. the CUDA tests (tests/test_cuda.py) against the code as it is now;
-#   2. LOCOST's training step at 16K tokens, bfloat16, compiled block by block (transformers' regional compilation)
-#      with CUDA graphs (mode reduce-overhead), then without (mode default);
-#   3. the eager steps of LOCOST and LongT5-local, and LongT5-local's compiled with CUDA graphs, on the same machine
-#      (the third session's: 0.151 s eager and 0.06-0.07 s with CUDA graphs on an H100);
-#   4. LOCOST's decoding steps at 4K tokens, bfloat16: dynamic cache, static cache, static cache with the step compiled
-#      (CUDA graphs), which generate() does by itself with cache_implementation="static".
-# The fourth session ran it on an H100 (benchmarks/results/cuda.md, "Fourth session"; files in cuda-session4/).
+#   2. LOCOST's and LongT5-local's training steps at 16K tokens, bfloat16, eager and compiled block by block with CUDA
+#      graphs (mode reduce-overhead), on one machine: the fourth session timed LOCOST's after its fix (0.124 s against
+#      0.231 s eager) on another machine than LongT5-local's (0.062 s);
+#   3. decoding steps at 4K tokens, bfloat16, LOCOST and transformers' T5: dynamic cache, static cache, static cache
+#      compiled (CUDA graphs), as generate() does with cache_implementation="static";
+#   4. the corpus command (benchmark_corpus.py: a small random LOCOST, 64 documents of 64 to 4,096 tokens) with length
+#      buckets, dynamic against static cache (`longreach summarize --cache_implementation static`), the compiles in it.
 # Without a CUDA device it stops after printing the environment.
 #
 #   benchmarks/run_cuda_next.sh [OUT]          # default benchmarks/results/cuda-next
@@ -18,7 +17,7 @@
 #
 # On a lent GPU, from the repository root, with .whl carried (the device image's transformers and peft differ from the
 # versions the CPU suite uses). Install the wheels into their own folder: in the fourth session a plain `pip install`
-# left the image's transformers 5.17.0 and peft 0.21.0 in front of them. OUT holds 7 files, within the 8 the device
+# left the image's transformers 5.17.0 and peft 0.21.0 in front of them. OUT holds 6 files, within the 8 the device
 # tool returns:
 #   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
 #     && PYTHONPATH=/tmp/site:$PWD benchmarks/run_cuda_next.sh "$OUT/next"
@@ -34,9 +33,10 @@ start=$(date +%s)
 
 if [ "${SMOKE:-0}" = 1 ]; then
   device=cpu; dtype=float32; length=32; decode_length=32; size=--quick; backend="--backend aot_eager"; fast=default
-  slow=default
+  documents="--quick"
 else
-  device=cuda; dtype=bfloat16; length=16384; decode_length=4096; size=; backend=; fast=reduce-overhead; slow=default
+  device=cuda; dtype=bfloat16; length=16384; decode_length=4096; size=; backend=; fast=reduce-overhead
+  documents="--documents 64"
 fi
 step="python3 benchmarks/benchmark_compiled_step.py --device $device --dtype $dtype --lengths $length $size"
 
@@ -45,21 +45,18 @@ environment_or_stop
 phase "the CUDA tests (tests/test_cuda.py), against the code as it is now"
 [ "$device" = cuda ] && timeout 60 python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py >> "$log" 2>&1
 
-phase "LOCOST's training step at $length tokens, $dtype, compiled block by block ($fast, then $slow)"
-timeout 150 $step $backend --models locost --modes $fast --scope blocks --repeats 5 \
-  --json "$out/compiled-blocks-locost-$fast.json" >> "$log" 2>&1
-timeout 75 $step $backend --models locost --modes $slow --scope blocks --repeats 5 \
-  --json "$out/compiled-blocks-locost-$slow.json" >> "$log" 2>&1
-
-phase "eager steps of LOCOST and LongT5-local, then LongT5-local compiled block by block ($fast)"
+phase "training steps at $length tokens, $dtype: LOCOST, then LongT5-local, eager and compiled block by block ($fast)"
 for model in locost longt5-local; do
-  timeout 40 $step --models $model --modes eager --repeats 8 --json "$out/eager-$model.json" >> "$log" 2>&1
+  timeout 110 $step $backend --models $model --modes eager $fast --scope blocks --repeats 5 \
+    --json "$out/train-$model.json" >> "$log" 2>&1
 done
-timeout 90 $step $backend --models longt5-local --modes $fast --scope blocks --repeats 5 \
-  --json "$out/compiled-blocks-longt5-local-$fast.json" >> "$log" 2>&1
 
-phase "LOCOST's decoding steps at $decode_length tokens, $dtype: dynamic, static, static compiled ($fast)"
-timeout 85 python3 benchmarks/benchmark_static_decode.py --device $device --dtype $dtype --lengths $decode_length \
-  $size $backend --mode $fast --models locost --new_tokens 32 --repeats 2 --json "$out/static-decode-locost.json" \
+phase "decoding steps at $decode_length tokens, $dtype, LOCOST and T5: dynamic, static, static compiled ($fast)"
+timeout 120 python3 benchmarks/benchmark_static_decode.py --device $device --dtype $dtype --lengths $decode_length \
+  $size $backend --mode $fast --models locost t5 --new_tokens 32 --repeats 2 --json "$out/static-decode.json" \
   >> "$log" 2>&1
+
+phase "the corpus command, length buckets: dynamic against static cache"
+timeout 150 python3 benchmarks/benchmark_corpus.py --device $device --dtype $dtype $documents \
+  --runs bucketed bucketed_static --json "$out/corpus.json" >> "$log" 2>&1
 phase done

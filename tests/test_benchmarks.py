@@ -224,3 +224,14 @@ def test_dodo_benchmark_runs_in_bfloat16():
     per_token = 2 * sizes["num_hidden_layers"] * sizes["num_key_value_heads"] * head_dim * 2
     assert row["kv_bytes_full_context"] == 64 * per_token
     assert row["kv_bytes_nuggets"] == 7 * per_token
+
+
+def test_corpus_benchmark_runs_buckets_one_by_one_and_a_static_cache(monkeypatch, capsys):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    module = load_benchmark("benchmark_corpus")
+    results = module.main(["--quick", "--runs", "bucketed", "one_by_one", "bucketed_static"])
+    assert list(results) == ["bucketed", "one_by_one", "bucketed_static"]
+    assert all(run["documents"] == 8 and run["seconds"] > 0 for run in results.values())
+    assert results["one_by_one"]["same_summaries_as_bucketed"] is True
+    assert results["bucketed_static"]["same_summaries_as_bucketed"] is True
+    assert "bucketed_static: " in capsys.readouterr().out
