@@ -1,6 +1,8 @@
 """Decoding steps of ``generate()`` with the default dynamic cache, a static cache, and a static cache with the
 decoding step compiled (``cache_implementation="static"`` plus transformers' ``CompileConfig``, which is what
-``generate()`` does by itself on a GPU): LOCOST against transformers' T5 and LongT5-local at the same sizes.
+``generate()`` does by itself on a GPU): LOCOST and VCC-T5 against transformers' T5 and LongT5-local at the same
+sizes. VCC-T5 (``vcc-t5``) has T5's dimensions and the VCC settings of ``benchmark_vcc_t5.py``, with its first
+``NUM_VIP`` tokens as VIP tokens; its decoder attends over the compressed encoder states.
 
 A decoding step of these models is small next to the encoder, so on a GPU it waits on the host's per-operator work
 (``benchmarks/results/cuda.md``: Dodo's 4-layer decode steps took about 5 ms whatever the cache); a compiled step with
@@ -29,12 +31,30 @@ from transformers import CompileConfig
 import run_all
 
 CACHES = ["dynamic", "static", "static-compiled"]
+MODELS = [*run_all.MODELS, "vcc-t5"]
+#: VCC-T5's settings at the released size (``benchmark_vcc_t5.py``'s) and at the tiny one, and its VIP tokens
+VCC = {"released": dict(num_vanilla_layers=4, segment_length=512, block_size=16, num_refined_blocks=90,
+                        num_vip_slots=48),
+       "tiny": dict(num_vanilla_layers=1, segment_length=16, block_size=4, num_refined_blocks=2, num_vip_slots=4)}
+NUM_VIP = 5
 
 
-def generate_seconds(model, input_ids, new_tokens: int, generate_kwargs: dict, repeats: int, device):
+def build_model(name: str, sizes: dict, length: int, quick: bool):
+    """``run_all.build_model``'s models, and VCC-T5 with T5's sizes there."""
+    if name != "vcc-t5":
+        return run_all.build_model(name, sizes, length)
+    from longreach import VCCT5Config, VCCT5ForConditionalGeneration
+
+    t5_config = run_all.build_model("t5", sizes, length).config  # the same T5 dimensions and token ids
+    return VCCT5ForConditionalGeneration(VCCT5Config(**{key: getattr(t5_config, key) for key in (
+        "vocab_size", "d_model", "d_ff", "num_layers", "num_heads", "d_kv", "feed_forward_proj", "dropout_rate",
+        "pad_token_id", "eos_token_id", "decoder_start_token_id")}, **VCC["tiny" if quick else "released"]))
+
+
+def generate_seconds(model, inputs: dict, new_tokens: int, generate_kwargs: dict, repeats: int, device):
     """Median seconds of ``repeats`` calls of ``generate()`` after one warm-up, and the tokens of the last call."""
     def call():
-        return model.generate(input_ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+        return model.generate(**inputs, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
                               num_beams=1, **generate_kwargs)
 
     with torch.inference_mode():
@@ -54,9 +74,12 @@ def time_decoding(model_name: str, length: int, args) -> list[dict]:
     sizes = run_all.TINY if args.quick else run_all.RELEASED
     torch.manual_seed(0)
     with device:
-        model = run_all.build_model(model_name, sizes, length)
+        model = build_model(model_name, sizes, length, args.quick)
     model = model.to(dtype=dtype).eval()
-    input_ids = torch.randint(3, sizes["vocab_size"], (1, length), device=device)
+    inputs = {"input_ids": torch.randint(3, sizes["vocab_size"], (1, length), device=device)}
+    if model_name == "vcc-t5":
+        inputs["vip_mask"] = torch.zeros_like(inputs["input_ids"])
+        inputs["vip_mask"][:, :NUM_VIP] = 1
     rows, expected = [], None
     for cache in args.caches:
         generate_kwargs = {}
@@ -75,8 +98,8 @@ def time_decoding(model_name: str, length: int, args) -> list[dict]:
                "compile": "-" if cache != "static-compiled" else
                args.backend if args.backend != "inductor" else f"inductor/{args.mode}"}
         try:
-            one, _ = generate_seconds(model, input_ids, 1, generate_kwargs, args.repeats, device)
-            many, output = generate_seconds(model, input_ids, args.new_tokens, generate_kwargs, args.repeats, device)
+            one, _ = generate_seconds(model, inputs, 1, generate_kwargs, args.repeats, device)
+            many, output = generate_seconds(model, inputs, args.new_tokens, generate_kwargs, args.repeats, device)
             if expected is None:
                 expected = output
             row.update(generate_one_seconds=one, generate_seconds=many,
@@ -108,7 +131,7 @@ def markdown(rows: list[dict]) -> str:
 
 def main(argv=None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--models", nargs="+", default=["locost", "t5", "longt5-local"], choices=run_all.MODELS)
+    parser.add_argument("--models", nargs="+", default=["locost", "t5", "longt5-local"], choices=MODELS)
     parser.add_argument("--lengths", type=int, nargs="+", default=[4096, 16384])
     parser.add_argument("--caches", nargs="+", default=CACHES, choices=CACHES)
     parser.add_argument("--new_tokens", type=int, default=64, help="Tokens generated (at least 2).")

@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # What the fourth GPU session left (benchmarks/results/cuda.md, "Not measured"); that session ran this script as it was
 # at 57c45ee (git show 57c45ee:benchmarks/run_cuda_next.sh). Surest first; each phase appends what it finished; the
-# phases' time limits add up to 550 s:
+# phases' time limits add up to 560 s:
 #   1. the CUDA tests (tests/test_cuda.py) against the code as it is now;
 #   2. LOCOST's and LongT5-local's training steps at 16K tokens, bfloat16, eager and compiled block by block with CUDA
 #      graphs (mode reduce-overhead), on one machine: the fourth session timed LOCOST's after its fix (0.124 s against
 #      0.231 s eager) on another machine than LongT5-local's (0.062 s);
-#   3. decoding steps at 4K tokens, bfloat16, LOCOST and transformers' T5: dynamic cache, static cache, static cache
-#      compiled (CUDA graphs), as generate() does with cache_implementation="static";
+#   3. decoding steps at 4K tokens, bfloat16, LOCOST, VCC-T5 and transformers' T5: dynamic cache, static cache, static
+#      cache compiled (CUDA graphs), as generate() does with cache_implementation="static";
 #   4. the corpus command (benchmark_corpus.py: a small random LOCOST, 64 documents of 64 to 4,096 tokens) with length
 #      buckets, dynamic against static cache (`longreach summarize --cache_implementation static`), the compiles in it.
 # Without a CUDA device it stops after printing the environment.
@@ -47,14 +47,14 @@ phase "the CUDA tests (tests/test_cuda.py), against the code as it is now"
 
 phase "training steps at $length tokens, $dtype: LOCOST, then LongT5-local, eager and compiled block by block ($fast)"
 for model in locost longt5-local; do
-  timeout 110 $step $backend --models $model --modes eager $fast --scope blocks --repeats 5 \
+  timeout 100 $step $backend --models $model --modes eager $fast --scope blocks --repeats 5 \
     --json "$out/train-$model.json" >> "$log" 2>&1
 done
 
-phase "decoding steps at $decode_length tokens, $dtype, LOCOST and T5: dynamic, static, static compiled ($fast)"
-timeout 120 python3 benchmarks/benchmark_static_decode.py --device $device --dtype $dtype --lengths $decode_length \
-  $size $backend --mode $fast --models locost t5 --new_tokens 32 --repeats 2 --json "$out/static-decode.json" \
-  >> "$log" 2>&1
+phase "decoding steps at $decode_length tokens, $dtype, LOCOST, VCC-T5, T5: dynamic, static, static compiled ($fast)"
+timeout 150 python3 benchmarks/benchmark_static_decode.py --device $device --dtype $dtype --lengths $decode_length \
+  $size $backend --mode $fast --models locost vcc-t5 t5 --new_tokens 32 --repeats 2 \
+  --json "$out/static-decode.json" >> "$log" 2>&1
 
 phase "the corpus command, length buckets: dynamic against static cache"
 timeout 150 python3 benchmarks/benchmark_corpus.py --device $device --dtype $dtype $documents \

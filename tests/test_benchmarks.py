@@ -151,12 +151,14 @@ def test_decode_attention_benchmark_times_every_way_on_the_cpu(capsys):
 def test_static_decode_benchmark_times_each_cache_and_checks_the_tokens(monkeypatch, capsys):
     monkeypatch.syspath_prepend(str(BENCHMARKS))  # the script imports run_all as its neighbour
     module = load_benchmark("benchmark_static_decode")
-    rows = module.main(["--quick", "--backend", "aot_eager", "--models", "locost", "--lengths", "32",
+    rows = module.main(["--quick", "--backend", "aot_eager", "--models", "locost", "vcc-t5", "--lengths", "32",
                         "--new_tokens", "3", "--repeats", "1"])
-    assert [row["cache"] for row in rows] == ["dynamic", "static", "static-compiled"]
+    assert [(row["model"], row["cache"]) for row in rows] == [(model, cache) for model in ("locost", "vcc-t5")
+                                                              for cache in ("dynamic", "static", "static-compiled")]
     assert all("error" not in row and row["same_tokens"] and row["generate_seconds"] > 0 for row in rows), rows
     assert rows[-1]["compile"] == "aot_eager"
-    assert "| 32 | locost | static-compiled |" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "| 32 | locost | static-compiled |" in out and "| 32 | vcc-t5 | static-compiled |" in out
     with pytest.raises(ValueError, match="--new_tokens"):
         module.main(["--quick", "--new_tokens", "1"])
 
