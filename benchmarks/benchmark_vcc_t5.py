@@ -15,6 +15,7 @@ Usage::
     python benchmarks/benchmark_vcc_t5.py                               # VCC at 8K/16K/64K, T5 at 8K/16K
     python benchmarks/benchmark_vcc_t5.py --vcc_lengths 8192 --t5_lengths 8192 --threads 2 --json out.json
     python benchmarks/benchmark_vcc_t5.py --generate 64 --vcc_lengths 16384 --t5_lengths 16384 --device cuda
+    python benchmarks/benchmark_vcc_t5.py --dims base --vcc_lengths 4096 8192 16384 --repeats 1   # t5-base's dims
 
 ``--generate N`` times ``generate()`` of N new tokens (greedy, ``min_new_tokens=N``) of the whole seq2seq models
 instead (VCC-T5 with T5's weights, decoder included), the encoder's memory then included in the peak.
@@ -33,12 +34,14 @@ import time
 
 SIZES = dict(vocab_size=32128, d_model=64, d_kv=16, d_ff=128, num_layers=12, num_heads=4, feed_forward_proj="relu",
              dropout_rate=0.0)
+#: ``--dims``: the small T5 above, or the released t5-base (d_model 768, 12 heads of 64, d_ff 3072, relu, 12 layers)
+DIMS = {"small": SIZES, "base": {**SIZES, "d_model": 768, "d_kv": 64, "d_ff": 3072, "num_heads": 12}}
 VCC = dict(num_vanilla_layers=4, segment_length=512, block_size=16, num_refined_blocks=90, num_vip_slots=48)
 NUM_VIP = 5
 
 
 def run_cell(model: str, length: int, threads: int, repeats: int, attention: str, device: str = "cpu",
-             dtype: str = "float32", generate_tokens: int = 0) -> dict:
+             dtype: str = "float32", generate_tokens: int = 0, dims: str = "small") -> dict:
     import resource
 
     import torch
@@ -47,20 +50,21 @@ def run_cell(model: str, length: int, threads: int, repeats: int, attention: str
     torch.set_num_threads(threads)
     torch.manual_seed(0)
     device = torch.device(device)
+    t5_sizes = DIMS[dims]
     token_ids = dict(decoder_start_token_id=0, pad_token_id=0, eos_token_id=1)
-    t5_config = T5Config(**SIZES, **token_ids)
+    t5_config = T5Config(**t5_sizes, **token_ids)
     t5_config._attn_implementation = attention
     if generate_tokens:  # the whole seq2seq model, with T5's decoder (the same one in both)
         t5 = T5ForConditionalGeneration(t5_config).eval()
     else:
         t5 = T5EncoderModel(t5_config).eval()
-    inputs = {"input_ids": torch.randint(3, SIZES["vocab_size"], (1, length))}
+    inputs = {"input_ids": torch.randint(3, t5_sizes["vocab_size"], (1, length))}
     extra = {}
     if model == "vcc":
         from longreach import VCCT5Config, VCCT5ForConditionalGeneration
         from longreach.modeling.modeling_vcc_t5 import VCCT5Encoder
 
-        config = VCCT5Config(**SIZES, **token_ids, **VCC)
+        config = VCCT5Config(**t5_sizes, **token_ids, **VCC)
         config._attn_implementation = attention
         if generate_tokens:
             timed_model = VCCT5ForConditionalGeneration(config).eval()
@@ -113,12 +117,12 @@ def run_cell(model: str, length: int, threads: int, repeats: int, attention: str
         assert output.shape == (1, generate_tokens + 1)  # the decoder start token and the new tokens
         extra["generated_tokens"] = generate_tokens
     else:
-        assert output.shape == (1, length, SIZES["d_model"]) and torch.isfinite(output).all()
+        assert output.shape == (1, length, t5_sizes["d_model"]) and torch.isfinite(output).all()
     if device.type == "cuda":
         extra["peak_cuda_above_start_mib"] = (torch.cuda.max_memory_allocated() - cuda_before) / 2**20
     return {
         "model": model, "length": length, "attention": attention, "threads": threads, "device": str(device),
-        "dtype": dtype,
+        "dtype": dtype, "dims": dims,
         "seconds_median": statistics.median(times), "seconds_min": min(times), "runs": len(times),
         "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "rss_before_mib": rss_before,
         **extra,
@@ -128,7 +132,7 @@ def run_cell(model: str, length: int, threads: int, repeats: int, attention: str
 def run_in_subprocess(model: str, length: int, args) -> dict:
     command = [sys.executable, __file__, "--cell", model, str(length), "--threads", str(args.threads),
                "--repeats", str(args.repeats), "--attn", args.attn, "--device", args.device, "--dtype", args.dtype,
-               "--generate", str(args.generate)]
+               "--generate", str(args.generate), "--dims", args.dims]
     started = time.perf_counter()
     try:
         result = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout)
@@ -188,6 +192,8 @@ def main() -> None:
     parser.add_argument("--generate", type=int, default=0, metavar="TOKENS",
                         help="Time generate() of this many new tokens (greedy), the whole seq2seq model, instead of "
                              "the encoder.")
+    parser.add_argument("--dims", choices=list(DIMS), default="small",
+                        help="small: d_model 64 (the default); base: the released t5-base's dimensions.")
     parser.add_argument("--json", default=None, help="Also write the cells to this file.")
     parser.add_argument("--cell", nargs=2, metavar=("MODEL", "LENGTH"), help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -195,7 +201,7 @@ def main() -> None:
         raise ValueError(f"`--generate` must be 0 (the encoder) or a number of new tokens, got {args.generate}.")
     if args.cell:
         print(json.dumps(run_cell(args.cell[0], int(args.cell[1]), args.threads, args.repeats, args.attn, args.device,
-                                  args.dtype, args.generate)))
+                                  args.dtype, args.generate, args.dims)))
         return
     cells = []
     for model, lengths in (("vcc", args.vcc_lengths), ("t5", args.t5_lengths)):

@@ -214,6 +214,8 @@ def test_vcc_t5_benchmark_times_generate_of_both_models_with_the_same_weights():
         assert cell["generated_tokens"] == 3 and cell["seconds_median"] > 0 and cell["runs"] == 1
     assert cells[0]["compressed_length"] < 2048  # VCC-T5's encoder compressed the input
     assert "| 2048 |" in module.table(cells)
+    cell = module.run_cell("vcc", 1024, threads=1, repeats=1, attention="sdpa", dims="base")  # t5-base's dimensions
+    assert cell["dims"] == "base" and cell["seconds_median"] > 0  # (the cell checks the output's width, 768)
 
 
 def test_dodo_benchmark_runs_in_bfloat16():
