@@ -95,7 +95,9 @@ def main(argv=None) -> dict:
         print(f"{name}: {results[first]['seconds'] / max(results[name]['seconds'], 1e-9):.2f}x the speed of {first}, "
               f"same summaries: {summaries[name] == summaries[first]}")
     if args.json:
-        Path(args.json).write_text(json.dumps(list(results.values()), indent=2), encoding="utf-8")
+        from run_all import write_json  # the neighbouring script
+
+        write_json(args.json, list(results.values()))
     return results
 
 

@@ -152,8 +152,7 @@ def main(argv=None) -> list[dict]:
             for row in time_decoding(model_name, length, args)]
     print(markdown(rows))
     if args.json:
-        with open(args.json, "w", encoding="utf-8") as handle:
-            json.dump(rows, handle, indent=2)
+        run_all.write_json(args.json, rows)
     return rows
 
 

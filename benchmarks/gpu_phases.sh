@@ -1,6 +1,13 @@
-# Sourced by the GPU scripts (run_cuda_gaps.sh, run_cuda_next.sh) after they set $log, $start and $device:
-# `phase TEXT` appends "=== SECONDS s: TEXT" to $log; `environment_or_stop` appends the GPU, torch, transformers and
-# peft versions, and ends the script (exit 3, printing the log) when $device is cuda and torch sees no CUDA device.
+# Sourced by the GPU scripts (run_cuda_gaps.sh, run_cuda_next.sh, run_cuda_compiled_profile.sh) once they have set
+# $out, their output folder: creates it, sets $log ($out/log.txt) and $start, and unbuffers Python's output. Then
+# `phase TEXT` appends "=== SECONDS s: TEXT" to $log; `environment_or_stop` (once $device is set) appends the GPU, torch,
+# transformers and peft versions, and ends the script (exit 3, printing the log) when $device is cuda and torch sees
+# no CUDA device.
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+log="$out/log.txt"
+start=$(date +%s)
+
 phase() { echo "=== $(( $(date +%s) - start )) s: $*" >> "$log"; }
 
 environment_or_stop() {

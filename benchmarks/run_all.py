@@ -376,6 +376,15 @@ def append_cell(path: Path, cell: dict) -> None:
         os.fsync(handle.fileno())
 
 
+def write_json(path: str | os.PathLike, data) -> None:
+    """``data`` as indented JSON in ``path``, written beside it under a temporary name and renamed into place (the
+    ``--json`` file of the benchmark scripts)."""
+    path = Path(path)
+    temporary = path.with_name(path.name + ".tmp")
+    temporary.write_text(json.dumps(data, indent=2), encoding="utf-8")
+    os.replace(temporary, path)
+
+
 def run_in_subprocess(cell: dict, timeout: int) -> dict:
     command = [sys.executable, os.path.abspath(__file__), "--cell", json.dumps(cell)]
     try:

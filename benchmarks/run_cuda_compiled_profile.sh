@@ -16,11 +16,7 @@
 #     && PYTHONPATH=/tmp/site:$PWD benchmarks/run_cuda_compiled_profile.sh "$OUT/profile"
 set -u
 out=${1:-benchmarks/results/cuda-compiled-profile}
-mkdir -p "$out"
-export PYTHONUNBUFFERED=1
-log="$out/log.txt"
-start=$(date +%s)
-. "$(dirname "$0")/gpu_phases.sh"  # phase, environment_or_stop
+. "$(dirname "$0")/gpu_phases.sh"  # $log, $start; phase, environment_or_stop
 
 if [ "${SMOKE:-0}" = 1 ]; then
   device=cpu; dtype=float32; length=32; size=--quick; backend="--backend aot_eager"

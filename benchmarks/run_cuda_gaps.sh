@@ -20,11 +20,8 @@
 # --dtype bfloat16 --out OUT/bf16 (and the same for fp32).
 set -u
 out=${1:-benchmarks/results/cuda-gaps}
+. "$(dirname "$0")/gpu_phases.sh"  # $log, $start; phase, environment_or_stop
 mkdir -p "$out/bf16" "$out/fp32"
-export PYTHONUNBUFFERED=1
-log="$out/log.txt"
-start=$(date +%s)
-. "$(dirname "$0")/gpu_phases.sh"  # phase, environment_or_stop
 
 if [ "${SMOKE:-0}" = 1 ]; then  # float32 for bfloat16 too: a CPU without bfloat16 units takes minutes per roofline
   device=cpu; quick=--quick; bf16=float32; scale=256; long=128; mid=64; short=32

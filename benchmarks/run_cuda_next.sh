@@ -25,11 +25,7 @@
 # OUT gets log.txt (everything printed, with each phase's start time) and one JSON file per run.
 set -u
 out=${1:-benchmarks/results/cuda-next}
-mkdir -p "$out"
-export PYTHONUNBUFFERED=1
-log="$out/log.txt"
-start=$(date +%s)
-. "$(dirname "$0")/gpu_phases.sh"  # phase, environment_or_stop
+. "$(dirname "$0")/gpu_phases.sh"  # $log, $start; phase, environment_or_stop
 
 if [ "${SMOKE:-0}" = 1 ]; then
   device=cpu; dtype=float32; length=32; decode_length=32; size=--quick; backend="--backend aot_eager"; fast=default

@@ -230,10 +230,13 @@ def test_dodo_benchmark_runs_in_bfloat16():
     assert row["kv_bytes_nuggets"] == 7 * per_token
 
 
-def test_corpus_benchmark_runs_buckets_one_by_one_and_a_static_cache(monkeypatch, capsys):
+def test_corpus_benchmark_runs_buckets_one_by_one_and_a_static_cache(monkeypatch, capsys, tmp_path):
     monkeypatch.syspath_prepend(str(BENCHMARKS))
     module = load_benchmark("benchmark_corpus")
-    results = module.main(["--quick", "--runs", "bucketed", "one_by_one", "bucketed_static"])
+    results = module.main(["--quick", "--runs", "bucketed", "one_by_one", "bucketed_static", "--json",
+                           str(tmp_path / "corpus.json")])
+    assert json.loads((tmp_path / "corpus.json").read_text()) == list(results.values())
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["corpus.json"]  # written under a temporary name
     assert list(results) == ["bucketed", "one_by_one", "bucketed_static"]
     assert all(run["documents"] == 8 and run["seconds"] > 0 for run in results.values())
     assert results["one_by_one"]["same_summaries_as_bucketed"] is True
