@@ -28,15 +28,15 @@ import traceback
 import torch
 from transformers import CompileConfig
 
+import benchmark_vcc_t5
 import run_all
 
 CACHES = ["dynamic", "static", "static-compiled"]
 MODELS = [*run_all.MODELS, "vcc-t5"]
-#: VCC-T5's settings at the released size (``benchmark_vcc_t5.py``'s) and at the tiny one, and its VIP tokens
-VCC = {"released": dict(num_vanilla_layers=4, segment_length=512, block_size=16, num_refined_blocks=90,
-                        num_vip_slots=48),
+#: VCC-T5's settings at the released size (``benchmark_vcc_t5.py``'s) and at the tiny one
+VCC = {"released": benchmark_vcc_t5.VCC,
        "tiny": dict(num_vanilla_layers=1, segment_length=16, block_size=4, num_refined_blocks=2, num_vip_slots=4)}
-NUM_VIP = 5
+NUM_VIP = benchmark_vcc_t5.NUM_VIP  # VIP tokens at the start of the input
 
 
 def build_model(name: str, sizes: dict, length: int, quick: bool):
