@@ -192,11 +192,16 @@ def matmul_seconds(flops: float, dtype, device, trials: int = 3) -> float:
 
 
 def machine_description(device) -> str:
-    """Where a cell ran: the platform, the CPU count, the GPU's name, torch and transformers versions."""
+    """Where a cell ran: the platform, the CPU count and the widest vector instructions torch uses on it (two "AMD
+    EPYC" machines of this project's runs differed by that: AVX2 against AVX512), the GPU's name, torch and
+    transformers versions."""
     import torch
     import transformers
 
     text = f"{platform.platform()}, {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs"
+    capability = getattr(torch.backends.cpu, "get_cpu_capability", lambda: None)()
+    if capability:
+        text += f" ({capability})"
     if torch.device(device).type == "cuda":
         text += f", {torch.cuda.get_device_name(device)}"
     return text + f"; torch {torch.__version__}, transformers {transformers.__version__}"
