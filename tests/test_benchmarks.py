@@ -42,6 +42,11 @@ def test_quick_run_writes_cells_report_and_plot_and_resumes(run_all, tmp_path, m
     assert cells[0]["kernel_seconds"] > 0 and cells[0]["kernel_over_matmul"] > 0
     text = report.read_text()
     assert "| 32 | locost |" in text and "| 32 | t5 |" in text and "kernel / matmul" in text
+    # which machine: two "AMD EPYC, 2 CPUs" machines of this project differed in vector width (AVX2, AVX512)
+    import torch
+
+    capability = torch.backends.cpu.get_cpu_capability()
+    assert all(f"CPUs ({capability});" in cell["machine"] for cell in cells) and f"CPUs ({capability});" in text
     assert (tmp_path / "encode.png").stat().st_size > 0
 
     def no_new_cells(cell, timeout):
