@@ -44,7 +44,10 @@ what is installed, so the two trained on different data and are two draws of the
   (fonttools, 5,712 tokens) summarized "What is this? fontTools is a library for manipulating fonts, written in"
   (reference "Tools to manipulate font files"; the lead skips the question, the model copied it).
 
-One draw on each side of the lead, as ten runs of the earlier defaults predicted (their mean was the lead's score):
+On a faster 2-core AMD EPYC machine with AVX-512 (other float rounding), the same defaults gave 19.89 against the
+lead's 20.04 installed as the README says (248 s) and 20.81 against 20.21 in the development environment (262 s).
+
+Two draws on each side of the lead, as ten runs of the earlier defaults predicted (their mean was the lead's score):
 the model learns to copy a document's opening, with a few copy errors, and to read documents ten times longer than its
 training inputs through log-length scaling of the cross-attention (``LocostConfig.cross_attention_logn_length``); it
 does not write abstractive summaries. The lead pretraining went from 1,500 to 1,000 steps on 2026-11-26 (and the
