@@ -191,17 +191,22 @@ def matmul_seconds(flops: float, dtype, device, trials: int = 3) -> float:
     return best * flops / (repeats * 2 * size**3)
 
 
-def machine_description(device) -> str:
-    """Where a cell ran: the platform, the CPU count and the widest vector instructions torch uses on it (two "AMD
-    EPYC" machines of this project's runs differed by that: AVX2 against AVX512), the GPU's name, torch and
-    transformers versions."""
+def host_description() -> str:
+    """This machine: the platform, the CPU count and the widest vector instructions torch uses on it (two "AMD EPYC"
+    machines of this project's runs differed by that: AVX2 against AVX512)."""
     import torch
-    import transformers
 
     text = f"{platform.platform()}, {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs"
     capability = getattr(torch.backends.cpu, "get_cpu_capability", lambda: None)()
-    if capability:
-        text += f" ({capability})"
+    return f"{text} ({capability})" if capability else text
+
+
+def machine_description(device) -> str:
+    """Where a cell ran: :func:`host_description`, the GPU's name, torch and transformers versions."""
+    import torch
+    import transformers
+
+    text = host_description()
     if torch.device(device).type == "cuda":
         text += f", {torch.cuda.get_device_name(device)}"
     return text + f"; torch {torch.__version__}, transformers {transformers.__version__}"
@@ -631,8 +636,7 @@ def main(argv=None) -> Path:
     cells = [cell for cell in load_cells(results)
              if (cell.get("suite") == "locost" if args.report_only else cell_key(cell) in keys)]
     # the machine the cells ran on (recorded in each cell; older cells did not record it: then this machine's)
-    machines = sorted({cell["machine"] for cell in cells if "machine" in cell}) or [
-        f"{platform.platform()}, {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs"]
+    machines = sorted({cell["machine"] for cell in cells if "machine" in cell}) or [host_description()]
     sections = [f"# Benchmarks\n\n{' / '.join(machines)}; device {args.device}, {args.dtype}"
                 f"{', quick (tiny models)' if args.quick else ''}."
                 " Regenerate: `python benchmarks/run_all.py "
