@@ -635,8 +635,13 @@ def main(argv=None) -> Path:
     keys = {cell_key(cell) for cell in locost_cells(args)}
     cells = [cell for cell in load_cells(results)
              if (cell.get("suite") == "locost" if args.report_only else cell_key(cell) in keys)]
-    # the machine the cells ran on (recorded in each cell; older cells did not record it: then this machine's)
-    machines = sorted({cell["machine"] for cell in cells if "machine" in cell}) or [host_description()]
+    # the machines the cells ran on (recorded in each cell); cells from before that was recorded may come from another
+    # machine than this one, so they are counted, not attributed; with no cell at all, the suites run here
+    machines = sorted({cell["machine"] for cell in cells if "machine" in cell})
+    unrecorded = sum("machine" not in cell for cell in cells)
+    if unrecorded:
+        machines.append(f"{unrecorded} cells measured before their machine was recorded")
+    machines = machines or [host_description()]
     sections = [f"# Benchmarks\n\n{' / '.join(machines)}; device {args.device}, {args.dtype}"
                 f"{', quick (tiny models)' if args.quick else ''}."
                 " Regenerate: `python benchmarks/run_all.py "

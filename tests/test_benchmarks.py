@@ -57,6 +57,22 @@ def test_quick_run_writes_cells_report_and_plot_and_resumes(run_all, tmp_path, m
     assert len((tmp_path / "cells.jsonl").read_text().splitlines()) == 2
 
 
+def test_report_does_not_attribute_unrecorded_cells_to_this_machine(run_all, tmp_path):
+    """Cells written before the machine was recorded (the committed results hold such) may come from another machine:
+    a report rebuilt here counts them instead of naming this machine for them."""
+    committed = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "cells.jsonl"
+    cell = json.loads(committed.read_text().splitlines()[0])  # an encode cell of 2026-11-25, without a machine
+    assert "machine" not in cell
+    with open(tmp_path / "cells.jsonl", "w") as handle:
+        handle.write(json.dumps(cell) + "\n")
+        handle.write(json.dumps({**cell, "length": 2048, "machine": "Elsewhere, 4 CPUs (AVX2); torch 2.13.0"}) + "\n")
+    run_all.main(["--report_only", "--suites", "locost", "--out", str(tmp_path)])
+    header = (tmp_path / "README.md").read_text().split("\n")[2]
+    assert header.startswith("Elsewhere, 4 CPUs (AVX2); torch 2.13.0 / 1 cells measured before their machine was "
+                             "recorded; device cpu")
+    assert run_all.host_description() not in header
+
+
 def test_bad_lengths_are_refused(run_all):
     with pytest.raises(SystemExit):
         run_all.parse_args(["--lengths", "0"])
