@@ -1005,3 +1005,110 @@ def test_bad_input_raises_clear_value_errors(model):
         model(nuggets=nuggets)
     with pytest.raises(ValueError, match="Flash Attention"):
         DodoLlamaForCausalLM(tiny_config(_attn_implementation="flash_attention_2"))
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The scorer's features read from the φ pass (LoRA on layers >= ι only)
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def padded_contexts() -> tuple[torch.LongTensor, torch.LongTensor]:
+    """Three contexts: one whole row, one right-padded, one left-padded."""
+    torch.manual_seed(2)
+    rows = [(ids(1, 13), torch.ones(1, 13, dtype=torch.long)), right_pad(ids(1, 9), 13), left_pad(ids(1, 7), 13)]
+    return torch.cat([row[0] for row in rows]), torch.cat([row[1] for row in rows])
+
+
+def count_scorer_passes(model, monkeypatch) -> list[int]:
+    calls, scorer_features = [0], model._scorer_features
+
+    def counted(*args, **kwargs):
+        calls[0] += 1
+        return scorer_features(*args, **kwargs)
+
+    monkeypatch.setattr(model, "_scorer_features", counted)
+    return calls
+
+
+@pytest.mark.parametrize("features", ["encoder_hidden", "base_final_norm"])
+def test_scorer_reads_the_phi_pass_where_its_first_layers_are_adapter_free(features, monkeypatch):
+    """LoRA on layers >= ι only: the φ pass's residual stream after ι layers is the adapter-free one the scorer reads,
+    so compress takes it from there instead of running the scorer's own pass, and selects the same nuggets."""
+    model = tiny_model(scorer_features=features, lora_layers=[2])  # ι = 2
+    context, mask = padded_contexts()
+    passes = count_scorer_passes(model, monkeypatch)
+    with torch.no_grad():
+        shared = model.compress(context, mask, output_features=True)
+        assert passes == [0]
+        monkeypatch.setattr(model, "_scorer_reads_phi_pass", lambda previous: False)  # the scorer's own pass
+        separate = model.compress(context, mask, output_features=True)
+        assert passes == [1]
+    real = mask.bool()
+    assert max_diff(shared.features[real], separate.features[real]) < 1e-6
+    assert max_diff(shared.all_scores[real], separate.all_scores[real]) < 1e-6
+    assert torch.equal(shared.indices, separate.indices) and torch.equal(shared.mask, separate.mask)
+    for (key, value), (other_key, other_value) in zip(shared.key_values, separate.key_values):
+        assert torch.equal(key, other_key) and torch.equal(value, other_value)  # the φ pass itself is unchanged
+
+
+def test_scorer_runs_its_own_pass_where_the_phi_pass_cannot_serve(monkeypatch):
+    """The paper's setting (LoRA on every layer: φ's early layers are not adapter-free) runs the scorer's pass; in
+    autoregressive mode the first compression reads the φ pass and the later ones, whose φ pass also attends to older
+    nuggets, run the scorer's pass."""
+    model = tiny_model()
+    passes = count_scorer_passes(model, monkeypatch)
+    with torch.no_grad():
+        model.compress(ids(2, 13))
+    assert passes == [1]
+
+    model = tiny_model(scorer_features="encoder_hidden", lora_layers=[2], recent_window=4, compression_stride=6)
+    passes = count_scorer_passes(model, monkeypatch)
+    reads = []
+    decide = model._scorer_reads_phi_pass
+    monkeypatch.setattr(model, "_scorer_reads_phi_pass", lambda previous: reads.append(decide(previous)) or reads[-1])
+    text = ids(1, 27)
+    with torch.no_grad():
+        model(text, labels=text)
+    assert reads[0] and not all(reads) and passes == [reads.count(False)]
+
+
+@pytest.mark.filterwarnings("ignore:`gradient_checkpointing_enable` is deprecated:FutureWarning")
+@pytest.mark.parametrize("checkpointing", [None, "default", "reentrant"])
+@pytest.mark.parametrize("train_base_weight", [False, True])
+def test_features_read_from_the_phi_pass_train_like_the_scorer_pass(checkpointing, train_base_weight, monkeypatch):
+    """Same loss and gradients (adapters, scorer, soft prompt, and a base weight of the first layers when it trains)
+    whether the scorer reads the φ pass or runs its own pass, with and without activation checkpointing."""
+    batch = checkpointing_batch("compressor")
+
+    def model_for(shared: bool):
+        model = tiny_model(scorer_features="encoder_hidden", lora_layers=[2], lora_dropout=0.1).train()
+        model.get_parameter(BASE_WEIGHT).requires_grad_(train_base_weight)
+        if checkpointing is not None:
+            CHECKPOINTING[checkpointing](model)
+        if not shared:
+            monkeypatch.setattr(model, "_scorer_reads_phi_pass", lambda previous: False)
+        return model
+
+    reference_loss, reference = loss_and_gradients(model_for(shared=False), batch)
+    loss, gradients = loss_and_gradients(model_for(shared=True), batch)
+    assert (BASE_WEIGHT in reference) == train_base_weight
+    assert reference["nugget_scorer.0.weight"].abs().sum() > 0
+    if train_base_weight:
+        assert reference[BASE_WEIGHT].abs().sum() > 0
+    assert abs(loss.item() - reference_loss.item()) <= 1e-6
+    for name, expected in reference.items():
+        got = gradients[name]
+        if expected is None or not expected.any():
+            assert got is None or not got.any(), name
+            continue
+        assert max_diff(got, expected) / expected.abs().max().item() <= 1e-5, name
+
+
+def test_features_read_from_the_phi_pass_use_autograd_only_when_a_base_weight_they_depend_on_trains():
+    """As the scorer's own pass (above): with a frozen base the features carry no graph, even where activation
+    checkpointing makes the embeddings require gradients."""
+    for train_base_weight in (False, True):
+        model = tiny_model(scorer_features="encoder_hidden", lora_layers=[2]).train()
+        model.get_parameter(BASE_WEIGHT).requires_grad_(train_base_weight)
+        CHECKPOINTING["default"](model)
+        assert model.compress(ids(1, 20), output_features=True).features.requires_grad == train_base_weight

@@ -63,7 +63,9 @@ class DodoLlamaConfig(LlamaConfig):
         lora_target_modules (`list[str]`, defaults to `["q_proj", "v_proj", "o_proj"]`):
             Attention projections (names inside ``self_attn``) that get LoRA. The authors use q, v and o.
         lora_layers (`list[int]`, *optional*):
-            Decoder layers that get LoRA; `None` means all. ``ind_scorer=False`` checkpoints use layers >= ι.
+            Decoder layers that get LoRA; `None` means all. ``ind_scorer=False`` checkpoints use layers >= ι. With
+            every layer >= ι (either `scorer_features`), the φ pass's first ι layers are adapter-free and the scorer
+            reads its input from them: a compression then costs one pass over the context instead of (L + ι) / L.
         encoder_adapter_name (`str`, defaults to `"encoder"`), decoder_adapter_name (`str`, defaults to `"decoder"`):
             Names of the φ and θ adapters (the PEFT adapter names of the authors' checkpoints). Setting both to the same
             name gives a model with one adapter used for both roles (what the authors' ``freeze_decoder=True`` computes,

@@ -25,12 +25,13 @@ the chunk, top-k by ratio or threshold Λ) and the θ states of the remaining τ
 
 from __future__ import annotations
 
+
 import hashlib
 import inspect
 import json
 import math
 import os
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -741,17 +742,24 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
             attention = self._attention_bias(previous.nugget_mask, previous.nugget_scores, mask, length, embeds.dtype)
         else:
             attention = None if mask.all() else mask.long()
-        self.model(
-            inputs_embeds=embeds,
-            attention_mask=attention,
-            position_ids=positions,
-            **{LLAMA_CACHE_ARGUMENT: cache},
-            use_cache=False,  # the cache is ours and passed explicitly: `use_cache` would only make LlamaModel create one
-        )
+        shared = self._scorer_reads_phi_pass(previous)
+        with self._residual_stream_before(self.config.nugget_layer) if shared else nullcontext() as stream:
+            self.model(
+                inputs_embeds=embeds,
+                attention_mask=attention,
+                position_ids=positions,
+                **{LLAMA_CACHE_ARGUMENT: cache},
+                use_cache=False,  # the cache is ours, passed explicitly: `use_cache` would make LlamaModel create one
+            )
         token_key_values = [(layer.keys[:, :, -length:], layer.values[:, :, -length:]) for layer in cache.layers]
 
         # scorer ϕ on adapter-free features (§3.3-3.4)
-        features = self._scorer_features(embeds, mask, positions)
+        if shared:
+            features = stream[0] if self._scorer_pass_is_trained() else stream[0].detach()
+            if self.config.scorer_features == "base_final_norm":
+                features = self.model.norm(features)
+        else:
+            features = self._scorer_features(embeds, mask, positions)
         all_scores = self.nugget_scorer(features).squeeze(-1)
 
         indices, nugget_mask = self._select(all_scores, mask, use_threshold, allow_empty)
@@ -806,6 +814,35 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
             use_cache=False,  # as in `_compress`: the cache is ours
         )
         return tuple((layer.keys[:, :, -count:], layer.values[:, :, -count:]) for layer in context_cache.layers)
+
+    def _scorer_reads_phi_pass(self, previous: DodoCache | None) -> bool:
+        """Whether the scorer's features can be read from the φ pass: where its first ι layers carry no adapter
+        (`lora_layers` all >= ι) and see only this context (no older nuggets), its residual stream after them *is*
+        the adapter-free one the scorer reads (for `encoder_hidden`, what the authors' code takes, spec §3.3). Then
+        the scorer's own pass over ι layers is not run, and a compression costs one pass over the context instead of
+        (L + ι) / L of one."""
+        if previous is not None and previous.num_nugget_slots:
+            return False
+        return all(layer >= self.config.nugget_layer for layer in self.config.lora_layer_indices)
+
+    @contextmanager
+    def _residual_stream_before(self, layer_index: int):
+        """Yield a list that receives the backbone's hidden states as they enter decoder layer ``layer_index`` (the
+        final norm when it is the number of layers) during a forward pass run inside the block. A pre-hook reads the
+        tensor the layer loop passes on, so under activation checkpointing it is that graph's tensor, not a replay's."""
+        captured: list[torch.Tensor] = []
+        layers = self.model.layers
+        target = layers[layer_index] if layer_index < len(layers) else self.model.norm
+
+        def capture(module, args, kwargs):
+            if not captured:
+                captured.append(args[0] if args else kwargs["hidden_states"])
+
+        handle = target.register_forward_pre_hook(capture, with_kwargs=True)
+        try:
+            yield captured
+        finally:
+            handle.remove()
 
     def _scorer_features(self, embeds: torch.Tensor, mask: torch.Tensor, positions: torch.LongTensor) -> torch.Tensor:
         """First ι decoder layers with the adapters disabled, then (paper setting) the final RMSNorm (spec §3.3).
