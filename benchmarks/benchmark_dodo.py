@@ -10,7 +10,8 @@ see the same length. Full and Dodo steps are interleaved (``--rounds`` x ``--ste
 the machine's noise. Batch 1, float32 (``--dtype``), sdpa, ``torch.no_grad()``.
 
 KV bytes are measured from the cache tensors (keys + values of every layer); Dodo also keeps K float32 scores (listed
-apart). "compress" is the φ pass over the context plus the scorer's ι-layer pass.
+apart). "compress" is the φ pass over the context plus the scorer's ι-layer pass; a second, separately timed compression
+splits it into the two passes and the rest (selection and gather).
 
 With ``--training_memory``: peak memory and time of one compressor-mode training step (φ pass + scorer, θ pass over
 ``--target_length`` tokens with labels, backward into both adapters, the scorer and the soft prompt) with and without
@@ -67,7 +68,31 @@ def one_step(model, token, attention_mask, cache, nuggets=None):
     return output
 
 
-def run(lengths: list[int], steps: int, rounds: int, warmup: int, device: str, dtype: str = "float32") -> list[dict]:
+def compress_parts(model, context, timed) -> dict:
+    """Where a compression's time goes: one more `compress` with its two passes over the context timed apart, the φ
+    pass (all layers, the compressor adapter: ``model.model``'s forward) and the scorer pass (the first ι layers without
+    adapters, then the scorer: ``_scorer_features``); the rest (selection, gather) is the difference."""
+    spent = {"phi": 0.0, "scorer": 0.0}
+
+    def timing(name, function):
+        def wrapper(*args, **kwargs):
+            result, seconds = timed(lambda: function(*args, **kwargs))
+            spent[name] += seconds
+            return result
+        return wrapper
+
+    model.model.forward = timing("phi", model.model.forward)
+    model._scorer_features = timing("scorer", model._scorer_features)
+    try:
+        _, total = timed(lambda: model.compress(context))
+    finally:  # the instance attributes shadowed the class's methods: removing them restores those
+        del model.model.forward, model._scorer_features
+    return {"compress_parts_s": total, "compress_phi_pass_s": spent["phi"], "compress_scorer_pass_s": spent["scorer"],
+            "compress_rest_s": total - spent["phi"] - spent["scorer"]}
+
+
+def run(lengths: list[int], steps: int, rounds: int, warmup: int, device: str, dtype: str = "float32",
+        **config_overrides) -> list[dict]:
     import longreach  # noqa: F401
     from longreach import DodoLlamaConfig, DodoLlamaForCausalLM
 
@@ -85,7 +110,8 @@ def run(lengths: list[int], steps: int, rounds: int, warmup: int, device: str, d
         return result, time.perf_counter() - start
 
     torch.manual_seed(0)
-    model = DodoLlamaForCausalLM(DodoLlamaConfig(**SIZES)).to(device=device, dtype=getattr(torch, dtype)).eval()
+    config = DodoLlamaConfig(**{**SIZES, **config_overrides})
+    model = DodoLlamaForCausalLM(config).to(device=device, dtype=getattr(torch, dtype)).eval()
     rows = []
     with torch.no_grad():  # warm-up of both passes (kernels, allocator), not timed
         warm = torch.randint(3, SIZES["vocab_size"], (1, 64), device=device)
@@ -99,6 +125,7 @@ def run(lengths: list[int], steps: int, rounds: int, warmup: int, device: str, d
             full, full_prefill = timed(
                 lambda: cache_of(model(torch.cat([context, prompt], 1), use_cache=True, logits_to_keep=1)))
             nuggets, compress_time = timed(lambda: model.compress(context))
+            parts = compress_parts(model, context, timed)
             dodo = cache_of(model(prompt, nuggets=nuggets, use_cache=True, logits_to_keep=1))
             k = nuggets.mask.shape[1]
             full_mask = torch.ones(1, length + PROMPT_LENGTH + 1, dtype=torch.long, device=device)
@@ -128,6 +155,7 @@ def run(lengths: list[int], steps: int, rounds: int, warmup: int, device: str, d
                 "step_ms_dodo_min": 1e3 * min(times["dodo"]),
                 "full_prefill_s": full_prefill,
                 "compress_s": compress_time,
+                **parts,
             }
         )
     return rows
@@ -232,8 +260,8 @@ def markdown(rows: list[dict]) -> str:
     lines = [
         "| context n | nuggets k | KV of context: full | KV of context: Dodo | bytes ratio "
         "| decode step full (median / min) | decode step Dodo (median / min) | step ratio (median) "
-        "| full prefill | Dodo compress |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| full prefill | Dodo compress | compress / prefill | compress: φ pass / scorer pass / rest |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         lines.append(
@@ -243,7 +271,10 @@ def markdown(rows: list[dict]) -> str:
             f"| {row['step_ms_full_median']:.2f} / {row['step_ms_full_min']:.2f} ms "
             f"| {row['step_ms_dodo_median']:.2f} / {row['step_ms_dodo_min']:.2f} ms "
             f"| {row['step_ms_full_median'] / row['step_ms_dodo_median']:.2f}x "
-            f"| {row['full_prefill_s']:.2f} s | {row['compress_s']:.2f} s |"
+            f"| {row['full_prefill_s']:.3f} s | {row['compress_s']:.3f} s "
+            f"| {row['compress_s'] / row['full_prefill_s']:.2f}x "
+            f"| {row['compress_phi_pass_s']:.3f} / {row['compress_scorer_pass_s']:.3f} / {row['compress_rest_s']:.3f} s "
+            f"(of {row['compress_parts_s']:.3f} s) |"
         )
     return "\n".join(lines)
 
@@ -265,17 +296,28 @@ def main() -> None:
     parser.add_argument("--target_length", type=int, default=256, help="--training_memory: decoder tokens.")
     parser.add_argument("--layers", type=int, default=SIZES["num_hidden_layers"], help="--training_memory: layers.")
     parser.add_argument("--repeats", type=int, default=3, help="--training_memory: timed steps per setting.")
+    parser.add_argument("--lora_layers", type=int, nargs="+", default=None,
+                        help="LoRA on these layers only (default: every layer, the paper's setting). All >= "
+                             "nugget_layer: the scorer reads the φ pass instead of running its own.")
+    parser.add_argument("--scorer_features", default="base_final_norm", choices=["base_final_norm", "encoder_hidden"])
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.training_memory and (args.lora_layers is not None or args.scorer_features != "base_final_norm"):
+        parser.error("`--lora_layers` and `--scorer_features` apply to the decode-step run, not to --training_memory.")
     if args.training_memory and args.dtype != "float32":
         raise ValueError(f"`--training_memory` runs in float32, got `--dtype {args.dtype}`.")
     if args.training_memory:
         rows = training_memory(args.lengths, args.target_length, args.layers, args.repeats, args.device)
     else:
-        rows = run(args.lengths, args.steps, args.rounds, args.warmup, args.device, args.dtype)
-    print(f"torch {torch.__version__}, device {args.device}, dtype {args.dtype}, threads {torch.get_num_threads()}, "
-          f"sizes {SIZES}")
+        rows = run(args.lengths, args.steps, args.rounds, args.warmup, args.device, args.dtype,
+                   lora_layers=args.lora_layers, scorer_features=args.scorer_features)
+    from run_all import host_description  # this folder is the script's: run_all.py is beside it
+
+    sizes = SIZES if args.training_memory or args.lora_layers is None and args.scorer_features == "base_final_norm" \
+        else {**SIZES, "lora_layers": args.lora_layers, "scorer_features": args.scorer_features}
+    print(f"{host_description()}; torch {torch.__version__}, device {args.device}, dtype {args.dtype}, threads "
+          f"{torch.get_num_threads()}, sizes {sizes}")
     print(training_markdown(rows) if args.training_memory else markdown(rows))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as handle:

@@ -249,6 +249,33 @@ def test_dodo_benchmark_runs_in_bfloat16():
     per_token = 2 * sizes["num_hidden_layers"] * sizes["num_key_value_heads"] * head_dim * 2
     assert row["kv_bytes_full_context"] == 64 * per_token
     assert row["kv_bytes_nuggets"] == 7 * per_token
+    assert row["compress_phi_pass_s"] > 0 and row["compress_scorer_pass_s"] > 0  # the compression split in its passes
+
+
+def test_dodo_compress_parts_time_both_passes_and_restore_the_model():
+    import torch
+
+    from longreach import DodoLlamaConfig, DodoLlamaForCausalLM
+
+    module = load_benchmark("benchmark_dodo")
+    torch.manual_seed(0)
+    model = DodoLlamaForCausalLM(DodoLlamaConfig(**{**module.SIZES, "num_hidden_layers": 2, "nugget_layer": 1})).eval()
+    context = torch.randint(3, 1024, (1, 48))
+    calls = []
+
+    def timed(function):
+        calls.append(1)
+        return function(), 0.25
+
+    with torch.no_grad():
+        expected = model.compress(context)
+        parts = module.compress_parts(model, context, timed)
+        # one φ pass (the compressor's forward through `model.model`) and one scorer pass, each timed once
+        assert (parts["compress_phi_pass_s"], parts["compress_scorer_pass_s"]) == (0.25, 0.25)
+        assert len(calls) == 3 and parts["compress_rest_s"] == -0.25  # (the fake clock: 0.25 s for the whole call too)
+        # the timing wrappers are gone: the methods are the class's again and compress gives the same nuggets
+        assert "forward" not in vars(model.model) and "_scorer_features" not in vars(model)
+        assert torch.equal(model.compress(context).indices, expected.indices)
 
 
 def test_corpus_benchmark_runs_buckets_one_by_one_and_a_static_cache(monkeypatch, capsys, tmp_path):
