@@ -92,7 +92,7 @@ def compress_parts(model, context, timed) -> dict:
 
 
 def run(lengths: list[int], steps: int, rounds: int, warmup: int, device: str, dtype: str = "float32",
-        **config_overrides) -> list[dict]:
+        memory: bool = False, **config_overrides) -> list[dict]:
     import longreach  # noqa: F401
     from longreach import DodoLlamaConfig, DodoLlamaForCausalLM
 
@@ -126,6 +126,10 @@ def run(lengths: list[int], steps: int, rounds: int, warmup: int, device: str, d
                 lambda: cache_of(model(torch.cat([context, prompt], 1), use_cache=True, logits_to_keep=1)))
             nuggets, compress_time = timed(lambda: model.compress(context))
             parts = compress_parts(model, context, timed)
+            if memory:  # one more prefill and compression each, under the memory profiler (CPU) or allocator stats
+                parts["full_prefill_peak_bytes"] = peak_step_bytes(
+                    lambda: model(torch.cat([context, prompt], 1), use_cache=True, logits_to_keep=1), device)
+                parts["compress_peak_bytes"] = peak_step_bytes(lambda: model.compress(context), device)
             dodo = cache_of(model(prompt, nuggets=nuggets, use_cache=True, logits_to_keep=1))
             k = nuggets.mask.shape[1]
             full_mask = torch.ones(1, length + PROMPT_LENGTH + 1, dtype=torch.long, device=device)
@@ -257,11 +261,13 @@ def training_markdown(rows: list[dict]) -> str:
 
 
 def markdown(rows: list[dict]) -> str:
+    memory = all("compress_peak_bytes" in row for row in rows)
     lines = [
         "| context n | nuggets k | KV of context: full | KV of context: Dodo | bytes ratio "
         "| decode step full (median / min) | decode step Dodo (median / min) | step ratio (median) "
-        "| full prefill | Dodo compress | compress / prefill | compress: φ pass / scorer pass / rest |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| full prefill | Dodo compress | compress / prefill | compress: φ pass / scorer pass / rest |"
+        + (" peak tensor memory: full prefill / compress |" if memory else ""),
+        "|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if memory else ""),
     ]
     for row in rows:
         lines.append(
@@ -275,6 +281,8 @@ def markdown(rows: list[dict]) -> str:
             f"| {row['compress_s'] / row['full_prefill_s']:.2f}x "
             f"| {row['compress_phi_pass_s']:.3f} / {row['compress_scorer_pass_s']:.3f} / {row['compress_rest_s']:.3f} s "
             f"(of {row['compress_parts_s']:.3f} s) |"
+            + (f" {row['full_prefill_peak_bytes'] / 2**20:,.0f} / {row['compress_peak_bytes'] / 2**20:,.0f} MiB |"
+               if memory else "")
         )
     return "\n".join(lines)
 
@@ -299,19 +307,23 @@ def main() -> None:
     parser.add_argument("--lora_layers", type=int, nargs="+", default=None,
                         help="LoRA on these layers only (default: every layer, the paper's setting). All >= "
                              "nugget_layer: the scorer reads the φ pass instead of running its own.")
+    parser.add_argument("--memory", action="store_true",
+                        help="Also the peak tensor memory of the full prefill and of the compression (one more of each).")
     parser.add_argument("--scorer_features", default="base_final_norm", choices=["base_final_norm", "encoder_hidden"])
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    if args.training_memory and (args.lora_layers is not None or args.scorer_features != "base_final_norm"):
-        parser.error("`--lora_layers` and `--scorer_features` apply to the decode-step run, not to --training_memory.")
+    if args.training_memory and (args.lora_layers is not None or args.scorer_features != "base_final_norm"
+                                 or args.memory):
+        parser.error("`--lora_layers`, `--scorer_features` and `--memory` apply to the decode-step run, not to "
+                     "--training_memory (which measures memory itself).")
     if args.training_memory and args.dtype != "float32":
         raise ValueError(f"`--training_memory` runs in float32, got `--dtype {args.dtype}`.")
     if args.training_memory:
         rows = training_memory(args.lengths, args.target_length, args.layers, args.repeats, args.device)
     else:
         rows = run(args.lengths, args.steps, args.rounds, args.warmup, args.device, args.dtype,
-                   lora_layers=args.lora_layers, scorer_features=args.scorer_features)
+                   memory=args.memory, lora_layers=args.lora_layers, scorer_features=args.scorer_features)
     from run_all import host_description  # this folder is the script's: run_all.py is beside it
 
     sizes = SIZES if args.training_memory or args.lora_layers is None and args.scorer_features == "base_final_norm" \

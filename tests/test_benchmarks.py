@@ -241,7 +241,7 @@ def test_vcc_t5_benchmark_times_generate_of_both_models_with_the_same_weights():
 
 def test_dodo_benchmark_runs_in_bfloat16():
     module = load_benchmark("benchmark_dodo")
-    (row,) = module.run([64], steps=1, rounds=1, warmup=0, device="cpu", dtype="bfloat16")
+    (row,) = module.run([64], steps=1, rounds=1, warmup=0, device="cpu", dtype="bfloat16", memory=True)
     assert row["dtype"] == "bfloat16" and row["nuggets"] == 7  # k = int(0.1·64 + 0.99)
     # keys and values of every layer, 2 bytes each: bfloat16 caches
     sizes = module.SIZES
@@ -250,6 +250,10 @@ def test_dodo_benchmark_runs_in_bfloat16():
     assert row["kv_bytes_full_context"] == 64 * per_token
     assert row["kv_bytes_nuggets"] == 7 * per_token
     assert row["compress_phi_pass_s"] > 0 and row["compress_scorer_pass_s"] > 0  # the compression split in its passes
+    # --memory: the prefill's peak holds at least its cache of the context (the compression keeps the φ pass's too)
+    assert row["full_prefill_peak_bytes"] >= row["kv_bytes_full_context"]
+    assert row["compress_peak_bytes"] >= row["kv_bytes_full_context"]
+    assert "peak tensor memory" in module.markdown([row])
 
 
 def test_dodo_compress_parts_time_both_passes_and_restore_the_model():
