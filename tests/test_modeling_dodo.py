@@ -147,6 +147,7 @@ def test_config_round_trip_and_counts(tmp_path):
         ("soft_prompt_length", -1),
         ("lora_target_modules", ["gate_proj"]),
         ("lora_layers", [7]),
+        ("lora_layers", []),  # (PEFT's own error named a regex; the adapters need a layer)
         ("encoder_adapter_name", "a b"),
         ("recent_window", -2),
         ("compression_stride", 0),
@@ -1030,11 +1031,16 @@ def count_scorer_passes(model, monkeypatch) -> list[int]:
     return calls
 
 
-@pytest.mark.parametrize("features", ["encoder_hidden", "base_final_norm"])
-def test_scorer_reads_the_phi_pass_where_its_first_layers_are_adapter_free(features, monkeypatch):
+@pytest.mark.parametrize(
+    "features, nugget_layer, lora_layers",
+    [("encoder_hidden", 2, [2]), ("base_final_norm", 2, [2]), ("base_final_norm", 0, None)],  # ι = 0: the embeddings
+)
+def test_scorer_reads_the_phi_pass_where_its_first_layers_are_adapter_free(
+    features, nugget_layer, lora_layers, monkeypatch
+):
     """LoRA on layers >= ι only: the φ pass's residual stream after ι layers is the adapter-free one the scorer reads,
     so compress takes it from there instead of running the scorer's own pass, and selects the same nuggets."""
-    model = tiny_model(scorer_features=features, lora_layers=[2])  # ι = 2
+    model = tiny_model(scorer_features=features, nugget_layer=nugget_layer, lora_layers=lora_layers)
     context, mask = padded_contexts()
     passes = count_scorer_passes(model, monkeypatch)
     with torch.no_grad():

@@ -221,6 +221,11 @@ class DodoLlamaConfig(LlamaConfig):
                 f"`lora_target_modules` must be a non-empty subset of {sorted(allowed)}, "
                 f"got {self.lora_target_modules!r}."
             )
+        if self.lora_layers is not None and len(self.lora_layers) == 0:
+            raise ValueError(
+                "`lora_layers` must be None (every layer) or a non-empty list of decoder layers, got []: "
+                "Dodo's φ and θ adapters need at least one LoRA layer."
+            )
         bad_layers = [layer for layer in self.lora_layer_indices if not 0 <= layer < self.num_hidden_layers]
         if bad_layers:
             raise ValueError(

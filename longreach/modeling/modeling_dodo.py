@@ -25,7 +25,6 @@ the chunk, top-k by ratio or threshold Λ) and the θ states of the remaining τ
 
 from __future__ import annotations
 
-
 import hashlib
 import inspect
 import json
@@ -827,12 +826,11 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
 
     @contextmanager
     def _residual_stream_before(self, layer_index: int):
-        """Yield a list that receives the backbone's hidden states as they enter decoder layer ``layer_index`` (the
-        final norm when it is the number of layers) during a forward pass run inside the block. A pre-hook reads the
-        tensor the layer loop passes on, so under activation checkpointing it is that graph's tensor, not a replay's."""
+        """Yield a list that receives the backbone's hidden states as they enter decoder layer ``layer_index`` during a
+        forward pass run inside the block (ι < L here: a LoRA layer >= ι exists). A pre-hook reads the tensor the layer
+        loop passes on, so under activation checkpointing it is that graph's tensor, not a replay's."""
         captured: list[torch.Tensor] = []
-        layers = self.model.layers
-        target = layers[layer_index] if layer_index < len(layers) else self.model.norm
+        target = self.model.layers[layer_index]
 
         def capture(module, args, kwargs):
             if not captured:
