@@ -11,7 +11,9 @@ the machine's noise. Batch 1, float32 (``--dtype``), sdpa, ``torch.no_grad()``.
 
 KV bytes are measured from the cache tensors (keys + values of every layer); Dodo also keeps K float32 scores (listed
 apart). "compress" is the φ pass over the context plus the scorer's ι-layer pass; a second, separately timed compression
-splits it into the two passes and the rest (selection and gather).
+splits it into the two passes and the rest (selection and gather). ``--memory`` adds the peak tensor memory of the full
+prefill and of the compression (one more of each, measured as below). ``--lora_layers`` (with ``--scorer_features``)
+puts LoRA on some layers only: with all of them >= ι the scorer reads the φ pass and runs no pass of its own.
 
 With ``--training_memory``: peak memory and time of one compressor-mode training step (φ pass + scorer, θ pass over
 ``--target_length`` tokens with labels, backward into both adapters, the scorer and the soft prompt) with and without
@@ -25,6 +27,8 @@ Usage::
     python benchmarks/benchmark_dodo.py                        # 1K, 4K, 16K
     python benchmarks/benchmark_dodo.py --lengths 1024 4096 --threads 2 --json out.json
     python benchmarks/benchmark_dodo.py --training_memory --lengths 2048 4096 8192 --layers 8
+    python benchmarks/benchmark_dodo.py --lengths 65536 --steps 5 --rounds 2 --warmup 1 --memory
+    python benchmarks/benchmark_dodo.py --lora_layers 3 --scorer_features encoder_hidden   # the authors' ind_scorer=False
 
 Prints a Markdown table with the full/Dodo ratios (or the checkpointing ratios). Not a test: timings depend on the
 machine and its load.
