@@ -28,7 +28,7 @@ Usage::
     python benchmarks/benchmark_dodo.py --lengths 1024 4096 --threads 2 --json out.json
     python benchmarks/benchmark_dodo.py --training_memory --lengths 2048 4096 8192 --layers 8
     python benchmarks/benchmark_dodo.py --lengths 65536 --steps 5 --rounds 2 --warmup 1 --memory
-    python benchmarks/benchmark_dodo.py --lora_layers 3 --scorer_features encoder_hidden   # the authors' ind_scorer=False
+    python benchmarks/benchmark_dodo.py --lora_layers 3 --scorer_features encoder_hidden  # ind_scorer=False
 
 Prints a Markdown table with the full/Dodo ratios (or the checkpointing ratios). Not a test: timings depend on the
 machine and its load.
@@ -283,7 +283,8 @@ def markdown(rows: list[dict]) -> str:
             f"| {row['step_ms_full_median'] / row['step_ms_dodo_median']:.2f}x "
             f"| {row['full_prefill_s']:.3f} s | {row['compress_s']:.3f} s "
             f"| {row['compress_s'] / row['full_prefill_s']:.2f}x "
-            f"| {row['compress_phi_pass_s']:.3f} / {row['compress_scorer_pass_s']:.3f} / {row['compress_rest_s']:.3f} s "
+            f"| {row['compress_phi_pass_s']:.3f} / {row['compress_scorer_pass_s']:.3f} "
+            f"/ {row['compress_rest_s']:.3f} s "
             f"(of {row['compress_parts_s']:.3f} s) |"
             + (f" {row['full_prefill_peak_bytes'] / 2**20:,.0f} / {row['compress_peak_bytes'] / 2**20:,.0f} MiB |"
                if memory else "")
@@ -312,7 +313,8 @@ def main() -> None:
                         help="LoRA on these layers only (default: every layer, the paper's setting). All >= "
                              "nugget_layer: the scorer reads the φ pass instead of running its own.")
     parser.add_argument("--memory", action="store_true",
-                        help="Also the peak tensor memory of the full prefill and of the compression (one more of each).")
+                        help="Also the peak tensor memory of the full prefill and of the compression (one more "
+                             "of each).")
     parser.add_argument("--scorer_features", default="base_final_norm", choices=["base_final_norm", "encoder_hidden"])
     args = parser.parse_args()
     if args.threads:
