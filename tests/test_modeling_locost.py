@@ -584,3 +584,18 @@ def test_empty_sequence_is_refused(model):
 def test_unrunnable_config_is_refused(field, value):
     with pytest.raises(ValueError, match=f"`{field}`.*{value}"):
         tiny_config(**{field: value})
+
+
+def test_a_training_step_and_generation_inputs_run_on_the_meta_device():
+    """On the meta device (shapes, no data: tracing a model's operators or shapes, `benchmarks/count_ops.py`) the
+    input checks skip their reads of values, and a training step runs with the shapes of a real one."""
+    model = LocostForConditionalGeneration(tiny_config(dropout_rate=0.1)).train().to("meta")
+    input_ids, attention_mask = padded_batch()
+    labels = torch.randint(2, 99, (3, 6))
+    output = model(input_ids=input_ids.to("meta"), attention_mask=attention_mask.to("meta"), labels=labels.to("meta"))
+    assert output.logits.shape == (3, 6, 99) and output.logits.device.type == "meta"
+    output.loss.backward()
+    assert all(p.grad is not None and p.grad.device.type == "meta" for p in model.parameters() if p.requires_grad)
+    # the value checks still run on real tensors
+    with pytest.raises(ValueError, match="input_ids"):
+        LocostForConditionalGeneration(tiny_config())(input_ids=torch.tensor([[5, 120]]), labels=labels[:1])

@@ -14,6 +14,12 @@ def describe(tensor: torch.Tensor) -> str:
     return f"a {tensor.dtype} tensor of shape {tuple(tensor.shape)}"
 
 
+def values_readable(tensor: torch.Tensor) -> bool:
+    """Whether a check may read ``tensor``'s values: in eager mode, and not on the meta device (shapes only, as when
+    tracing a model's operators or shapes without data)."""
+    return not torch.compiler.is_compiling() and tensor.device.type != "meta"
+
+
 def check_token_ids(name: str, ids: torch.Tensor | None, *, allow_empty: bool = False, vocab_size: int | None = None,
                     ignore_index: int | None = None) -> None:
     """``ids`` must be a 2-D integer tensor ``[batch, length]`` with length > 0, and with ``vocab_size`` every id in
@@ -31,7 +37,7 @@ def check_token_ids(name: str, ids: torch.Tensor | None, *, allow_empty: bool = 
         raise ValueError(f"`{name}` must have shape [batch, length], got {describe(ids)}.")
     if not allow_empty and (ids.shape[0] == 0 or ids.shape[1] == 0):
         raise ValueError(f"`{name}` must hold at least one sequence of at least one token, got {describe(ids)}.")
-    if vocab_size is not None and ids.numel() > 0 and not torch.compiler.is_compiling():  # data-dependent: eager only
+    if vocab_size is not None and ids.numel() > 0 and values_readable(ids):  # data-dependent
         values = ids if ignore_index is None else ids.masked_fill(ids == ignore_index, 0)
         if bool(((values < 0) | (values >= vocab_size)).any()):  # one read-back (host sync on an accelerator)
             low, high = (int(value) for value in torch.aminmax(values))
@@ -57,7 +63,7 @@ def check_mask(name: str, mask: torch.Tensor | None, like_name: str, like: torch
 
 def check_rows_not_empty(name: str, mask: torch.Tensor | None) -> None:
     """Every row of an attention mask must keep at least one real token."""
-    if mask is None or torch.compiler.is_compiling():  # data-dependent: checked in eager mode only
+    if mask is None or not values_readable(mask):  # data-dependent
         return
     empty_rows = mask.sum(dim=-1) == 0
     if bool(empty_rows.any()):  # one read-back; the rows are listed only for the error

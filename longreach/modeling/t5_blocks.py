@@ -399,8 +399,8 @@ class T5LayerFF(nn.Module):
             return None
         if not (hidden_states.requires_grad or any(p.requires_grad for p in parameters)):
             return None
-        if torch.is_autocast_enabled(hidden_states.device.type):
-            return None
+        if hidden_states.device.type != "meta" and torch.is_autocast_enabled(hidden_states.device.type):
+            return None  # (the meta device, shapes only, has no autocast state to ask for)
         p = dense.dropout.p if dense.dropout.training else 0.0
         if p > 0 and (hidden_states.device.type != "cpu" or p >= 1 or dense.dropout.inplace):
             return None  # the bool-mask dropout is `Dropout`'s CPU path; elsewhere torch's own dropout runs
