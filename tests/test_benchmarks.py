@@ -294,3 +294,32 @@ def test_corpus_benchmark_runs_buckets_one_by_one_and_a_static_cache(monkeypatch
     assert results["one_by_one"]["same_summaries_as_bucketed"] is True
     assert results["bucketed_static"]["same_summaries_as_bucketed"] is True
     assert "bucketed_static: " in capsys.readouterr().out
+
+
+def test_count_ops_counts_a_training_step_on_the_meta_device(tmp_path, capsys):
+    """benchmarks/count_ops.py --quick: LOCOST's and T5's training steps counted (more operators than the forward
+    pass alone, views apart), the source lines named, the cells written to JSON under a temporary name."""
+    module = load_benchmark("count_ops")
+    cells = module.main(["--quick", "--models", "locost", "t5", "--tasks", "train", "encode",
+                         "--json", str(tmp_path / "ops.json")])
+    assert [(c["model"], c["task"]) for c in cells] == [("locost", "train"), ("t5", "train"), ("locost", "encode"),
+                                                        ("t5", "encode")]
+    for cell in cells:
+        assert 0 < cell["views"] < cell["operators"] and 0 < cell["forward_operators"] <= cell["operators"]
+        assert sum(count for _, count in cell["top_operators"]) <= cell["operators"]
+    train, encode = cells[0], cells[2]
+    assert train["forward_operators"] < train["operators"] and encode["forward_operators"] == encode["operators"]
+    assert any(site.startswith("ssm.py:") for site, _ in train["top_sites"])  # LOCOST's own lines are named
+    assert json.loads((tmp_path / "ops.json").read_text()) == [json.loads(json.dumps(c)) for c in cells]
+    assert [path.name for path in tmp_path.iterdir()] == ["ops.json"]
+    assert "| locost | train | 64 |" in capsys.readouterr().out
+
+
+def test_count_ops_classifies_views_and_in_place_operators():
+    import torch
+
+    module = load_benchmark("count_ops")
+    aten = torch.ops.aten
+    assert module.is_view(aten.slice.Tensor) and module.is_view(aten.t.default) and module.is_view(aten.detach.default)
+    assert not module.is_view(aten.add_.Tensor) and not module.is_view(aten.copy_.default)
+    assert not module.is_view(aten.mul.Tensor) and not module.is_view(aten._to_copy.default)
