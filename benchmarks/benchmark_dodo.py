@@ -10,8 +10,8 @@ see the same length. Full and Dodo steps are interleaved (``--rounds`` x ``--ste
 the machine's noise. Batch 1, float32 (``--dtype``), sdpa, ``torch.no_grad()``.
 
 KV bytes are measured from the cache tensors (keys + values of every layer); Dodo also keeps K float32 scores (listed
-apart). "compress" is the φ pass over the context plus the scorer's ι-layer pass; a second, separately timed compression
-splits it into the two passes and the rest (selection and gather). ``--memory`` adds the peak tensor memory of the full
+apart). "compress" is the φ pass over the context plus the scorer's ι-layer pass, each also timed apart (the rest is
+selection and gather; on a GPU each pass ends with a synchronisation). ``--memory`` adds the peak tensor memory of the full
 prefill and of the compression (one more of each, measured as below). ``--lora_layers`` (with ``--scorer_features``)
 puts LoRA on some layers only: with all of them >= ι the scorer reads the φ pass and runs no pass of its own.
 
@@ -72,10 +72,11 @@ def one_step(model, token, attention_mask, cache, nuggets=None):
     return output
 
 
-def compress_parts(model, context, timed) -> dict:
-    """Where a compression's time goes: one more `compress` with its two passes over the context timed apart, the φ
-    pass (all layers, the compressor adapter: ``model.model``'s forward) and the scorer pass (the first ι layers without
-    adapters, then the scorer: ``_scorer_features``); the rest (selection, gather) is the difference."""
+def compress_parts(model, context, timed):
+    """``(nuggets, times)``: a timed `compress` with its two passes over the context also timed apart, the φ pass (all
+    layers, the compressor adapter: ``model.model``'s forward) and the scorer pass (the first ι layers without
+    adapters, then the scorer: ``_scorer_features``; 0 where the scorer reads the φ pass); the rest (selection,
+    gather) is the difference."""
     spent = {"phi": 0.0, "scorer": 0.0}
 
     def timing(name, function):
@@ -88,11 +89,11 @@ def compress_parts(model, context, timed) -> dict:
     model.model.forward = timing("phi", model.model.forward)
     model._scorer_features = timing("scorer", model._scorer_features)
     try:
-        _, total = timed(lambda: model.compress(context))
+        nuggets, total = timed(lambda: model.compress(context))
     finally:  # the instance attributes shadowed the class's methods: removing them restores those
         del model.model.forward, model._scorer_features
-    return {"compress_parts_s": total, "compress_phi_pass_s": spent["phi"], "compress_scorer_pass_s": spent["scorer"],
-            "compress_rest_s": total - spent["phi"] - spent["scorer"]}
+    return nuggets, {"compress_s": total, "compress_phi_pass_s": spent["phi"], "compress_scorer_pass_s": spent["scorer"],
+                     "compress_rest_s": total - spent["phi"] - spent["scorer"]}
 
 
 def run(lengths: list[int], steps: int, rounds: int, warmup: int, device: str, dtype: str = "float32",
@@ -128,8 +129,7 @@ def run(lengths: list[int], steps: int, rounds: int, warmup: int, device: str, d
         with torch.no_grad():
             full, full_prefill = timed(
                 lambda: cache_of(model(torch.cat([context, prompt], 1), use_cache=True, logits_to_keep=1)))
-            nuggets, compress_time = timed(lambda: model.compress(context))
-            parts = compress_parts(model, context, timed)
+            nuggets, parts = compress_parts(model, context, timed)
             if memory:  # one more prefill and compression each, under the memory profiler (CPU) or allocator stats
                 parts["full_prefill_peak_bytes"] = peak_step_bytes(
                     lambda: model(torch.cat([context, prompt], 1), use_cache=True, logits_to_keep=1), device)
@@ -162,7 +162,6 @@ def run(lengths: list[int], steps: int, rounds: int, warmup: int, device: str, d
                 "step_ms_dodo_median": 1e3 * statistics.median(times["dodo"]),
                 "step_ms_dodo_min": 1e3 * min(times["dodo"]),
                 "full_prefill_s": full_prefill,
-                "compress_s": compress_time,
                 **parts,
             }
         )
@@ -284,8 +283,7 @@ def markdown(rows: list[dict]) -> str:
             f"| {row['full_prefill_s']:.3f} s | {row['compress_s']:.3f} s "
             f"| {row['compress_s'] / row['full_prefill_s']:.2f}x "
             f"| {row['compress_phi_pass_s']:.3f} / {row['compress_scorer_pass_s']:.3f} "
-            f"/ {row['compress_rest_s']:.3f} s "
-            f"(of {row['compress_parts_s']:.3f} s) |"
+            f"/ {row['compress_rest_s']:.3f} s |"
             + (f" {row['full_prefill_peak_bytes'] / 2**20:,.0f} / {row['compress_peak_bytes'] / 2**20:,.0f} MiB |"
                if memory else "")
         )
@@ -319,8 +317,12 @@ def main() -> None:
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    if args.training_memory and (args.lora_layers is not None or args.scorer_features != "base_final_norm"
-                                 or args.memory):
+    overrides = {}  # the decode-step run's model, where it differs from SIZES
+    if args.lora_layers is not None:
+        overrides["lora_layers"] = args.lora_layers
+    if args.scorer_features != "base_final_norm":
+        overrides["scorer_features"] = args.scorer_features
+    if args.training_memory and (overrides or args.memory):
         parser.error("`--lora_layers`, `--scorer_features` and `--memory` apply to the decode-step run, not to "
                      "--training_memory (which measures memory itself).")
     if args.training_memory and args.dtype != "float32":
@@ -328,14 +330,12 @@ def main() -> None:
     if args.training_memory:
         rows = training_memory(args.lengths, args.target_length, args.layers, args.repeats, args.device)
     else:
-        rows = run(args.lengths, args.steps, args.rounds, args.warmup, args.device, args.dtype,
-                   memory=args.memory, lora_layers=args.lora_layers, scorer_features=args.scorer_features)
+        rows = run(args.lengths, args.steps, args.rounds, args.warmup, args.device, args.dtype, args.memory,
+                   **overrides)
     from run_all import host_description  # this folder is the script's: run_all.py is beside it
 
-    sizes = SIZES if args.training_memory or args.lora_layers is None and args.scorer_features == "base_final_norm" \
-        else {**SIZES, "lora_layers": args.lora_layers, "scorer_features": args.scorer_features}
     print(f"{host_description()}; torch {torch.__version__}, device {args.device}, dtype {args.dtype}, threads "
-          f"{torch.get_num_threads()}, sizes {sizes}")
+          f"{torch.get_num_threads()}, sizes {({**SIZES, **overrides})}")
     print(training_markdown(rows) if args.training_memory else markdown(rows))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as handle:

@@ -273,10 +273,12 @@ def test_dodo_compress_parts_time_both_passes_and_restore_the_model():
 
     with torch.no_grad():
         expected = model.compress(context)
-        parts = module.compress_parts(model, context, timed)
+        nuggets, parts = module.compress_parts(model, context, timed)
+        assert torch.equal(nuggets.indices, expected.indices)
         # one φ pass (the compressor's forward through `model.model`) and one scorer pass, each timed once
         assert (parts["compress_phi_pass_s"], parts["compress_scorer_pass_s"]) == (0.25, 0.25)
         assert len(calls) == 3 and parts["compress_rest_s"] == -0.25  # (the fake clock: 0.25 s for the whole call too)
+        assert parts["compress_s"] == 0.25
         # the timing wrappers are gone: the methods are the class's again and compress gives the same nuggets
         assert "forward" not in vars(model.model) and "_scorer_features" not in vars(model)
         assert torch.equal(model.compress(context).indices, expected.indices)
