@@ -325,3 +325,30 @@ def test_count_ops_classifies_views_and_in_place_operators():
     assert module.is_view(aten.slice.Tensor) and module.is_view(aten.t.default) and module.is_view(aten.detach.default)
     assert not module.is_view(aten.add_.Tensor) and not module.is_view(aten.copy_.default)
     assert not module.is_view(aten.mul.Tensor) and not module.is_view(aten._to_copy.default)
+
+
+def test_demo_recipe_judges_on_validation_documents_and_never_reads_the_held_out_ones(tmp_path, capsys):
+    """benchmarks/demo_recipe.py --smoke: trains both stages, takes its validation set out of the training documents
+    (never the demo's held-out set), and appends its result line to --json (no score asserted: the smoke model is
+    untrained)."""
+    import hashlib
+
+    from longreach import demo
+
+    module = load_benchmark("demo_recipe")
+    train, held_out = demo.build_corpus(15)
+    kept, validation = module.split_validation(train, demo.HELD_OUT_EVERY)
+    assert validation and len(kept) + len(validation) == len(train)
+    names = {e["name"] for e in held_out}
+    assert not names & {e["name"] for e in kept + validation}
+    assert {int(hashlib.sha256(f"{e['source']}:{e['name']}".encode()).hexdigest(), 16) % demo.HELD_OUT_EVERY
+            for e in validation} == {module.VALIDATION_BUCKET}
+
+    out = tmp_path / "runs.jsonl"
+    result = module.main(["--smoke", "--seed", "1", "--synthetic_copy_steps", "2", "--json", str(out)])
+    assert result["validation_documents"] > 0 and len(result["stage1_losses"]) == 2
+    assert len(result["synthetic_losses"]) == 2 and result["stage2_copy_loss_128"] > 0
+    assert result["margin"] == round(result["rouge"]["rouge1"] - result["lead"]["rouge1"], 2)
+    assert 0.0 <= result["lead_exact"] <= 1.0
+    assert json.loads(out.read_text().splitlines()[-1]) == result
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == result

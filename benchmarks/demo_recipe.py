@@ -1,0 +1,198 @@
+"""A `longreach demo` recipe judged on a validation split, so that recipes are compared without the held-out set.
+
+    python benchmarks/demo_recipe.py                                          # the demo's defaults
+    python benchmarks/demo_recipe.py --settings '{"ssm_dt_max": 2.0}' --seed 1 --json runs.jsonl
+    python benchmarks/demo_recipe.py --stage1_only --settings '{"lead_learning_rate": 3e-3}'
+
+The corpus, tokenizer, model and both training stages are the demo's (:mod:`longreach.demo`), with one difference: the
+training documents whose name hashes to ``VALIDATION_BUCKET`` (mod ``HELD_OUT_EVERY``) are taken out of training and
+serve as the validation set; the demo's held-out documents (bucket 0) are neither trained nor evaluated on. Printed as
+one JSON line (and appended to ``--json``):
+
+- ``stage1_losses``: the lead pretraining's training loss at every tenth of its steps (where copying sets in);
+- ``copy_loss_{N}``: the teacher-forced loss per target token on 1,000 copy pairs made from the *validation*
+  documents (:func:`longreach.demo.lead_pretraining_examples`), inputs cut to N tokens: the lead pretraining's length
+  and the summarization stage's, after each stage;
+- after the summarization stage, on the validation documents of at least ``MIN_DOCUMENT_WORDS`` words read whole:
+  ``rouge`` against their summaries, ``lead`` (the demo's lead baseline), ``margin`` (ROUGE-1, model minus lead), and
+  ``lead_exact`` / ``lead_rouge1``: how faithfully the summaries copy the lead (the share equal to it, and their
+  ROUGE-1 against it).
+
+Options beyond the demo's settings, for what the demo does not expose: ``--stage1_steps``, ``--stage1_batch_size``,
+``--adam_beta2``, and ``--synthetic_copy_steps`` (a stage before the lead pretraining that copies the first 4 to 16
+tokens of random token sequences, drawn by the training text's token frequencies or uniformly). What was tried with it
+is in ``benchmarks/results/demo.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import hashlib
+import json
+import random
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+
+#: Training documents in this hash bucket are the validation set (the demo holds out bucket 0).
+VALIDATION_BUCKET = 1
+
+
+def split_validation(train: list[dict], every: int) -> tuple[list[dict], list[dict]]:
+    """``(train, validation)``: the training documents whose name hashes to ``VALIDATION_BUCKET`` go to validation."""
+    def bucket(example: dict) -> int:
+        key = f"{example['source']}:{example['name']}".encode()
+        return int(hashlib.sha256(key).hexdigest(), 16) % every
+
+    return ([e for e in train if bucket(e) != VALIDATION_BUCKET], [e for e in train if bucket(e) == VALIDATION_BUCKET])
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--settings", default="{}", help="JSON: DemoSettings fields to change.")
+    parser.add_argument("--smoke", action="store_true", help="Start from the demo's tiny smoke settings.")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--stage1_only", action="store_true", help="Stop after the lead pretraining.")
+    parser.add_argument("--stage1_steps", type=int, default=None)
+    parser.add_argument("--stage1_batch_size", type=int, default=None)
+    parser.add_argument("--adam_beta2", type=float, default=0.999)
+    parser.add_argument("--synthetic_copy_steps", type=int, default=0)
+    parser.add_argument("--synthetic_tokens", choices=["unigram", "uniform"], default="unigram")
+    parser.add_argument("--json", default=None, help="Append the result line to this file.")
+    args = parser.parse_args(argv)
+
+    import torch
+    from transformers import DataCollatorForSeq2Seq, Seq2SeqTrainer, Seq2SeqTrainingArguments, set_seed
+    from transformers.utils import logging as hf_logging
+
+    from longreach import demo
+    from longreach.configuration.configuration_locost import LocostConfig
+    from longreach.metrics import rouge_scores
+    from longreach.modeling.modeling_locost import LocostForConditionalGeneration
+
+    settings = replace(demo.SMOKE_SETTINGS if args.smoke else demo.DemoSettings(), **json.loads(args.settings))
+    seed = args.seed
+    set_seed(seed)
+    hf_logging.set_verbosity_error()
+    start = time.perf_counter()
+    train, _held_out = demo.build_corpus(settings.min_training_words)  # the held-out documents are not used
+    train, validation = split_validation(train, demo.HELD_OUT_EVERY)
+    if settings.max_train_documents is not None:
+        train = train[: settings.max_train_documents]
+    validation_long = sorted((e for e in validation if len(e["document"].split()) >= demo.MIN_DOCUMENT_WORDS),
+                             key=lambda e: e["name"])[: settings.max_eval_documents]
+    tokenizer = demo.train_tokenizer([e["document"] for e in train] + [e["summary"] for e in train],
+                                     settings.vocab_size)
+    config = LocostConfig(
+        vocab_size=len(tokenizer), d_model=settings.d_model, d_state=settings.d_state,
+        d_kv=settings.d_model // settings.num_heads, d_ff=settings.d_ff, num_layers=settings.num_layers,
+        num_decoder_layers=settings.num_decoder_layers, num_heads=settings.num_heads,
+        dropout_rate=settings.dropout_rate, ssm_dt_min=settings.ssm_dt_min, ssm_dt_max=settings.ssm_dt_max,
+        pad_token_id=tokenizer.pad_token_id, cross_attention_logn_length=settings.max_source_length,
+        eos_token_id=tokenizer.eos_token_id, decoder_start_token_id=tokenizer.pad_token_id,
+    )
+    model = LocostForConditionalGeneration(config)
+    model.generation_config.max_new_tokens = settings.generation_max_new_tokens
+    model.generation_config.num_beams = settings.generation_num_beams
+    model.generation_config.min_new_tokens = min(
+        len(ids) for ids in tokenizer([e["summary"] for e in train], add_special_tokens=False)["input_ids"]
+    )
+    generation_config = copy.deepcopy(model.generation_config)
+    collator = DataCollatorForSeq2Seq(tokenizer, model=model, label_pad_token_id=-100)
+    workdir = tempfile.TemporaryDirectory(prefix="demo-recipe-")
+
+    def features(examples: list[dict], max_source_length: int | None) -> list[dict]:
+        sources = tokenizer([e["document"] for e in examples], truncation=max_source_length is not None,
+                            max_length=max_source_length)
+        targets = tokenizer(text_target=[e["summary"] for e in examples], truncation=True,
+                            max_length=settings.max_target_length)
+        return [{"input_ids": i, "attention_mask": m, "labels": t}
+                for i, m, t in zip(sources["input_ids"], sources["attention_mask"], targets["input_ids"])]
+
+    def train_stage(name: str, rows: list[dict], steps: int, learning_rate: float, batch_size: int) -> list[float]:
+        """The demo's ``train_model`` (same arguments), on ready features; the logged losses."""
+        training_args = Seq2SeqTrainingArguments(
+            output_dir=str(Path(workdir.name) / name), per_device_train_batch_size=batch_size,
+            learning_rate=learning_rate, lr_scheduler_type="linear", warmup_steps=min(50, steps // 10),
+            max_steps=steps, weight_decay=0.01, logging_steps=max(steps // 10, 1), save_strategy="no",
+            eval_strategy="no", report_to="none", use_cpu=not torch.cuda.is_available(), seed=seed, data_seed=seed,
+            disable_tqdm=True, dataloader_num_workers=0, adam_beta2=args.adam_beta2,
+        )
+        trainer = Seq2SeqTrainer(model=model, args=training_args, train_dataset=rows, processing_class=tokenizer,
+                                 data_collator=collator)
+        trainer.train()
+        return [round(entry["loss"], 3) for entry in trainer.state.log_history if "loss" in entry]
+
+    copy_pairs = demo.lead_pretraining_examples(validation, settings.lead_words, settings.lead_random_windows,
+                                                seed=123)[:1000]
+
+    @torch.no_grad()
+    def copy_loss(max_source_length: int) -> float:
+        model.eval()
+        rows, total, count = features(copy_pairs, max_source_length), 0.0, 0
+        for begin in range(0, len(rows), 64):
+            batch = collator(rows[begin:begin + 64])
+            tokens = int((batch["labels"] != -100).sum())
+            total += float(model(**batch).loss) * tokens
+            count += tokens
+        model.train()
+        return round(total / max(count, 1), 4)
+
+    result = {"settings": json.loads(args.settings), "smoke": args.smoke, "seed": seed,
+              "stage1_steps": args.stage1_steps, "stage1_batch_size": args.stage1_batch_size,
+              "adam_beta2": args.adam_beta2, "synthetic_copy_steps": args.synthetic_copy_steps,
+              "train_documents": len(train), "validation_documents": len(validation_long)}
+    if args.synthetic_copy_steps:
+        rng = random.Random(seed + 7)
+        pool = [i for e in train for i in tokenizer(e["document"], add_special_tokens=False)["input_ids"]]
+        rows = []
+        for _ in range(args.synthetic_copy_steps * settings.batch_size):
+            length = rng.randrange(min(20, settings.lead_source_length - 1), settings.lead_source_length)
+            source = [rng.choice(pool) if args.synthetic_tokens == "unigram" else rng.randrange(3, len(tokenizer))
+                      for _ in range(length)]
+            rows.append({"input_ids": source + [tokenizer.eos_token_id], "attention_mask": [1] * (length + 1),
+                         "labels": source[: rng.randrange(4, 17)] + [tokenizer.eos_token_id]})
+        result["synthetic_losses"] = train_stage("synthetic", rows, args.synthetic_copy_steps,
+                                                 settings.lead_learning_rate, settings.batch_size)
+
+    lead_examples = demo.lead_pretraining_examples(train, settings.lead_words, settings.lead_random_windows, seed)
+    result["stage1_losses"] = train_stage(
+        "lead", features(lead_examples, settings.lead_source_length),
+        args.stage1_steps or settings.lead_pretraining_steps, settings.lead_learning_rate,
+        args.stage1_batch_size or settings.batch_size)
+    for length in dict.fromkeys((settings.lead_source_length, settings.max_source_length)):
+        result[f"stage1_copy_loss_{length}"] = copy_loss(length)
+
+    if not args.stage1_only:
+        copy_examples = demo.lead_pretraining_examples(train, settings.lead_words, settings.lead_random_windows, seed,
+                                                       document_starts=False)
+        mix = train + copy_examples[: int(settings.copy_examples_per_summary * len(train))]
+        random.Random(seed).shuffle(mix)
+        result["stage2_losses"] = train_stage("summaries", features(mix, settings.max_source_length),
+                                              settings.max_steps, settings.learning_rate, settings.batch_size)
+        result[f"stage2_copy_loss_{settings.max_source_length}"] = copy_loss(settings.max_source_length)
+        if validation_long:
+            model.generation_config = generation_config
+            summaries = demo.summarize_whole(model, tokenizer, [e["document"] for e in validation_long])
+            references = [e["summary"] for e in validation_long]
+            leads = [demo.lead_baseline(e["document"]) for e in validation_long]
+            result["rouge"] = rouge_scores(summaries, references)
+            result["lead"] = rouge_scores(leads, references)
+            result["margin"] = round(result["rouge"]["rouge1"] - result["lead"]["rouge1"], 2)
+            result["lead_exact"] = round(sum(s.strip() == l.strip() for s, l in zip(summaries, leads)) / len(leads), 3)
+            result["lead_rouge1"] = rouge_scores(summaries, leads)["rouge1"]
+    result["seconds"] = round(time.perf_counter() - start, 1)
+    workdir.cleanup()
+    line = json.dumps(result)
+    print(line, flush=True)
+    if args.json:
+        with open(args.json, "a", encoding="utf-8") as handle:
+            handle.write(line + "\n")
+            handle.flush()
+    return result
+
+
+if __name__ == "__main__":
+    main()
