@@ -327,10 +327,10 @@ def test_count_ops_classifies_views_and_in_place_operators():
     assert not module.is_view(aten.mul.Tensor) and not module.is_view(aten._to_copy.default)
 
 
-def test_demo_recipe_judges_on_validation_documents_and_never_reads_the_held_out_ones(tmp_path, capsys):
+def test_demo_recipe_judges_on_validation_documents_split_from_training_never_held_out_ones(tmp_path, capsys):
     """benchmarks/demo_recipe.py --smoke: trains both stages, takes its validation set out of the training documents
-    (never the demo's held-out set), and appends its result line to --json (no score asserted: the smoke model is
-    untrained)."""
+    (disjoint from the demo's held-out set), and appends its result line to --json (no score asserted: the smoke
+    model is untrained)."""
     import hashlib
 
     from longreach import demo
