@@ -10,9 +10,10 @@ serve as the validation set; the demo's held-out documents (bucket 0) are neithe
 one JSON line (and appended to ``--json``):
 
 - ``stage1_losses``: the lead pretraining's training loss at every tenth of its steps (where copying sets in);
-- ``copy_loss_{N}``: the teacher-forced loss per target token on 1,000 copy pairs made from the *validation*
-  documents (:func:`longreach.demo.lead_pretraining_examples`), inputs cut to N tokens: the lead pretraining's length
-  and the summarization stage's, after each stage;
+- ``stage1_copy_loss_{N}``, ``stage2_copy_loss_{N}``: the teacher-forced loss per target token on 1,000 copy pairs
+  made from the *validation* documents (:func:`longreach.demo.lead_pretraining_examples`), inputs cut to N tokens,
+  after each stage (N: the lead pretraining's input length and the summarization stage's after stage 1, the latter
+  after stage 2);
 - after the summarization stage, on the validation documents of at least ``MIN_DOCUMENT_WORDS`` words read whole:
   ``rouge`` against their summaries, ``lead`` (the demo's lead baseline), ``margin`` (ROUGE-1, model minus lead), and
   ``lead_exact`` / ``lead_rouge1``: how faithfully the summaries copy the lead (the share equal to it, and their
