@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import hashlib
 import json
 import random
 import tempfile
@@ -41,13 +40,12 @@ from pathlib import Path
 VALIDATION_BUCKET = 1
 
 
-def split_validation(train: list[dict], every: int) -> tuple[list[dict], list[dict]]:
-    """``(train, validation)``: the training documents whose name hashes to ``VALIDATION_BUCKET`` go to validation."""
-    def bucket(example: dict) -> int:
-        key = f"{example['source']}:{example['name']}".encode()
-        return int(hashlib.sha256(key).hexdigest(), 16) % every
+def split_validation(train: list[dict]) -> tuple[list[dict], list[dict]]:
+    """``(train, validation)``: the training documents in bucket ``VALIDATION_BUCKET`` go to validation."""
+    from longreach.demo import document_bucket
 
-    return ([e for e in train if bucket(e) != VALIDATION_BUCKET], [e for e in train if bucket(e) == VALIDATION_BUCKET])
+    return ([e for e in train if document_bucket(e) != VALIDATION_BUCKET],
+            [e for e in train if document_bucket(e) == VALIDATION_BUCKET])
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -69,9 +67,7 @@ def main(argv: list[str] | None = None) -> dict:
     from transformers.utils import logging as hf_logging
 
     from longreach import demo
-    from longreach.configuration.configuration_locost import LocostConfig
     from longreach.metrics import rouge_scores
-    from longreach.modeling.modeling_locost import LocostForConditionalGeneration
 
     settings = replace(demo.SMOKE_SETTINGS if args.smoke else demo.DemoSettings(), **json.loads(args.settings))
     seed = args.seed
@@ -79,38 +75,20 @@ def main(argv: list[str] | None = None) -> dict:
     hf_logging.set_verbosity_error()
     start = time.perf_counter()
     train, _held_out = demo.build_corpus(settings.min_training_words)  # the held-out documents are not used
-    train, validation = split_validation(train, demo.HELD_OUT_EVERY)
+    train, validation = split_validation(train)
     if settings.max_train_documents is not None:
         train = train[: settings.max_train_documents]
     validation_long = sorted((e for e in validation if len(e["document"].split()) >= demo.MIN_DOCUMENT_WORDS),
                              key=lambda e: e["name"])[: settings.max_eval_documents]
     tokenizer = demo.train_tokenizer([e["document"] for e in train] + [e["summary"] for e in train],
                                      settings.vocab_size)
-    config = LocostConfig(
-        vocab_size=len(tokenizer), d_model=settings.d_model, d_state=settings.d_state,
-        d_kv=settings.d_model // settings.num_heads, d_ff=settings.d_ff, num_layers=settings.num_layers,
-        num_decoder_layers=settings.num_decoder_layers, num_heads=settings.num_heads,
-        dropout_rate=settings.dropout_rate, ssm_dt_min=settings.ssm_dt_min, ssm_dt_max=settings.ssm_dt_max,
-        pad_token_id=tokenizer.pad_token_id, cross_attention_logn_length=settings.max_source_length,
-        eos_token_id=tokenizer.eos_token_id, decoder_start_token_id=tokenizer.pad_token_id,
-    )
-    model = LocostForConditionalGeneration(config)
-    model.generation_config.max_new_tokens = settings.generation_max_new_tokens
-    model.generation_config.num_beams = settings.generation_num_beams
-    model.generation_config.min_new_tokens = min(
-        len(ids) for ids in tokenizer([e["summary"] for e in train], add_special_tokens=False)["input_ids"]
-    )
+    model = demo.build_model(settings, tokenizer, train)
     generation_config = copy.deepcopy(model.generation_config)
     collator = DataCollatorForSeq2Seq(tokenizer, model=model, label_pad_token_id=-100)
     workdir = tempfile.TemporaryDirectory(prefix="demo-recipe-")
 
     def features(examples: list[dict], max_source_length: int | None) -> list[dict]:
-        sources = tokenizer([e["document"] for e in examples], truncation=max_source_length is not None,
-                            max_length=max_source_length)
-        targets = tokenizer(text_target=[e["summary"] for e in examples], truncation=True,
-                            max_length=settings.max_target_length)
-        return [{"input_ids": i, "attention_mask": m, "labels": t}
-                for i, m, t in zip(sources["input_ids"], sources["attention_mask"], targets["input_ids"])]
+        return demo.seq2seq_features(tokenizer, examples, max_source_length, settings.max_target_length)
 
     def train_stage(name: str, rows: list[dict], steps: int, learning_rate: float, batch_size: int) -> list[float]:
         """The demo's ``train_model`` (same arguments), on ready features; the logged losses."""
@@ -167,10 +145,7 @@ def main(argv: list[str] | None = None) -> dict:
         result[f"stage1_copy_loss_{length}"] = copy_loss(length)
 
     if not args.stage1_only:
-        copy_examples = demo.lead_pretraining_examples(train, settings.lead_words, settings.lead_random_windows, seed,
-                                                       document_starts=False)
-        mix = train + copy_examples[: int(settings.copy_examples_per_summary * len(train))]
-        random.Random(seed).shuffle(mix)
+        mix = demo.summarization_mix(train, settings, seed)
         result["stage2_losses"] = train_stage("summaries", features(mix, settings.max_source_length),
                                               settings.max_steps, settings.learning_rate, settings.batch_size)
         result[f"stage2_copy_loss_{settings.max_source_length}"] = copy_loss(settings.max_source_length)

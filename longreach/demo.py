@@ -318,6 +318,11 @@ def stdlib_docstring_examples(min_words: int = MIN_DOCUMENT_WORDS) -> list[dict]
     return examples
 
 
+def document_bucket(example: dict) -> int:
+    """The example's split bucket, a fixed hash of its source and name modulo ``HELD_OUT_EVERY`` (0: held out)."""
+    return int(hashlib.sha256(f"{example['source']}:{example['name']}".encode()).hexdigest(), 16) % HELD_OUT_EVERY
+
+
 def build_corpus(min_training_words: int = MIN_DOCUMENT_WORDS) -> tuple[list[dict], list[dict]]:
     """``(train, held_out)`` examples with keys ``source``, ``name``, ``document``, ``summary``.
 
@@ -334,9 +339,8 @@ def build_corpus(min_training_words: int = MIN_DOCUMENT_WORDS) -> tuple[list[dic
         if example["document"] in seen:
             continue
         seen.add(example["document"])
-        digest = int(hashlib.sha256(f"{example['source']}:{example['name']}".encode()).hexdigest(), 16)
         words = len(example["document"].split())
-        if digest % HELD_OUT_EVERY == 0:
+        if document_bucket(example) == 0:
             if words >= MIN_DOCUMENT_WORDS:
                 held_out.append(example)
         elif words >= min_training_words:
@@ -427,6 +431,56 @@ def lead_pretraining_examples(train: list[dict], num_words: int, random_windows:
 # ---------------------------------------------------------------------------------------------------------------------
 
 
+def build_model(settings: DemoSettings, tokenizer, train: list[dict]):
+    """The demo's LOCOST, initialised from scratch, with its generation settings."""
+    from .configuration.configuration_locost import LocostConfig
+    from .modeling.modeling_locost import LocostForConditionalGeneration
+
+    config = LocostConfig(
+        vocab_size=len(tokenizer), d_model=settings.d_model, d_state=settings.d_state, d_kv=settings.d_model // settings.num_heads,
+        d_ff=settings.d_ff, num_layers=settings.num_layers, num_decoder_layers=settings.num_decoder_layers,
+        num_heads=settings.num_heads, dropout_rate=settings.dropout_rate, ssm_dt_min=settings.ssm_dt_min,
+        ssm_dt_max=settings.ssm_dt_max, pad_token_id=tokenizer.pad_token_id,
+        # trained on inputs of at most max_source_length tokens, it reads whole documents of thousands (see the field)
+        cross_attention_logn_length=settings.max_source_length,
+        eos_token_id=tokenizer.eos_token_id, decoder_start_token_id=tokenizer.pad_token_id,
+    )
+    model = LocostForConditionalGeneration(config)
+    model.generation_config.max_new_tokens = settings.generation_max_new_tokens
+    model.generation_config.num_beams = settings.generation_num_beams
+    # No summary shorter than the shortest training summary (3 words, 3 tokens here): like the `min_length` of
+    # summarization checkpoints (BART-large-CNN's is 56), from the training data only. Without it, one run's summary of
+    # the longest held-out document was the first 2 tokens of its name ("multipro") and end of sequence.
+    model.generation_config.min_new_tokens = min(
+        len(ids) for ids in tokenizer([e["summary"] for e in train], add_special_tokens=False)["input_ids"]
+    )
+    return model
+
+
+def seq2seq_features(tokenizer, examples: list[dict], max_source_length: int | None,
+                     max_target_length: int) -> list[dict]:
+    """``input_ids``, ``attention_mask`` and ``labels`` of (document, summary) examples; documents cut to
+    ``max_source_length`` tokens unless it is None."""
+    sources = tokenizer([e["document"] for e in examples], truncation=max_source_length is not None,
+                        max_length=max_source_length)
+    targets = tokenizer(text_target=[e["summary"] for e in examples], truncation=True, max_length=max_target_length)
+    return [{"input_ids": ids, "attention_mask": mask, "labels": labels}
+            for ids, mask, labels in zip(sources["input_ids"], sources["attention_mask"], targets["input_ids"])]
+
+
+def summarization_mix(train: list[dict], settings: DemoSettings, seed: int) -> list[dict]:
+    """Stage 2's examples: the (document, summary) pairs, mixed with ``copy_examples_per_summary`` copy pairs per
+    summary that do not start at a document's start (trained on summaries alone, this small model forgets how to copy
+    and writes the summaries' style with the wrong words: measured), shuffled."""
+    import random
+
+    copy_examples = lead_pretraining_examples(train, settings.lead_words, settings.lead_random_windows, seed,
+                                              document_starts=False)
+    mix = train + copy_examples[: int(settings.copy_examples_per_summary * len(train))]
+    random.Random(seed).shuffle(mix)
+    return mix
+
+
 class _Stage:
     """Numbered progress lines on stdout, with the elapsed time."""
 
@@ -446,9 +500,7 @@ def run_demo(output_dir: str | Path = DEFAULT_OUTPUT_DIR, settings: DemoSettings
     )
     from transformers.utils import logging as hf_logging
 
-    from .configuration.configuration_locost import LocostConfig
     from .hub import hub_files, write_model_card
-    from .modeling.modeling_locost import LocostForConditionalGeneration
 
     missing = [name for name in ("accelerate", "rouge_score") if importlib.util.find_spec(name) is None]
     if missing:
@@ -476,35 +528,10 @@ def run_demo(output_dir: str | Path = DEFAULT_OUTPUT_DIR, settings: DemoSettings
     tokenizer = train_tokenizer([e["document"] for e in train] + [e["summary"] for e in train], settings.vocab_size)
     stage(f"Tokenizer: byte-level BPE with {len(tokenizer)} tokens, trained on the training documents")
 
-    config = LocostConfig(
-        vocab_size=len(tokenizer), d_model=settings.d_model, d_state=settings.d_state, d_kv=settings.d_model // settings.num_heads,
-        d_ff=settings.d_ff, num_layers=settings.num_layers, num_decoder_layers=settings.num_decoder_layers,
-        num_heads=settings.num_heads, dropout_rate=settings.dropout_rate, ssm_dt_min=settings.ssm_dt_min,
-        ssm_dt_max=settings.ssm_dt_max, pad_token_id=tokenizer.pad_token_id,
-        # trained on inputs of at most max_source_length tokens, it reads whole documents of thousands (see the field)
-        cross_attention_logn_length=settings.max_source_length,
-        eos_token_id=tokenizer.eos_token_id, decoder_start_token_id=tokenizer.pad_token_id,
-    )
-    model = LocostForConditionalGeneration(config)
-    model.generation_config.max_new_tokens = settings.generation_max_new_tokens
-    model.generation_config.num_beams = settings.generation_num_beams
-    # No summary shorter than the shortest training summary (3 words, 3 tokens here): like the `min_length` of
-    # summarization checkpoints (BART-large-CNN's is 56), from the training data only. Without it, one run's summary of
-    # the longest held-out document was the first 2 tokens of its name ("multipro") and end of sequence.
-    model.generation_config.min_new_tokens = min(
-        len(ids) for ids in tokenizer([e["summary"] for e in train], add_special_tokens=False)["input_ids"]
-    )
+    model = build_model(settings, tokenizer, train)
     generation_config = copy.deepcopy(model.generation_config)
     stage(f"Model: LOCOST from scratch, {model.num_parameters() / 1e6:.1f}M parameters ({settings.num_layers} SSM "
           f"encoder blocks, {settings.num_decoder_layers} T5 decoder blocks, d_model {settings.d_model})")
-
-    def features(examples: list[dict], max_source_length: int | None) -> list[dict]:
-        sources = tokenizer([e["document"] for e in examples], truncation=max_source_length is not None,
-                            max_length=max_source_length)
-        targets = tokenizer(text_target=[e["summary"] for e in examples], truncation=True,
-                            max_length=settings.max_target_length)
-        return [{"input_ids": ids, "attention_mask": mask, "labels": labels}
-                for ids, mask, labels in zip(sources["input_ids"], sources["attention_mask"], targets["input_ids"])]
 
     def train_model(name: str, examples: list[dict], source_length: int, steps: int, learning_rate: float):
         args = Seq2SeqTrainingArguments(
@@ -516,7 +543,8 @@ def run_demo(output_dir: str | Path = DEFAULT_OUTPUT_DIR, settings: DemoSettings
             dataloader_num_workers=0,
         )
         trainer = Seq2SeqTrainer(
-            model=model, args=args, train_dataset=features(examples, source_length), processing_class=tokenizer,
+            model=model, args=args, processing_class=tokenizer,
+            train_dataset=seq2seq_features(tokenizer, examples, source_length, settings.max_target_length),
             data_collator=DataCollatorForSeq2Seq(tokenizer, model=model, label_pad_token_id=-100),
         )
         return trainer, trainer.train()
@@ -530,14 +558,8 @@ def run_demo(output_dir: str | Path = DEFAULT_OUTPUT_DIR, settings: DemoSettings
                                  settings.lead_pretraining_steps, settings.lead_learning_rate)
     stage(f"Lead pretraining done: final training loss {lead_result.training_loss:.3f}")
 
-    # Stage 2: the summaries, mixed with copy pairs that do not start at a document's start (trained on summaries
-    # alone, this small model forgets how to copy and writes the summaries' style with the wrong words: measured)
-    import random
-
-    copy_examples = lead_pretraining_examples(train, settings.lead_words, settings.lead_random_windows, seed,
-                                              document_starts=False)
-    summary_mix = train + copy_examples[: int(settings.copy_examples_per_summary * len(train))]
-    random.Random(seed).shuffle(summary_mix)
+    # Stage 2: the summaries, mixed with copy pairs (see summarization_mix)
+    summary_mix = summarization_mix(train, settings, seed)
     print(f"    summarization: {settings.max_steps} steps of {settings.batch_size} from {len(train)} (document, "
           f"summary) pairs and {len(summary_mix) - len(train)} copy pairs (inputs cut to "
           f"{settings.max_source_length} tokens for training only; evaluation reads whole documents)", flush=True)

@@ -337,12 +337,13 @@ def test_demo_recipe_judges_on_validation_documents_split_from_training_never_he
 
     module = load_benchmark("demo_recipe")
     train, held_out = demo.build_corpus(15)
-    kept, validation = module.split_validation(train, demo.HELD_OUT_EVERY)
+    kept, validation = module.split_validation(train)
     assert validation and len(kept) + len(validation) == len(train)
     names = {e["name"] for e in held_out}
     assert not names & {e["name"] for e in kept + validation}
     assert {int(hashlib.sha256(f"{e['source']}:{e['name']}".encode()).hexdigest(), 16) % demo.HELD_OUT_EVERY
             for e in validation} == {module.VALIDATION_BUCKET}
+    assert {demo.document_bucket(e) for e in held_out} == {0}
 
     out = tmp_path / "runs.jsonl"
     result = module.main(["--smoke", "--seed", "1", "--synthetic_copy_steps", "2", "--json", str(out)])
