@@ -41,11 +41,14 @@ VALIDATION_BUCKET = 1
 
 
 def split_validation(train: list[dict]) -> tuple[list[dict], list[dict]]:
-    """``(train, validation)``: the training documents in bucket ``VALIDATION_BUCKET`` go to validation."""
-    from longreach.demo import document_bucket
+    """``(train, validation)``: the training documents in bucket ``VALIDATION_BUCKET`` go to validation, and the
+    rest that repeat the summary or lead of a validation document that is scored (at least ``MIN_DOCUMENT_WORDS``
+    words) stay out of training, as the demo does for its held-out set (:func:`longreach.demo.without_overlap`)."""
+    from longreach.demo import MIN_DOCUMENT_WORDS, document_bucket, without_overlap
 
-    return ([e for e in train if document_bucket(e) != VALIDATION_BUCKET],
-            [e for e in train if document_bucket(e) == VALIDATION_BUCKET])
+    validation = [e for e in train if document_bucket(e) == VALIDATION_BUCKET]
+    scored = [e for e in validation if len(e["document"].split()) >= MIN_DOCUMENT_WORDS]
+    return without_overlap([e for e in train if document_bucket(e) != VALIDATION_BUCKET], scored), validation
 
 
 def main(argv: list[str] | None = None) -> dict:

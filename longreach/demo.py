@@ -89,6 +89,8 @@ MIN_DOCUMENT_WORDS = 80
 MAX_DOCUMENT_WORDS = 2500
 #: One document in HELD_OUT_EVERY goes to the held-out set (by hash of its name).
 HELD_OUT_EVERY = 10
+#: This library's distribution name: its README is not a corpus document (see :func:`build_corpus`).
+_OWN_NAME = "longreach"
 
 #: Where the demo keeps its model when no --output_dir is given (relative to the current directory).
 DEFAULT_OUTPUT_DIR = "longreach-demo"
@@ -332,11 +334,16 @@ def build_corpus(min_training_words: int = MIN_DOCUMENT_WORDS) -> tuple[list[dic
     ``HELD_OUT_EVERY`` and that have at least ``MIN_DOCUMENT_WORDS`` words; training documents need
     ``min_training_words``. The split depends on the name only, so the held-out set is the same for any
     ``min_training_words``.
+
+    Kept out of training, so that no held-out text is trained on: this library's own distribution (its long
+    description is the project's README, which quotes the demo's held-out documents, their summaries and its
+    results), and any training document that contains a held-out document's summary or lead (:func:`without_overlap`;
+    measured: the README, and two standard-library docstrings that repeat a held-out one's opening).
     """
     min_words = min(min_training_words, MIN_DOCUMENT_WORDS)
     train, held_out, seen = [], [], set()
     for example in distribution_examples(min_words) + stdlib_docstring_examples(min_words):
-        if example["document"] in seen:
+        if example["document"] in seen or (example["source"], example["name"].lower()) == ("distribution", _OWN_NAME):
             continue
         seen.add(example["document"])
         words = len(example["document"].split())
@@ -345,7 +352,27 @@ def build_corpus(min_training_words: int = MIN_DOCUMENT_WORDS) -> tuple[list[dic
                 held_out.append(example)
         elif words >= min_training_words:
             train.append(example)
-    return train, held_out
+    return without_overlap(train, held_out), held_out
+
+
+def _normalized(text: str) -> str:
+    return " ".join(text.lower().split())
+
+
+def without_overlap(train: list[dict], evaluated: list[dict], min_words: int = 4) -> list[dict]:
+    """The ``train`` examples whose document contains no evaluated document's summary or lead
+    (:func:`lead_baseline`) of at least ``min_words`` words, case, whitespace and final punctuation ignored:
+    near-duplicates across the split (a docstring repeated in a sibling function, a README that quotes a held-out
+    summary) are not trained on."""
+    quoted = {_normalized(text).rstrip(".!?:;, ") for example in evaluated
+              for text in (example["summary"], lead_baseline(example["document"]))}
+    quoted = [text for text in quoted if len(text.split()) >= min_words]
+    kept = []
+    for example in train:
+        document = _normalized(example["document"])
+        if not any(text in document for text in quoted):
+            kept.append(example)
+    return kept
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -20,6 +20,7 @@ from longreach.demo import (
     check_output_dir,
     lead_baseline,
     lead_pretraining_examples,
+    without_overlap,
 )
 from longreach.metrics import rouge_scores
 
@@ -35,6 +36,29 @@ def test_corpus_is_real_local_text_split_deterministically():
     assert transformers_entry and "Transformers" in transformers_entry[0]["document"]
     assert all(len(e["document"].split()) >= 80 and len(e["summary"].split()) >= 3 for e in train + held_out)
     assert all("https://" not in e["document"] and "```" not in e["document"] for e in train + held_out)  # no URLs
+
+
+def test_no_held_out_text_is_trained_on():
+    train, held_out = build_corpus(min_training_words=15)
+    # this library's README quotes the demo's held-out documents and results: not a corpus document
+    assert not [e for e in train + held_out if e["source"] == "distribution" and e["name"].lower() == "longreach"]
+    training_text = [" ".join(e["document"].lower().split()) for e in train]
+    for example in held_out:
+        for quoted in (example["summary"], lead_baseline(example["document"])):
+            quoted = " ".join(quoted.lower().split()).rstrip(".!?:;, ")
+            if len(quoted.split()) >= 4:
+                assert not [text for text in training_text if quoted in text], (example["name"], quoted)
+
+
+def test_without_overlap_drops_training_documents_that_quote_an_evaluated_one():
+    held_out = [{"document": "Return the median of data. More words follow here.", "summary": "Middle value of data."}]
+    train = [
+        {"document": "Unrelated text about sockets and streams."},
+        {"document": "A sibling docstring: RETURN the median   of data. And more."},  # the held-out lead, other case
+        {"document": "A README that says the middle value of data, quoted."},  # the held-out summary
+        {"document": "Return the median."},  # fewer than 4 words shared: kept
+    ]
+    assert without_overlap(train, held_out) == [train[0], train[3]]
 
 
 def test_shorter_training_documents_leave_the_held_out_set_unchanged():
