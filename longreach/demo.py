@@ -28,32 +28,39 @@ What it does, end to end, with no network and no argument:
 The result depends only on the Python version and the installed distributions (and the thread count, through
 floating-point summation order); on one machine, two runs give the same numbers.
 
-Measured with the defaults (1,000 lead-pretraining steps, 1,000 summarization steps) on 2026-11-26, on a 2-core AMD
-EPYC machine with AVX2 only (Python 3.11, torch 2.13 CPU), otherwise idle, in two environments (the corpus depends on
+Measured with the defaults (1,000 lead-pretraining steps, 1,000 summarization steps) on 2026-11-27, on a 2-core AMD
+EPYC machine with AVX-512 (Python 3.11, torch 2.13 CPU), otherwise idle, in two environments (the corpus depends on
 what is installed, so the two trained on different data and are two draws of the same recipe):
 
-- installed exactly as the README says (``pip install -e ".[train]"``: 1,429 training and 39 held-out documents):
-  497 s from the first stage to the end (8 min 26 s wall clock with Python's start-up; lead pretraining 197 s,
-  summarization 272 s, evaluation 4 s), peak RSS 2.2 GB; held-out ROUGE-1/2/Lsum 20.64 / 4.47 / 17.48 against the
-  lead's 20.04 / 5.27 / 17.27 (ROUGE-1 0.60 and ROUGE-Lsum 0.21 above the lead, ROUGE-2 below); the longest held-out
-  document (1,260 tokens) summarized "multiprocess: better multiprocessing and multithreading in Python About
-  Multiprocess is a" (reference "better multiprocessing and multithreading in Python");
-- in the repository's development environment (the test extras add matplotlib and with it fonttools: 1,436 training
-  and 40 held-out documents): 517 s (8 min 49 s wall clock; lead pretraining 189 s, summarization 303 s), held-out
-  19.84 / 5.16 / 17.04 against the lead's 20.21 / 5.52 / 17.50, 0.37 under the lead; the longest held-out document
-  (fonttools, 5,712 tokens) summarized "What is this? fontTools is a library for manipulating fonts, written in"
-  (reference "Tools to manipulate font files"; the lead skips the question, the model copied it).
+- installed exactly as the README says (``pip install -e ".[train]"``: 1,426 training and 39 held-out documents): 257 s
+  from the first stage to the end (4 min 21 s wall clock with Python's start-up; lead pretraining 101 s, summarization
+  150 s, evaluation 1 s), peak RSS 2.2 GB; held-out ROUGE-1/2/Lsum 21.49 / 5.44 / 18.09 against the lead's 20.04 / 5.27
+  / 17.27 (1.45 above the lead in ROUGE-1); the longest held-out document (1,272 tokens) summarized "multiprocess:
+  better multiprocessing and multithreading in Python" (reference "better multiprocessing and multithreading in
+  Python");
+- in the repository's development environment (the test extras add matplotlib and with it fonttools: 1,433 training
+  and 40 held-out documents): 255 s (4 min 20 s wall clock), held-out 20.43 / 4.96 / 17.50 against the lead's 20.21 /
+  5.52 / 17.50, 0.22 above the lead; the longest held-out document (fonttools, 5,717 tokens) summarized "What is this?
+  fontTools is a library for manipulating fonts, written in Python." (reference "Tools to manipulate font files"; the
+  lead skips the question, the model copied it).
 
-On a faster 2-core AMD EPYC machine with AVX-512 (other float rounding), the same defaults gave 19.89 against the
-lead's 20.04 installed as the README says (248 s) and 20.81 against 20.21 in the development environment (262 s).
+Before 2026-11-27 the corpus also held this library's own README (its long description, which quotes held-out
+documents, a held-out reference summary and the demo's results) and two standard-library docstrings that repeat a
+held-out one's opening; :func:`build_corpus` leaves them out now. The same defaults with them: on a slower 2-core AMD
+EPYC machine with AVX2 only, 20.64 against the lead's 20.04 installed as the README says and 19.84 against 20.21 in
+the development environment, in 497 s (8 min 26 s wall clock; lead pretraining 197 s, summarization 272 s) and 517 s;
+on the AVX-512 machine above, 19.89 and 19.83 against 20.04 installed as the README says and 20.81 against 20.21 in
+the development environment, in 248-267 s. The ten-minute budget is set by the slower machine: the data are the same
+size (three documents fewer), so its time holds.
 
-Two draws on each side of the lead, as ten runs of the earlier defaults predicted (their mean was the lead's score):
-the model learns to copy a document's opening, with a few copy errors, and to read documents ten times longer than its
-training inputs through log-length scaling of the cross-attention (``LocostConfig.cross_attention_logn_length``); it
-does not write abstractive summaries. The lead pretraining went from 1,500 to 1,000 steps on 2026-11-26 (and the
-evaluation from ``Seq2SeqTrainer.predict``, 53 s, to batches of similar lengths, 4 s, the same summaries) to stay
-under ten minutes on a slow day. The record of the earlier runs, of what the scaling changed and of the twenty-odd
-recipes tried is ``benchmarks/results/demo.md``.
+Over those seven runs of the present defaults the margin over the lead was +0.60, -0.37, -0.15, -0.21, +0.60, +1.45 and
++0.22: above the lead in four, under it in three, about a point either way, as ten runs of the earlier defaults
+predicted (their mean was the lead's score). The model learns to copy a document's opening, with a few copy errors, and
+to read documents ten times longer than its training inputs through log-length scaling of the cross-attention
+(``LocostConfig.cross_attention_logn_length``); it does not write abstractive summaries. The lead pretraining went from
+1,500 to 1,000 steps on 2026-11-26 (and the evaluation from ``Seq2SeqTrainer.predict``, 53 s, to batches of similar
+lengths, 4 s, the same summaries) to stay under ten minutes on a slow day. The record of the earlier runs, of what the
+scaling changed and of the thirty-odd recipes tried is ``benchmarks/results/demo.md``.
 
 The workflow is the one to use with a converted, pretrained LOCOST (``examples/finetune_summarization.py``).
 """
@@ -144,8 +151,8 @@ def _replaced_atomically(output_dir: Path):
 
 @dataclass(frozen=True)
 class DemoSettings:
-    """Sizes and schedule of one demo run (the defaults: 497-517 s end to end on a slow 2-core CPU machine, see the
-    module docstring)."""
+    """Sizes and schedule of one demo run (the defaults: 497-517 s end to end on a slow 2-core CPU machine, 248-267 s
+    on a faster one; see the module docstring)."""
 
     vocab_size: int = 4000
     d_model: int = 128
