@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
 
     import torch
-    from transformers import DataCollatorForSeq2Seq, Seq2SeqTrainer, Seq2SeqTrainingArguments, set_seed
+    from transformers import DataCollatorForSeq2Seq, Seq2SeqTrainer, set_seed
     from transformers.utils import logging as hf_logging
 
     from longreach import demo
@@ -94,14 +94,10 @@ def main(argv: list[str] | None = None) -> dict:
         return demo.seq2seq_features(tokenizer, examples, max_source_length, settings.max_target_length)
 
     def train_stage(name: str, rows: list[dict], steps: int, learning_rate: float, batch_size: int) -> list[float]:
-        """The demo's ``train_model`` (same arguments), on ready features; the logged losses."""
-        training_args = Seq2SeqTrainingArguments(
-            output_dir=str(Path(workdir.name) / name), per_device_train_batch_size=batch_size,
-            learning_rate=learning_rate, lr_scheduler_type="linear", warmup_steps=min(50, steps // 10),
-            max_steps=steps, weight_decay=0.01, logging_steps=max(steps // 10, 1), save_strategy="no",
-            eval_strategy="no", report_to="none", use_cpu=not torch.cuda.is_available(), seed=seed, data_seed=seed,
-            disable_tqdm=True, dataloader_num_workers=0, adam_beta2=args.adam_beta2,
-        )
+        """A stage of the demo (its training arguments), on ready features; the logged losses."""
+        training_args = demo.stage_training_arguments(
+            str(Path(workdir.name) / name), batch_size, steps, learning_rate, seed,
+            logging_steps=max(steps // 10, 1), disable_tqdm=True, adam_beta2=args.adam_beta2)
         trainer = Seq2SeqTrainer(model=model, args=training_args, train_dataset=rows, processing_class=tokenizer,
                                  data_collator=collator)
         trainer.train()

@@ -97,7 +97,7 @@ MIN_DOCUMENT_WORDS = 80
 MAX_DOCUMENT_WORDS = 2500
 #: One document in HELD_OUT_EVERY goes to the held-out set (by hash of its name).
 HELD_OUT_EVERY = 10
-#: This library's distribution name: its README is not a corpus document (see :func:`build_corpus`).
+#: This library's distribution name: its README is not a corpus document (see :func:`distribution_examples`).
 _OWN_NAME = "longreach"
 
 #: Where the demo keeps its model when no --output_dir is given (relative to the current directory).
@@ -264,12 +264,14 @@ def _site_directories() -> list[str]:
 
 
 def distribution_examples(min_words: int = MIN_DOCUMENT_WORDS) -> list[dict]:
-    """(long description, ``Summary``) of every installed distribution, once per distribution name."""
+    """(long description, ``Summary``) of every installed distribution but this library, once per distribution name
+    (longreach's description is the project's README, which quotes the demo's held-out documents, a held-out summary
+    and the demo's results: held-out text that would be trained on, and that changes with every edit of the README)."""
     examples = {}
     for distribution in metadata.distributions(path=_site_directories()):
         meta = distribution.metadata
         name = (meta.get("Name") or "").strip()
-        if not name or name.lower() in examples:
+        if not name or name.lower() in examples or name.lower() == _OWN_NAME:
             continue
         description = meta.get_payload() or meta.get("Description") or ""
         example = _example("distribution", name, description, meta.get("Summary") or "", min_words)
@@ -343,15 +345,14 @@ def build_corpus(min_training_words: int = MIN_DOCUMENT_WORDS) -> tuple[list[dic
     ``min_training_words``. The split depends on the name only, so the held-out set is the same for any
     ``min_training_words``.
 
-    Kept out of training, so that no held-out text is trained on: this library's own distribution (its long
-    description is the project's README, which quotes the demo's held-out documents, their summaries and its
-    results), and any training document that contains a held-out document's summary or lead (:func:`without_overlap`;
-    measured: the README, and two standard-library docstrings that repeat a held-out one's opening).
+    So that no held-out text is trained on, this library's own README is not a document
+    (:func:`distribution_examples`), and no training document contains a held-out document's summary or lead
+    (:func:`without_overlap`; measured: two standard-library docstrings that repeat a held-out one's opening).
     """
     min_words = min(min_training_words, MIN_DOCUMENT_WORDS)
     train, held_out, seen = [], [], set()
     for example in distribution_examples(min_words) + stdlib_docstring_examples(min_words):
-        if example["document"] in seen or (example["source"], example["name"].lower()) == ("distribution", _OWN_NAME):
+        if example["document"] in seen:
             continue
         seen.add(example["document"])
         words = len(example["document"].split())
@@ -516,6 +517,22 @@ def summarization_mix(train: list[dict], settings: DemoSettings, seed: int) -> l
     return mix
 
 
+def stage_training_arguments(output_dir: str, batch_size: int, steps: int, learning_rate: float, seed: int,
+                             **overrides):
+    """``Seq2SeqTrainingArguments`` of one training stage: AdamW with linear decay after a short warm-up, on the GPU
+    when there is one; ``overrides`` (logging, Adam's betas, ...) are passed on."""
+    import torch
+    from transformers import Seq2SeqTrainingArguments
+
+    arguments = dict(
+        output_dir=output_dir, per_device_train_batch_size=batch_size, per_device_eval_batch_size=batch_size,
+        learning_rate=learning_rate, lr_scheduler_type="linear", warmup_steps=min(50, steps // 10), max_steps=steps,
+        weight_decay=0.01, save_strategy="no", eval_strategy="no", report_to="none",
+        use_cpu=not torch.cuda.is_available(), seed=seed, data_seed=seed, dataloader_num_workers=0,
+    )
+    return Seq2SeqTrainingArguments(**{**arguments, **overrides})
+
+
 class _Stage:
     """Numbered progress lines on stdout, with the elapsed time."""
 
@@ -529,9 +546,8 @@ class _Stage:
 
 def run_demo(output_dir: str | Path = DEFAULT_OUTPUT_DIR, settings: DemoSettings = DemoSettings(), seed: int = 0) -> dict:
     """Run the demo; returns ``{"rouge", "lead_rouge", "output_dir", "summary", ...}`` (also printed)."""
-    import torch
     from transformers import (
-        DataCollatorForSeq2Seq, Seq2SeqTrainer, Seq2SeqTrainingArguments, pipeline, set_seed,
+        DataCollatorForSeq2Seq, Seq2SeqTrainer, pipeline, set_seed,
     )
     from transformers.utils import logging as hf_logging
 
@@ -569,14 +585,8 @@ def run_demo(output_dir: str | Path = DEFAULT_OUTPUT_DIR, settings: DemoSettings
           f"encoder blocks, {settings.num_decoder_layers} T5 decoder blocks, d_model {settings.d_model})")
 
     def train_model(name: str, examples: list[dict], source_length: int, steps: int, learning_rate: float):
-        args = Seq2SeqTrainingArguments(
-            output_dir=str(Path(workdir.name) / name), per_device_train_batch_size=settings.batch_size,
-            per_device_eval_batch_size=settings.batch_size, learning_rate=learning_rate, lr_scheduler_type="linear",
-            warmup_steps=min(50, steps // 10), max_steps=steps, weight_decay=0.01, logging_steps=max(steps // 5, 1),
-            save_strategy="no", eval_strategy="no",
-            report_to="none", use_cpu=not torch.cuda.is_available(), seed=seed, data_seed=seed, disable_tqdm=False,
-            dataloader_num_workers=0,
-        )
+        args = stage_training_arguments(str(Path(workdir.name) / name), settings.batch_size, steps, learning_rate, seed,
+                                        logging_steps=max(steps // 5, 1), disable_tqdm=False)
         trainer = Seq2SeqTrainer(
             model=model, args=args, processing_class=tokenizer,
             train_dataset=seq2seq_features(tokenizer, examples, source_length, settings.max_target_length),
