@@ -51,6 +51,18 @@ def split_validation(train: list[dict]) -> tuple[list[dict], list[dict]]:
     return without_overlap([e for e in train if document_bucket(e) != VALIDATION_BUCKET], scored), validation
 
 
+def set_dropout(model, rate: float) -> None:
+    """Every dropout of ``model`` (its ``Dropout`` modules and the attention's probability dropout) set to ``rate``."""
+    from torch import nn
+
+    model.config.dropout_rate = rate
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = rate
+        elif isinstance(getattr(module, "dropout", None), float):
+            module.dropout = rate
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--settings", default="{}", help="JSON: DemoSettings fields to change.")
@@ -62,6 +74,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--adam_beta2", type=float, default=0.999)
     parser.add_argument("--synthetic_copy_steps", type=int, default=0)
     parser.add_argument("--synthetic_tokens", choices=["unigram", "uniform"], default="unigram")
+    parser.add_argument("--stage2_dropout", type=float, default=None,
+                        help="Dropout rate of the summarization stage only (the lead pretraining keeps the settings').")
     parser.add_argument("--json", default=None, help="Append the result line to this file.")
     args = parser.parse_args(argv)
 
@@ -121,6 +135,7 @@ def main(argv: list[str] | None = None) -> dict:
     result = {"settings": json.loads(args.settings), "smoke": args.smoke, "seed": seed,
               "stage1_steps": args.stage1_steps, "stage1_batch_size": args.stage1_batch_size,
               "adam_beta2": args.adam_beta2, "synthetic_copy_steps": args.synthetic_copy_steps,
+              "stage2_dropout": args.stage2_dropout,
               "train_documents": len(train), "validation_documents": len(validation_long)}
     if args.synthetic_copy_steps:
         rng = random.Random(seed + 7)
@@ -144,6 +159,8 @@ def main(argv: list[str] | None = None) -> dict:
         result[f"stage1_copy_loss_{length}"] = copy_loss(length)
 
     if not args.stage1_only:
+        if args.stage2_dropout is not None:
+            set_dropout(model, args.stage2_dropout)
         mix = demo.summarization_mix(train, settings, seed)
         result["stage2_losses"] = train_stage("summaries", features(mix, settings.max_source_length),
                                               settings.max_steps, settings.learning_rate, settings.batch_size)
