@@ -355,10 +355,28 @@ def test_demo_recipe_judges_on_validation_documents_split_from_training_never_he
     assert {demo.document_bucket(e) for e in held_out} == {0}
 
     out = tmp_path / "runs.jsonl"
-    result = module.main(["--smoke", "--seed", "1", "--synthetic_copy_steps", "2", "--json", str(out)])
-    assert result["validation_documents"] > 0 and len(result["stage1_losses"]) == 2
+    result = module.main(["--smoke", "--seed", "1", "--synthetic_copy_steps", "2", "--stage2_dropout", "0.1",
+                          "--json", str(out)])
+    assert result["validation_documents"] > 0 and len(result["stage1_losses"]) == 2 and result["stage2_dropout"] == 0.1
     assert len(result["synthetic_losses"]) == 2 and result["stage2_copy_loss_128"] > 0
     assert result["margin"] == round(result["rouge"]["rouge1"] - result["lead"]["rouge1"], 2)
     assert 0.0 <= result["lead_exact"] <= 1.0
     assert json.loads(out.read_text().splitlines()[-1]) == result
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == result
+
+
+def test_demo_recipe_set_dropout_reaches_every_dropout_of_the_model():
+    """--stage2_dropout's helper sets the Dropout modules and the attention's probability dropout (a float) alike."""
+    from torch import nn
+
+    from longreach import LocostConfig, LocostForConditionalGeneration
+
+    module = load_benchmark("demo_recipe")
+    model = LocostForConditionalGeneration(LocostConfig(vocab_size=32, d_model=16, d_state=4, d_kv=4, d_ff=32,
+                                                        num_layers=1, num_decoder_layers=1, num_heads=4,
+                                                        dropout_rate=0.0))
+    module.set_dropout(model, 0.25)
+    dropouts = [m.p for m in model.modules() if isinstance(m, nn.Dropout)]
+    attention = [m.dropout for m in model.modules() if isinstance(getattr(m, "dropout", None), float)]
+    assert dropouts and attention and set(dropouts) == set(attention) == {0.25}
+    assert model.config.dropout_rate == 0.25
