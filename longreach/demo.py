@@ -25,8 +25,12 @@ What it does, end to end, with no network and no argument:
    held-out document, read whole, beside its reference and its lead.
 9. **Corpus command** (``longreach summarize --input ... --output ...``) on the held-out set; its first lines.
 
-The result depends only on the Python version and the installed distributions (and the thread count, through
-floating-point summation order); on one machine, two runs give the same numbers.
+The result depends on the Python version, the installed distributions, the thread count and the CPU's vector
+instructions (the last two through floating-point summation order: AVX2 and AVX-512 machines train different weights);
+on one machine, two runs give the same numbers. An AVX-512 machine repeats an AVX2 machine's run when torch, MKL and
+oneDNN are held to AVX2 (``ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 ONEDNN_MAX_CPU_ISA=AVX2``): that
+reproduced the AVX2 machine's run installed as the README says, below (20.64 / 4.47 / 17.48, the same summary; code of
+334b425 with its parent's README, as installed then), to the last digit.
 
 Measured with the defaults (1,000 lead-pretraining steps, 1,000 summarization steps) on 2026-11-27, on a 2-core AMD
 EPYC machine with AVX-512 (Python 3.11, torch 2.13 CPU), otherwise idle, in two environments (the corpus depends on
@@ -42,7 +46,11 @@ what is installed, so the two trained on different data and are two draws of the
   and 40 held-out documents): 255 s (4 min 20 s wall clock), held-out 20.43 / 4.96 / 17.50 against the lead's 20.21 /
   5.52 / 17.50, 0.22 above the lead; the longest held-out document (fonttools, 5,717 tokens) summarized "What is this?
   fontTools is a library for manipulating fonts, written in Python." (reference "Tools to manipulate font files"; the
-  lead skips the question, the model copied it).
+  lead skips the question, the model copied it);
+- the same two, with torch, MKL and oneDNN held to AVX2 as above (the AVX2 machine's numbers, by that check): installed
+  as the README says 20.13 / 3.80 / 16.39 against the lead's 20.04 / 5.27 / 17.27, 0.09 above the lead, the longest
+  held-out document summarized "multiprocess: better multiprocessing in Python About Multiprocess is a for", in 258 s;
+  in the development environment 19.56 / 4.05 / 16.34 against 20.21 / 5.52 / 17.50, 0.65 under the lead, in 256 s.
 
 Before 2026-11-27 the corpus also held this library's own README (its long description, which quotes held-out
 documents, a held-out reference summary and the demo's results) and two standard-library docstrings that repeat a
@@ -53,10 +61,10 @@ on the AVX-512 machine above, 19.89 and 19.83 against 20.04 installed as the REA
 the development environment, in 248-267 s. The ten-minute budget is set by the slower machine: the data are the same
 size (three documents fewer), so its time holds.
 
-Over those seven runs of the present defaults and one more (installed as the README says, with one thread: 20.45
-against 20.04 in 416 s) the margin over the lead was +0.60, -0.37, -0.15, -0.21, +0.60, +1.45, +0.22 and +0.41: above
-the lead in five, under it in three, about a point either way, as ten runs of the earlier defaults predicted (their
-mean was the lead's score). The model learns to copy a document's opening, with a few copy errors, and to read
+Over those nine runs of the present defaults and one more (installed as the README says, with one thread: 20.45
+against 20.04 in 416 s) the margin over the lead was +0.60, -0.37, -0.15, -0.21, +0.60, +1.45, +0.22, +0.09, -0.65 and
++0.41: above the lead in six, under it in four, about a point either way, as ten runs of the earlier defaults
+predicted (their mean was the lead's score). The model learns to copy a document's opening, with a few copy errors, and to read
 documents ten times longer than its training inputs through log-length scaling of the cross-attention
 (``LocostConfig.cross_attention_logn_length``); it does not write abstractive summaries. The lead pretraining went from
 1,500 to 1,000 steps on 2026-11-26 (and the evaluation from ``Seq2SeqTrainer.predict``, 53 s, to batches of similar
