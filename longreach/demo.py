@@ -443,20 +443,14 @@ def lead_baseline(document: str, num_words: int = 12) -> str:
 
 def lead_pretraining_examples(train: list[dict], num_words: int, random_windows: int, seed: int,
                               document_starts: bool = True) -> list[dict]:
-    """Self-supervised (text, target) pairs from the *training* documents: the text from each sentence start and
-    from ``random_windows`` random word positions per document, each with its own lead (:func:`lead_baseline`: its
-    first statement, at most ``num_words`` words) as target. Summaries are not used; ``document_starts=False`` leaves
-    out the pairs that begin where a document begins (mixed with the summaries, where the document's start must map to
-    its summary).
+    """Self-supervised (text, target) pairs from the *training* documents: the text from each sentence start, with
+    its lead (:func:`lead_baseline`) as target, and from ``random_windows`` random word positions per document, with
+    the next ``num_words`` words as target. Summaries are not used; ``document_starts=False`` leaves out the pairs that
+    begin where a document begins (mixed with the summaries, where the document's start must map to its summary).
 
     Learning to copy is what a model trained from scratch lacks first, and what a summarizer of these documents
     builds on (the lead is a strong baseline here): the "Lead" self-supervised objective of PEGASUS (Zhang et al.,
-    2020) applied at every sentence. A window's target ends where its first statement ends, as every other target
-    does: with the window's next ``num_words`` words as target (the earlier rule), the model learned to copy across
-    sentence ends and ran past them on long held-out documents ("Requests Requests is a simple, yet elegant, HTTP
-    library. Requests allows you to send HTTP/1"); the statement rule raised the mean ROUGE-1 margin over the lead on
-    the validation split of ``benchmarks/demo_recipe.py`` from -0.24 to +0.54 (seeds 0 to 3, better on each;
-    ``benchmarks/results/demo.md``)."""
+    2020) applied at every sentence."""
     import random
 
     rng = random.Random(seed)
@@ -471,8 +465,7 @@ def lead_pretraining_examples(train: list[dict], num_words: int, random_windows:
             start += len(sentence.split())
         for _ in range(random_windows if len(words) >= 30 else 0):
             start = rng.randrange(1 - int(document_starts), len(words) - 15)
-            text = " ".join(words[start:])
-            pairs.append({"document": text, "summary": lead_baseline(text, num_words)})
+            pairs.append({"document": " ".join(words[start:]), "summary": " ".join(words[start:start + num_words])})
     rng.shuffle(pairs)
     return pairs
 
