@@ -69,7 +69,7 @@ documents ten times longer than its training inputs through log-length scaling o
 (``LocostConfig.cross_attention_logn_length``); it does not write abstractive summaries. The lead pretraining went from
 1,500 to 1,000 steps on 2026-11-26 (and the evaluation from ``Seq2SeqTrainer.predict``, 53 s, to batches of similar
 lengths, 4 s, the same summaries) to stay under ten minutes on a slow day. The record of the earlier runs, of what the
-scaling changed and of the thirty-odd recipes tried is ``benchmarks/results/demo.md``.
+scaling changed and of the forty or so recipes tried is ``benchmarks/results/demo.md``.
 
 The workflow is the one to use with a converted, pretrained LOCOST (``examples/finetune_summarization.py``).
 """
