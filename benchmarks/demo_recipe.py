@@ -20,10 +20,9 @@ one JSON line (and appended to ``--json``):
   ROUGE-1 against it).
 
 Options beyond the demo's settings, for what the demo does not expose: ``--stage1_steps``, ``--stage1_batch_size``,
-``--adam_beta2``, ``--stage2_dropout`` (a dropout rate for the summarization stage only), and
-``--synthetic_copy_steps`` (a stage before the lead pretraining that copies the first 4 to 16 tokens of random token
-sequences, drawn by the training text's token frequencies or uniformly). What was tried with it
-is in ``benchmarks/results/demo.md``.
+``--adam_beta2``, ``--stage2_dropout`` (a dropout rate for the summarization stage only), and ``--synthetic_copy_steps``
+(a stage before the lead pretraining that copies the first 4 to 16 tokens of random token sequences, drawn by the
+training text's token frequencies or uniformly). What was tried with it is in ``benchmarks/results/demo.md``.
 """
 
 from __future__ import annotations

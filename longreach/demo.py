@@ -61,11 +61,11 @@ on the AVX-512 machine above, 19.89 and 19.83 against 20.04 installed as the REA
 the development environment, in 248-267 s. The ten-minute budget is set by the slower machine: the data are the same
 size (three documents fewer), so its time holds.
 
-Over those nine runs of the present defaults and one more (installed as the README says, with one thread: 20.45
-against 20.04 in 416 s) the margin over the lead was +0.60, -0.37, -0.15, -0.21, +0.60, +1.45, +0.22, +0.09, -0.65 and
-+0.41: above the lead in six, under it in four, about a point either way, as ten runs of the earlier defaults
-predicted (their mean was the lead's score). The model learns to copy a document's opening, with a few copy errors, and to read
-documents ten times longer than its training inputs through log-length scaling of the cross-attention
+Over those nine runs of the present defaults and one more (installed as the README says, with one thread: 20.45 against
+20.04 in 416 s) the margins over the lead were +0.60, -0.37, -0.15, -0.21, +0.60, +1.45, +0.22, +0.09, -0.65 and +0.41:
+above the lead in six, under it in four, about a point either way, as ten runs of the earlier defaults predicted (their
+mean was the lead's score). The model learns to copy a document's opening, with a few copy errors, and to read documents
+ten times longer than its training inputs through log-length scaling of the cross-attention
 (``LocostConfig.cross_attention_logn_length``); it does not write abstractive summaries. The lead pretraining went from
 1,500 to 1,000 steps on 2026-11-26 (and the evaluation from ``Seq2SeqTrainer.predict``, 53 s, to batches of similar
 lengths, 4 s, the same summaries) to stay under ten minutes on a slow day. The record of the earlier runs, of what the
