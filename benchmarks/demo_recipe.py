@@ -15,7 +15,8 @@ one JSON line (and appended to ``--json``):
   after each stage (N: the lead pretraining's input length and the summarization stage's after stage 1, the latter
   after stage 2);
 - after the summarization stage, on the validation documents of at least ``MIN_DOCUMENT_WORDS`` words read whole:
-  ``rouge`` against their summaries, ``lead`` (the demo's lead baseline), ``margin`` (ROUGE-1, model minus lead), and
+  ``rouge`` against their summaries, ``lead`` (the demo's lead baseline), ``margin`` (ROUGE-1, model minus lead) and
+  ``margin_interval`` (its 95% paired bootstrap interval over the documents), and
   ``lead_exact`` / ``lead_rouge1``: how faithfully the summaries copy the lead (the share equal to it, and their
   ROUGE-1 against it).
 
@@ -173,6 +174,7 @@ def main(argv: list[str] | None = None) -> dict:
             result["rouge"] = rouge_scores(summaries, references)
             result["lead"] = rouge_scores(leads, references)
             result["margin"] = round(result["rouge"]["rouge1"] - result["lead"]["rouge1"], 2)
+            result["margin_interval"] = list(demo.paired_bootstrap_interval(summaries, leads, references))
             result["lead_exact"] = round(sum(s.strip() == l.strip() for s, l in zip(summaries, leads)) / len(leads), 3)
             result["lead_rouge1"] = rouge_scores(summaries, leads)["rouge1"]
     result["seconds"] = round(time.perf_counter() - start, 1)

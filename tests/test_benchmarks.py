@@ -360,6 +360,7 @@ def test_demo_recipe_judges_on_validation_documents_split_from_training_never_he
     assert result["validation_documents"] > 0 and len(result["stage1_losses"]) == 2 and result["stage2_dropout"] == 0.1
     assert len(result["synthetic_losses"]) == 2 and result["stage2_copy_loss_128"] > 0
     assert result["margin"] == round(result["rouge"]["rouge1"] - result["lead"]["rouge1"], 2)
+    assert -100.0 <= result["margin_interval"][0] <= result["margin_interval"][1] <= 100.0
     assert 0.0 <= result["lead_exact"] <= 1.0
     assert json.loads(out.read_text().splitlines()[-1]) == result
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == result

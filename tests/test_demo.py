@@ -20,6 +20,7 @@ from longreach.demo import (
     check_output_dir,
     lead_baseline,
     lead_pretraining_examples,
+    paired_bootstrap_interval,
     without_overlap,
 )
 from longreach.metrics import rouge_scores
@@ -90,6 +91,26 @@ def test_rouge_and_baseline_helpers():
     assert lead_baseline("Why? Why not?") == "Why?"
 
 
+def test_paired_bootstrap_interval_of_the_rouge1_margin():
+    references = ["the cat sat on the mat", "a dog barks at night", "rain falls on the town", "birds sing at dawn"]
+    # the same summaries as the baseline: no difference in any resampling
+    assert paired_bootstrap_interval(references, references, references) == (0.0, 0.0)
+    # every summary exact, every baseline shares nothing: +100 on every document, so in every resampling
+    baseline = ["zebra", "quartz", "violin", "crater"]
+    assert paired_bootstrap_interval(references, baseline, references) == (100.0, 100.0)
+    # mixed: one document better, one worse; the interval contains the observed mean difference and 0, and is the
+    # same for the same seed
+    summaries = ["the cat sat on the mat", "zebra", "rain falls on the town", "birds sing at dawn"]
+    mixed_baseline = ["zebra", "a dog barks at night", "rain falls on the town", "birds sing at dawn"]
+    low, high = paired_bootstrap_interval(summaries, mixed_baseline, references)
+    assert low < 0.0 < high and low >= -100.0 and high <= 100.0
+    assert (low, high) == paired_bootstrap_interval(summaries, mixed_baseline, references)
+    with pytest.raises(ValueError, match="`predictions`, `baseline` and `references`"):
+        paired_bootstrap_interval(summaries, mixed_baseline[:3], references)
+    with pytest.raises(ValueError, match="`confidence` must be between 0 and 1"):
+        paired_bootstrap_interval(summaries, mixed_baseline, references, confidence=95)
+
+
 def test_clean_text_keeps_sections_whose_titles_are_underlined_with_tildes():
     # a reStructuredText "~~~~" underline is not a Markdown code fence: the section under it was lost
     text = "What is this?\n~~~~~~~~~~~~~\n\n| fontTools is a library.\n\nInstall\n~~~~~~~\n\n```\ncode\n```\nEnd."
@@ -116,6 +137,9 @@ def test_demo_smoke_run(tmp_path, capsys, monkeypatch):
     assert set(result["rouge"]) == {"rouge1", "rouge2", "rougeLsum"}
     assert all(0.0 <= value <= 100.0 for value in result["rouge"].values())
     assert "ROUGE on 4 held-out documents" in out and "reference:" in out and "summary:" in out
+    assert result["rouge1_margin"] == round(result["rouge"]["rouge1"] - result["lead_rouge"]["rouge1"], 2)
+    low, high = result["rouge1_margin_interval"]
+    assert -100.0 <= low <= high <= 100.0 and "95% paired bootstrap interval over the 4 documents" in out
     assert result["document_tokens"] > 128  # longer than the training inputs (cut to 128 here): read whole
     assert result["output_dir"] == str(output_dir)
     # trained on inputs of at most 128 tokens, it scales its cross-attention on the longer documents it reads
