@@ -3,10 +3,11 @@
     python benchmarks/demo_recipe.py                                          # the demo's defaults
     python benchmarks/demo_recipe.py --settings '{"ssm_dt_max": 2.0}' --seed 1 --json runs.jsonl
     python benchmarks/demo_recipe.py --stage1_only --settings '{"lead_learning_rate": 3e-3}'
+    for b in 1 2 3 4 5 6 7 8 9; do python benchmarks/demo_recipe.py --validation_bucket $b --summaries fold$b.jsonl; done
 
 The corpus, tokenizer, model and both training stages are the demo's (:mod:`longreach.demo`), with one difference: the
-training documents whose name hashes to ``VALIDATION_BUCKET`` (mod ``HELD_OUT_EVERY``) are taken out of training and
-serve as the validation set; the demo's held-out documents (bucket 0) are neither trained nor evaluated on. Printed as
+training documents whose name hashes to ``VALIDATION_BUCKET`` (mod ``HELD_OUT_EVERY``; ``--validation_bucket`` picks
+another of the buckets 1 to 9) are taken out of training and serve as the validation set; the demo's held-out documents (bucket 0) are neither trained nor evaluated on. Printed as
 one JSON line (and appended to ``--json``):
 
 - ``stage1_losses``: the lead pretraining's training loss at every tenth of its steps (where copying sets in);
@@ -41,15 +42,28 @@ from pathlib import Path
 VALIDATION_BUCKET = 1
 
 
-def split_validation(train: list[dict]) -> tuple[list[dict], list[dict]]:
-    """``(train, validation)``: the training documents in bucket ``VALIDATION_BUCKET`` go to validation, and the
-    rest that repeat the summary or lead of a validation document that is scored (at least ``MIN_DOCUMENT_WORDS``
-    words) stay out of training, as the demo does for its held-out set (:func:`longreach.demo.without_overlap`)."""
-    from longreach.demo import MIN_DOCUMENT_WORDS, document_bucket, without_overlap
+def split_validation(train: list[dict], bucket: int = VALIDATION_BUCKET) -> tuple[list[dict], list[dict]]:
+    """``(train, validation)``: the training documents in hash bucket ``bucket`` (1 to ``HELD_OUT_EVERY`` - 1; 0 is
+    the demo's held-out set) go to validation, and the rest that repeat the summary or lead of a validation document
+    that is scored (at least ``MIN_DOCUMENT_WORDS`` words) stay out of training, as the demo does for its held-out set
+    (:func:`longreach.demo.without_overlap`)."""
+    from longreach.demo import HELD_OUT_EVERY, MIN_DOCUMENT_WORDS, document_bucket, without_overlap
 
-    validation = [e for e in train if document_bucket(e) == VALIDATION_BUCKET]
+    if not 1 <= bucket < HELD_OUT_EVERY:
+        raise ValueError(f"`bucket` must be 1 to {HELD_OUT_EVERY - 1} (0 is the demo's held-out set), got {bucket}.")
+    validation = [e for e in train if document_bucket(e) == bucket]
     scored = [e for e in validation if len(e["document"].split()) >= MIN_DOCUMENT_WORDS]
-    return without_overlap([e for e in train if document_bucket(e) != VALIDATION_BUCKET], scored), validation
+    return without_overlap([e for e in train if document_bucket(e) != bucket], scored), validation
+
+
+def write_summaries(path: Path, documents: list[dict], leads: list[str], summaries: list[str]) -> None:
+    """One JSON line per document (name, reference, lead, summary), written beside ``path`` and renamed into place."""
+    staging = path.with_name(path.name + ".tmp")
+    with open(staging, "w", encoding="utf-8") as handle:
+        for document, lead, summary in zip(documents, leads, summaries):
+            handle.write(json.dumps({"name": document["name"], "reference": document["summary"], "lead": lead,
+                                     "summary": summary}) + "\n")
+    staging.replace(path)
 
 
 def set_dropout(model, rate: float) -> None:
@@ -77,6 +91,12 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--synthetic_tokens", choices=["unigram", "uniform"], default="unigram")
     parser.add_argument("--stage2_dropout", type=float, default=None,
                         help="Dropout rate of the summarization stage only (the lead pretraining keeps the settings').")
+    parser.add_argument("--validation_bucket", type=int, default=VALIDATION_BUCKET,
+                        help="The hash bucket (1-9) of the training documents taken out as the validation set; the "
+                        "buckets 1 to 9 in turn score the recipe on every training document (cross-validation).")
+    parser.add_argument("--summaries", default=None,
+                        help="Write the validation documents' summaries to this JSONL file (name, reference, lead, "
+                        "summary), to pool several runs' documents.")
     parser.add_argument("--json", default=None, help="Append the result line to this file.")
     args = parser.parse_args(argv)
 
@@ -93,7 +113,7 @@ def main(argv: list[str] | None = None) -> dict:
     hf_logging.set_verbosity_error()
     start = time.perf_counter()
     train, _held_out = demo.build_corpus(settings.min_training_words)  # the held-out documents are not used
-    train, validation = split_validation(train)
+    train, validation = split_validation(train, args.validation_bucket)
     if settings.max_train_documents is not None:
         train = train[: settings.max_train_documents]
     validation_long = sorted((e for e in validation if len(e["document"].split()) >= demo.MIN_DOCUMENT_WORDS),
@@ -134,6 +154,7 @@ def main(argv: list[str] | None = None) -> dict:
         return round(total / max(count, 1), 4)
 
     result = {"settings": json.loads(args.settings), "smoke": args.smoke, "seed": seed,
+              "validation_bucket": args.validation_bucket,
               "stage1_steps": args.stage1_steps, "stage1_batch_size": args.stage1_batch_size,
               "adam_beta2": args.adam_beta2, "synthetic_copy_steps": args.synthetic_copy_steps,
               "stage2_dropout": args.stage2_dropout,
@@ -177,6 +198,8 @@ def main(argv: list[str] | None = None) -> dict:
             result["margin_interval"] = list(demo.paired_bootstrap_interval(summaries, leads, references))
             result["lead_exact"] = round(sum(s.strip() == l.strip() for s, l in zip(summaries, leads)) / len(leads), 3)
             result["lead_rouge1"] = rouge_scores(summaries, leads)["rouge1"]
+            if args.summaries:
+                write_summaries(Path(args.summaries), validation_long, leads, summaries)
     result["seconds"] = round(time.perf_counter() - start, 1)
     workdir.cleanup()
     line = json.dumps(result)

@@ -354,9 +354,20 @@ def test_demo_recipe_judges_on_validation_documents_split_from_training_never_he
             for e in validation} == {module.VALIDATION_BUCKET}
     assert {demo.document_bucket(e) for e in held_out} == {0}
 
-    out = tmp_path / "runs.jsonl"
+    other_kept, other_validation = module.split_validation(train, 2)  # another fold: disjoint validation sets
+    assert other_validation and not {e["name"] for e in other_validation} & {e["name"] for e in validation}
+    with pytest.raises(ValueError, match="`bucket` must be 1 to 9"):
+        module.split_validation(train, 0)  # the demo's held-out bucket is never a validation set
+
+    out, summaries = tmp_path / "runs.jsonl", tmp_path / "fold2.jsonl"
     result = module.main(["--smoke", "--seed", "1", "--synthetic_copy_steps", "2", "--stage2_dropout", "0.1",
-                          "--json", str(out)])
+                          "--validation_bucket", "2", "--summaries", str(summaries), "--json", str(out)])
+    assert result["validation_bucket"] == 2
+    rows = [json.loads(line) for line in summaries.read_text().splitlines()]
+    assert len(rows) == result["validation_documents"] and all(set(r) == {"name", "reference", "lead", "summary"}
+                                                                 for r in rows)
+    assert {r["name"] for r in rows} <= {e["name"] for e in other_validation}
+    assert not list(tmp_path.glob("*.tmp"))
     assert result["validation_documents"] > 0 and len(result["stage1_losses"]) == 2 and result["stage2_dropout"] == 0.1
     assert len(result["synthetic_losses"]) == 2 and result["stage2_copy_loss_128"] > 0
     assert result["margin"] == round(result["rouge"]["rouge1"] - result["lead"]["rouge1"], 2)
