@@ -3,12 +3,13 @@
     python benchmarks/demo_recipe.py                                          # the demo's defaults
     python benchmarks/demo_recipe.py --settings '{"ssm_dt_max": 2.0}' --seed 1 --json runs.jsonl
     python benchmarks/demo_recipe.py --stage1_only --settings '{"lead_learning_rate": 3e-3}'
-    for b in 1 2 3 4 5 6 7 8 9; do python benchmarks/demo_recipe.py --validation_bucket $b --summaries fold$b.jsonl; done
+    for b in 1 2 3 4 5 6 7 8 9; do                                           # every fold
+        python benchmarks/demo_recipe.py --validation_bucket $b --summaries fold$b.jsonl; done
 
 The corpus, tokenizer, model and both training stages are the demo's (:mod:`longreach.demo`), with one difference: the
 training documents whose name hashes to ``VALIDATION_BUCKET`` (mod ``HELD_OUT_EVERY``; ``--validation_bucket`` picks
-another of the buckets 1 to 9) are taken out of training and serve as the validation set; the demo's held-out documents (bucket 0) are neither trained nor evaluated on. Printed as
-one JSON line (and appended to ``--json``):
+another of the buckets 1 to 9) are taken out of training and serve as the validation set; the demo's held-out documents
+(bucket 0) are neither trained nor evaluated on. Printed as one JSON line (and appended to ``--json``):
 
 - ``stage1_losses``: the lead pretraining's training loss at every tenth of its steps (where copying sets in);
 - ``stage1_copy_loss_{N}``, ``stage2_copy_loss_{N}``: the teacher-forced loss per target token on 1,000 copy pairs
