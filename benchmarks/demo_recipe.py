@@ -5,6 +5,7 @@
     python benchmarks/demo_recipe.py --stage1_only --settings '{"lead_learning_rate": 3e-3}'
     for b in 1 2 3 4 5 6 7 8 9; do                                           # every fold
         python benchmarks/demo_recipe.py --validation_bucket $b --summaries fold$b.jsonl; done
+    python benchmarks/demo_recipe.py --pool fold*.jsonl                       # their documents scored together
 
 The corpus, tokenizer, model and both training stages are the demo's (:mod:`longreach.demo`), with one difference: the
 training documents whose name hashes to ``VALIDATION_BUCKET`` (mod ``HELD_OUT_EVERY``; ``--validation_bucket`` picks
@@ -67,6 +68,33 @@ def write_summaries(path: Path, documents: list[dict], leads: list[str], summari
     staging.replace(path)
 
 
+def pooled_margin(paths: list[str]) -> dict:
+    """The validation summaries of several runs (``--summaries`` files, e.g. the nine folds) scored together: the
+    documents, ROUGE of the summaries and of the leads, the ROUGE-1 margin and its 95% paired bootstrap interval over
+    all the documents, and the margin of each kind of document (standard-library docstrings, distribution READMEs)."""
+    from longreach.demo import paired_bootstrap_interval
+    from longreach.metrics import rouge_scores
+
+    rows = [json.loads(line) for path in paths for line in Path(path).read_text(encoding="utf-8").splitlines()]
+    if not rows:
+        raise ValueError(f"`paths` hold no summaries: {paths}.")
+
+    def scored(part: list[dict]) -> dict:
+        summaries, leads, references = ([r[key] for r in part] for key in ("summary", "lead", "reference"))
+        rouge, lead = rouge_scores(summaries, references), rouge_scores(leads, references)
+        return {"documents": len(part), "rouge": rouge, "lead": lead,
+                "margin": round(rouge["rouge1"] - lead["rouge1"], 2),
+                "margin_interval": list(paired_bootstrap_interval(summaries, leads, references))}
+
+    result = {"files": len(paths), **scored(rows)}
+    # standard-library names are "module:object:line", distributions' their project name
+    for kind, part in (("docstrings", [r for r in rows if ":" in r["name"]]),
+                       ("readmes", [r for r in rows if ":" not in r["name"]])):
+        if part:
+            result[kind] = scored(part)
+    return result
+
+
 def set_dropout(model, rate: float) -> None:
     """Every dropout of ``model`` (its ``Dropout`` modules and the attention's probability dropout) set to ``rate``."""
     from torch import nn
@@ -98,8 +126,14 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--summaries", default=None,
                         help="Write the validation documents' summaries to this JSONL file (name, reference, lead, "
                         "summary), to pool several runs' documents.")
+    parser.add_argument("--pool", nargs="+", default=None, metavar="SUMMARIES",
+                        help="Only score the --summaries files of earlier runs together (see pooled_margin) and exit.")
     parser.add_argument("--json", default=None, help="Append the result line to this file.")
     args = parser.parse_args(argv)
+    if args.pool:
+        pooled = pooled_margin(args.pool)
+        print(json.dumps(pooled), flush=True)
+        return pooled
 
     import torch
     from transformers import DataCollatorForSeq2Seq, Seq2SeqTrainer, set_seed

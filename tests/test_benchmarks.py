@@ -377,6 +377,28 @@ def test_demo_recipe_judges_on_validation_documents_split_from_training_never_he
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == result
 
 
+def test_demo_recipe_pools_the_summaries_of_several_folds(tmp_path):
+    module = load_benchmark("demo_recipe")
+    first, second = tmp_path / "fold1.jsonl", tmp_path / "fold2.jsonl"
+    first.write_text(json.dumps({"name": "statistics:median:10", "reference": "the middle value of data",
+                                 "lead": "data points", "summary": "the middle value of data"}) + "\n")
+    second.write_text(json.dumps({"name": "requests", "reference": "http for humans", "lead": "http for humans",
+                                  "summary": "zebra"}) + "\n")
+    pooled = module.main(["--pool", str(first), str(second)])
+    assert pooled["files"] == 2 and pooled["documents"] == 2
+    # the docstring: summary exact, lead shares "data" (F1 2/7); the README: summary shares nothing, lead exact
+    assert pooled["docstrings"]["margin"] == round(100 - 100 * 2 / 7, 2)
+    assert pooled["readmes"]["margin"] == -100.0
+    halves = (pooled["docstrings"]["margin"] + pooled["readmes"]["margin"]) / 2
+    assert pooled["margin"] == pytest.approx(halves, abs=0.01)
+    low, high = pooled["margin_interval"]
+    assert -100.0 <= low < 0.0 < high <= 100.0
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    with pytest.raises(ValueError, match="hold no summaries"):
+        module.pooled_margin([str(empty)])
+
+
 def test_demo_recipe_set_dropout_reaches_every_dropout_of_the_model():
     """--stage2_dropout's helper sets the Dropout modules and the attention's probability dropout (a float) alike."""
     from torch import nn
