@@ -704,6 +704,8 @@ def paired_bootstrap_interval(predictions: list[str], baseline: list[str], refer
                          f"{len(predictions)}, {len(baseline)} and {len(references)}.")
     if not 0.0 < confidence < 1.0:
         raise ValueError(f"`confidence` must be between 0 and 1 (exclusive), got {confidence}.")
+    if isinstance(samples, bool) or not isinstance(samples, int) or samples < 1:
+        raise ValueError(f"`samples` must be a positive integer (resamplings of the documents), got {samples!r}.")
     differences = [rouge_scores([prediction], [reference], digits=6)["rouge1"]
                    - rouge_scores([base], [reference], digits=6)["rouge1"]
                    for prediction, base, reference in zip(predictions, baseline, references)]

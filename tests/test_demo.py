@@ -109,6 +109,8 @@ def test_paired_bootstrap_interval_of_the_rouge1_margin():
         paired_bootstrap_interval(summaries, mixed_baseline[:3], references)
     with pytest.raises(ValueError, match="`confidence` must be between 0 and 1"):
         paired_bootstrap_interval(summaries, mixed_baseline, references, confidence=95)
+    with pytest.raises(ValueError, match="`samples` must be a positive integer"):
+        paired_bootstrap_interval(summaries, mixed_baseline, references, samples=0)
 
 
 def test_clean_text_keeps_sections_whose_titles_are_underlined_with_tildes():
