@@ -105,7 +105,7 @@ from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
-from .metrics import rouge_scores
+from .metrics import rouge_per_document, rouge_scores
 
 #: Held-out documents have at least this many words (they stand for "long documents"); training documents may be
 #: shorter (``DemoSettings.min_training_words``).
@@ -706,9 +706,8 @@ def paired_bootstrap_interval(predictions: list[str], baseline: list[str], refer
         raise ValueError(f"`confidence` must be between 0 and 1 (exclusive), got {confidence}.")
     if isinstance(samples, bool) or not isinstance(samples, int) or samples < 1:
         raise ValueError(f"`samples` must be a positive integer (resamplings of the documents), got {samples!r}.")
-    differences = [rouge_scores([prediction], [reference], digits=6)["rouge1"]
-                   - rouge_scores([base], [reference], digits=6)["rouge1"]
-                   for prediction, base, reference in zip(predictions, baseline, references)]
+    differences = [100 * (ours["rouge1"] - theirs["rouge1"]) for ours, theirs in
+                   zip(rouge_per_document(predictions, references), rouge_per_document(baseline, references))]
     rng, count = random.Random(seed), len(differences)
     means = sorted(sum(rng.choices(differences, k=count)) / count for _ in range(samples))
     tail = (1.0 - confidence) / 2

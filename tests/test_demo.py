@@ -23,7 +23,7 @@ from longreach.demo import (
     paired_bootstrap_interval,
     without_overlap,
 )
-from longreach.metrics import rouge_scores
+from longreach.metrics import rouge_per_document, rouge_scores
 
 
 def test_corpus_is_real_local_text_split_deterministically():
@@ -85,6 +85,10 @@ def test_rouge_and_baseline_helpers():
     assert rouge_scores(["the cat sat on the mat."], ["the cat sat on the mat."]) == {
         "rouge1": 100.0, "rouge2": 100.0, "rougeLsum": 100.0}
     assert rouge_scores(["dogs bark"], ["the cat sat"])["rouge1"] == 0.0
+    # per document (0 to 1), and the corpus score is their mean
+    per_document = rouge_per_document(["the cat sat", "dogs bark"], ["the cat sat", "the cat sat"])
+    assert [scores["rouge1"] for scores in per_document] == [1.0, 0.0]
+    assert rouge_scores(["the cat sat", "dogs bark"], ["the cat sat", "the cat sat"])["rouge1"] == 50.0
     assert lead_baseline("First sentence here. Second one.") == "First sentence here."
     # questions and headings are not leads
     assert lead_baseline("What is this? Overview. A library for fonts. More.") == "A library for fonts."
