@@ -129,6 +129,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--pool", nargs="+", default=None, metavar="SUMMARIES",
                         help="Only score the --summaries files of earlier runs together (see pooled_margin) and exit.")
     parser.add_argument("--json", default=None, help="Append the result line to this file.")
+    parser.add_argument("--save_model", default=None,
+                        help="Save the trained model and its tokenizer to this folder (to try decodings on it later).")
     args = parser.parse_args(argv)
     if args.pool:
         pooled = pooled_margin(args.pool)
@@ -235,6 +237,9 @@ def main(argv: list[str] | None = None) -> dict:
             result["lead_rouge1"] = rouge_scores(summaries, leads)["rouge1"]
             if args.summaries:
                 write_summaries(Path(args.summaries), validation_long, leads, summaries)
+    if args.save_model:
+        model.save_pretrained(args.save_model)
+        tokenizer.save_pretrained(args.save_model)
     result["seconds"] = round(time.perf_counter() - start, 1)
     workdir.cleanup()
     line = json.dumps(result)
