@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import math
 import os
 import sys
 import time
@@ -57,6 +58,26 @@ def positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text}")
+    return value
+
+
+def finite_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {text}")
     return value
 
 
@@ -299,6 +320,18 @@ def summarize_corpus_command(args: argparse.Namespace) -> int:
     if args.output is None or not args.output.endswith(".jsonl"):
         raise UsageError(f"longreach summarize --input needs --output OUT.jsonl (one JSON line per summary), got "
                          f"{args.output!r}")
+    kind = corpus_module.input_kind(args.input)
+    given = getattr(args, "table_options_given", [])
+    if kind in ("folder", "text") and given:
+        raise UsageError(f"longreach summarize: {' / '.join(given)} apply to table files and Hub datasets, not to "
+                         f"--input {args.input} (a {'folder of text files' if kind == 'folder' else 'text file'}); "
+                         "leave them out")
+    if kind == "table" and "--split" in given:
+        raise UsageError(f"longreach summarize: --split applies to Hub datasets; --input {args.input} is one file, "
+                         "read whole; leave it out")
+    if kind in ("table", "text") and Path(args.output).resolve() == Path(args.input).expanduser().resolve():
+        raise UsageError(f"longreach summarize: --output {args.output} is the --input file; choose another file for "
+                         "the summaries")
     rank, world_size = corpus_module.distributed_rank()
     device = args.device
     if device is None and world_size > 1:
@@ -334,9 +367,9 @@ def summarize_corpus_command(args: argparse.Namespace) -> int:
                   f"{stats['seconds']:.1f}s by {'each of ' + str(world_size) + ' processes' if world_size > 1 else 'this process'}"
                   f", {stats['skipped_already_done']} already done; peak memory {stats['peak_memory_bytes'] / 2**20:.0f} MiB; "
                   f"{total} summaries in {args.output}")
-        errors_file = Path(args.output).with_name(Path(args.output).name.removesuffix(".jsonl") + ".errors.jsonl")
+        errors_file = corpus_module.errors_path_of(Path(args.output))
         if errors_file.exists():
-            count = len(errors_file.read_text(encoding="utf-8").splitlines())
+            count = len(corpus_module.json_lines(errors_file))
             _progress(f"{count} documents could not be summarized: see {errors_file}")
         if args.reference_column:
             metrics = corpus_module.corpus_rouge(args.output, corpus)
@@ -430,9 +463,10 @@ def build_parser() -> argparse.ArgumentParser:
     generation.add_argument("--max_new_tokens", type=positive_int, default=None)
     generation.add_argument("--min_new_tokens", type=positive_int, default=None)
     generation.add_argument("--num_beams", type=positive_int, default=None)
-    generation.add_argument("--length_penalty", type=float, default=None)
+    generation.add_argument("--length_penalty", type=finite_float, default=None)
     generation.add_argument("--no_repeat_ngram_size", type=positive_int, default=None)
-    generation.add_argument("--repetition_penalty", type=float, default=None)
+    generation.add_argument("--repetition_penalty", type=positive_float, default=None,
+                            help="Above 1 discourages repeated tokens (1: no penalty).")
     generation.add_argument("--cache_implementation", default=None, choices=["dynamic", "static"],
                             help="static (LOCOST, VCC-T5): preallocated decoder caches, the same summaries; on a "
                                  "GPU generate() then compiles the decoding step (CUDA graphs). A new batch shape "
@@ -483,6 +517,7 @@ def run(argv: list[str]) -> int:
     if args.command == "summarize":
         corpus_only = ("split", "text_column", "id_column", "reference_column", "max_batch_tokens")
         args.output_jsonl_options_given = any(getattr(args, name) is not None for name in corpus_only)
+        args.table_options_given = [f"--{name}" for name in corpus_only[:4] if getattr(args, name) is not None]
         args.split = args.split or "train"
         args.text_column = args.text_column or "text"
         args.max_batch_tokens = args.max_batch_tokens or 16384

@@ -20,7 +20,9 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
+import re
 import resource
 import sys
 import time
@@ -60,47 +62,83 @@ class Corpus:
 # ---------------------------------------------------------------------------------------------------------------------
 
 
+def input_kind(source: str) -> str:
+    """What ``--input`` names: ``"folder"``, ``"text"`` (one text file), ``"table"`` (a ``.jsonl`` / ``.json`` /
+    ``.csv`` / ``.parquet`` file), ``"hub"`` (a Hub dataset name) or ``"missing"`` (a local path that is not there:
+    anything :func:`~longreach.hub.looks_like_local_path` calls a path, and a name with a text or table suffix that is
+    not ``namespace/name``, such as a mistyped ``corpus.jsonl``)."""
+    from .hub import looks_like_local_path
+
+    path = Path(source).expanduser()
+    if path.is_dir():
+        return "folder"
+    if path.is_file():
+        return "table" if path.suffix.lower() in TABLE_BUILDERS else "text"
+    has_file_suffix = path.suffix.lower() in (*TABLE_BUILDERS, *TEXT_SUFFIXES)
+    if looks_like_local_path(source) or (has_file_suffix and (source.count("/") != 1 or path.parent.exists())):
+        return "missing"
+    return "hub"
+
+
 def read_corpus(source: str, *, split: str = "train", text_column: str = "text", id_column: str | None = None,
                 reference_column: str | None = None) -> Corpus:
     """Read ``source`` (see the module docstring). Raises :class:`CorpusError` for what the user must change."""
-    from .hub import HubAccessError, looks_like_local_path, pretrained_location
+    from .hub import HubAccessError, pretrained_location
 
     path = Path(source).expanduser()
     corpus = Corpus()
-    if path.is_dir():
+    kind = input_kind(source)
+    if kind == "folder":
         files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in TEXT_SUFFIXES)
         if not files:
             raise CorpusError(f"--input {source}: the folder holds no {' / '.join(TEXT_SUFFIXES)} files.")
         for file in files:
-            _add_text_file(corpus, file, file.relative_to(path).as_posix())
-    elif path.is_file() and path.suffix.lower() not in TABLE_BUILDERS:
-        _add_text_file(corpus, path, path.name)
+            _add_text_file(corpus, file, _path_id(file.relative_to(path).as_posix()))
+    elif kind == "text":
+        _add_text_file(corpus, path, _path_id(path.name))
         if corpus.errors:
             raise CorpusError(f"--input {source}: {corpus.errors[0]['error']}")
+    elif kind == "missing":
+        raise CorpusError(f"--input {source}: no such file or folder.")
     else:
         import datasets
 
-        if path.is_file():
+        if kind == "table":
             builder, arguments = TABLE_BUILDERS[path.suffix.lower()], {"data_files": str(path), "split": "train"}
-        elif looks_like_local_path(source):
-            raise CorpusError(f"--input {source}: no such file or folder.")
         else:  # a Hub dataset
             try:
                 pretrained_location(source, "--input dataset")
             except HubAccessError as error:
                 raise CorpusError(str(error)) from None
             builder, arguments = source, {"split": split}
+        # A JSONL file that datasets cannot read is read line by line below: its parser's error log would only alarm.
+        json_log = logging.getLogger("datasets.packaged_modules.json.json")
+        json_log_level = json_log.level
+        if kind == "table" and path.suffix.lower() == ".jsonl":
+            json_log.setLevel(logging.CRITICAL)
         try:
             table = datasets.load_dataset(builder, **arguments)
+            if builder == "csv":  # read again as text: ids such as 001 stay "001" (pandas' guess: 1, or 1.0 near a gap)
+                features = datasets.Features({name: datasets.Value("string") for name in table.column_names})
+                table = datasets.load_dataset(builder, features=features, **arguments)
         except Exception as error:  # noqa: BLE001  datasets raises many types; the user gets its first line
-            raise CorpusError(f"--input {source}: cannot be read as a dataset: "
-                              f"{str(error).strip().splitlines()[0][:300]}") from None
+            if kind == "table" and path.suffix.lower() == ".jsonl":
+                table = _read_jsonl_lines(path, corpus)  # one bad line must not stop the run: read line by line
+            else:
+                raise CorpusError(f"--input {source}: cannot be read as a dataset: {_first_line(error)}") from None
+        finally:
+            json_log.setLevel(json_log_level)
         columns = table.column_names
+        if not columns and kind == "table":
+            raise CorpusError(f"--input {source}: the file holds no records.")
         for name, option in ((text_column, "--text_column"), (id_column, "--id_column"),
                              (reference_column, "--reference_column")):
             if name is not None and name not in columns:
                 raise CorpusError(f"{option} {name!r} is not a column of {source}; its columns are {columns}.")
         for index, row in enumerate(table):
+            if id_column and (row[id_column] is None or str(row[id_column]).strip() == ""):
+                corpus.errors.append({"id": f"<row {index}>", "error": f"no id in --id_column {id_column!r}"})
+                continue
             record_id = str(row[id_column]) if id_column else str(index)
             corpus.add(record_id, row[text_column], row[reference_column] if reference_column else None)
     seen, duplicates = set(), []
@@ -112,6 +150,50 @@ def read_corpus(source: str, *, split: str = "train", text_column: str = "text",
         raise CorpusError(f"ids must be unique (they key the resumable output), but {len(duplicates)} repeat, e.g. "
                           f"{duplicates[:3]}: choose another --id_column.")
     return corpus
+
+
+class _Rows(list):
+    """The records of a JSONL file read line by line, with the ``column_names`` of a 🤗 dataset."""
+
+    @property
+    def column_names(self) -> list[str]:
+        return list(dict.fromkeys(key for row in list.__iter__(self) for key in row))
+
+    def __iter__(self):
+        columns = self.column_names
+        return ({column: row.get(column) for column in columns} for row in list.__iter__(self))
+
+
+def _read_jsonl_lines(path: Path, corpus: Corpus) -> _Rows:
+    """The JSON objects of a JSONL file that 🤗 datasets could not read as a whole; each line that is not a JSON object
+    goes to the corpus's errors (id ``<line N>``) and the rest is summarized."""
+    rows = _Rows()
+    with open(path, encoding="utf-8", errors="replace", newline="") as handle:
+        text = handle.read()
+    for number, line in enumerate(text.split("\n"), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as error:
+            corpus.errors.append({"id": f"<line {number}>", "error": f"not JSON: {error.msg} at column {error.colno}"})
+            continue
+        if not isinstance(record, dict):
+            corpus.errors.append({"id": f"<line {number}>", "error": f"not a JSON object: {type(record).__name__}"})
+            continue
+        rows.append(record)
+    return rows
+
+
+def _first_line(error: BaseException) -> str:
+    message = str(error).strip()
+    return message.splitlines()[0][:300] if message else type(error).__name__
+
+
+def _path_id(relative_path: str) -> str:
+    """A file's id: its relative path, with bytes that are not UTF-8 (file names are bytes on POSIX) written as
+    ``\\xNN`` escapes so that the id can be written to the output as text."""
+    return os.fsencode(relative_path).decode("utf-8", "backslashreplace")
 
 
 def _add_text_file(corpus: Corpus, file: Path, record_id: str) -> None:
@@ -134,6 +216,8 @@ def plan_batches(lengths: list[int], max_batch_tokens: int, max_batch_size: int 
     at once), each with ``rows x longest row <= max_batch_tokens`` (a longer document is a batch of its own)."""
     if max_batch_tokens < 1:
         raise ValueError(f"`max_batch_tokens` must be a positive integer, got {max_batch_tokens}.")
+    if max_batch_size is not None and max_batch_size < 1:
+        raise ValueError(f"`max_batch_size` must be a positive integer or None, got {max_batch_size}.")
     batches, current, longest = [], [], 0
     for index in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
         longest_after = max(longest, lengths[index])
@@ -153,27 +237,43 @@ def plan_batches(lengths: list[int], max_batch_tokens: int, max_batch_size: int 
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-def finished_records(path: Path) -> dict[str, dict]:
-    """The complete JSON lines of ``path`` by id. A last line cut short by a crash is removed from the file (it is
-    redone), anything else unreadable stops with an error rather than being overwritten."""
+#: How every line we write begins (``json.dumps`` of a record whose first key is ``id``).
+_RECORD_START = b'{"id": '
+
+
+def finished_records(path: Path, repair: bool = True) -> dict[str, dict]:
+    """The complete JSON lines of ``path`` by id. A last line cut short by a crash is redone: ``repair`` removes it
+    from the file, once every complete line is known to be one of our records. Anything else (a file that is not one
+    of our outputs) stops with an error and is left as it is."""
     if not path.exists():
         return {}
     data = path.read_bytes()
-    complete = data[: data.rfind(b"\n") + 1]  # everything up to the last newline
-    if len(complete) != len(data):
-        with open(path, "r+b") as handle:
-            handle.truncate(len(complete))
+    complete, cut_short = data[: data.rfind(b"\n") + 1], data[data.rfind(b"\n") + 1:]
     records = {}
-    for number, line in enumerate(complete.decode("utf-8").splitlines(), start=1):
+    # Split on "\n" only: str.splitlines() also splits on U+2028, U+2029 and U+0085, which ids and summaries may hold.
+    for number, line in enumerate(complete.decode("utf-8", errors="replace").split("\n"), start=1):
         if not line.strip():
             continue
         try:
             record = json.loads(line)
+            if not isinstance(record.get("summary"), str):
+                raise KeyError("summary")
             records[str(record["id"])] = record
-        except (json.JSONDecodeError, KeyError, TypeError):
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError):
             raise CorpusError(f"{path} line {number} is not one of our summary records; move the file away or choose "
                               "another --output.") from None
+    if cut_short and not (cut_short.startswith(_RECORD_START) or _RECORD_START.startswith(cut_short)):
+        raise CorpusError(f"{path} ends with a line that is not one of our summary records; move the file away or "
+                          "choose another --output.")
+    if cut_short and repair:
+        with open(path, "r+b") as handle:
+            handle.truncate(len(complete))
     return records
+
+
+def json_lines(path: Path) -> list[dict]:
+    """The JSON objects of one of our JSONL files (split on newlines only, as :func:`finished_records` reads)."""
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").split("\n") if line.strip()]
 
 
 def _append(handle, records: Iterable[dict]) -> None:
@@ -192,6 +292,28 @@ def _write_atomically(path: Path, records: Iterable[dict]) -> None:
 
 def part_path(output: Path, rank: int, world_size: int) -> Path:
     return output if world_size == 1 else output.with_name(f"{output.name}.part-{rank}-of-{world_size}.jsonl")
+
+
+def part_files(output: Path) -> dict[Path, int]:
+    """Every part file of ``output`` on disk (``OUT.part-R-of-W.jsonl``, whatever W), with its W: a run with another
+    process count than an interrupted one still counts that run's finished summaries."""
+    pattern = re.compile(rf"{re.escape(output.name)}\.part-(\d+)-of-(\d+)\.jsonl")
+    if not output.parent.is_dir():
+        return {}
+    return {path: int(match.group(2)) for path in sorted(output.parent.iterdir())
+            if (match := pattern.fullmatch(path.name))}
+
+
+def part_error_files(output: Path) -> list[Path]:
+    """Every ``OUT.part-R-of-W.errors.jsonl`` on disk, whatever W (the errors of the parts, merged at the end)."""
+    pattern = re.compile(rf"{re.escape(output.name)}\.part-(\d+)-of-(\d+)\.errors\.jsonl")
+    if not output.parent.is_dir():
+        return []
+    return [path for path in sorted(output.parent.iterdir()) if pattern.fullmatch(path.name)]
+
+
+def errors_path_of(path: Path) -> Path:
+    return path.with_name(path.name.removesuffix(".jsonl") + ".errors.jsonl")
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -235,7 +357,10 @@ def summarize_corpus(
     output.parent.mkdir(parents=True, exist_ok=True)
     target = part_path(output, rank, world_size)
     done = set(finished_records(output)) | set(finished_records(target))
-    errors_path = target.with_name(target.name.removesuffix(".jsonl") + ".errors.jsonl")
+    for part, part_world_size in part_files(output).items():
+        if part_world_size != world_size:  # left by an interrupted run with another process count (merged at the end)
+            done |= set(finished_records(part, repair=False))
+    errors_path = errors_path_of(target)
     errors_path.unlink(missing_ok=True)  # this run's errors only: failed documents are tried again
     errors = [error for k, error in enumerate(corpus.errors) if k % world_size == rank]
 
@@ -264,8 +389,7 @@ def summarize_corpus(
                     try:
                         records += _summarize_batch(summarizer, corpus, [index], max_input_length, generate_kwargs)
                     except Exception as error:  # noqa: BLE001  reported with its id; the run goes on
-                        message = str(error).strip().splitlines()[0] if str(error).strip() else ""
-                        errors.append({"id": corpus.ids[index], "error": f"{type(error).__name__}: {message}"})
+                        errors.append({"id": corpus.ids[index], "error": f"{type(error).__name__}: {_first_line(error)}"})
             _append(handle, records)
             documents += len(records)
             tokens += sum(record["input_tokens"] for record in records)
@@ -298,22 +422,26 @@ def _summarize_batch(summarizer, corpus: Corpus, batch: list[int], max_input_len
 
 
 def merge_parts(output: str | os.PathLike, corpus: Corpus, world_size: int) -> int:
-    """Rank 0, after every rank finished: the parts (and an earlier ``output``) merged into ``output`` in corpus order,
-    written atomically; the part files are then removed. Returns how many documents ``output`` holds."""
+    """Rank 0, after every rank finished: the parts (this run's, and any an interrupted run with another process count
+    left) and an earlier ``output`` merged into ``output`` in corpus order, written atomically; the part files are then
+    removed, and ``OUT.errors.jsonl`` holds this run's errors only. Returns how many documents ``output`` holds."""
     output = Path(output)
     records = finished_records(output)
-    parts = [part_path(output, rank, world_size) for rank in range(world_size)] if world_size > 1 else []
+    parts = list(part_files(output))
     for part in parts:
-        records.update(finished_records(part))
+        records.update(finished_records(part, repair=False))
     order = {record_id: k for k, record_id in enumerate(corpus.ids)}
     merged = sorted(records.values(), key=lambda record: (order.get(str(record["id"]), len(order)), str(record["id"])))
     _write_atomically(output, merged)
-    errors_file = output.with_name(output.name.removesuffix(".jsonl") + ".errors.jsonl")
-    part_errors = [part.with_name(part.name.removesuffix(".jsonl") + ".errors.jsonl") for part in parts]
-    if any(path.exists() for path in part_errors):
-        _write_atomically(errors_file, [json.loads(line) for path in part_errors if path.exists()
-                                        for line in path.read_text(encoding="utf-8").splitlines() if line.strip()])
-    for path in parts + part_errors:
+    errors_file = errors_path_of(output)
+    this_run = [errors_path_of(part_path(output, rank, world_size)) for rank in range(world_size)] if world_size > 1 else []
+    if world_size > 1:
+        found = [path for path in this_run if path.exists()]
+        if found:
+            _write_atomically(errors_file, [error for path in found for error in json_lines(path)])
+        else:
+            errors_file.unlink(missing_ok=True)  # an earlier run's errors were all retried in this one
+    for path in dict.fromkeys(parts + this_run + part_error_files(output)):
         path.unlink(missing_ok=True)
     return len(merged)
 

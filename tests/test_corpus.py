@@ -187,3 +187,116 @@ def test_torchrun_shards_give_the_same_summaries(model_folder, tmp_path):
     assert read_output(tmp_path / "two.jsonl") == read_output(tmp_path / "one.jsonl")
     assert {"corpus.jsonl", "one.jsonl", "two.jsonl"} <= {path.name for path in tmp_path.iterdir()}
     assert not list(tmp_path.glob("two.jsonl.part-*"))  # the parts were merged and removed
+
+
+def summarize_args(model_folder, source: Path, output: Path, *options: str) -> list[str]:
+    return ["summarize", "--model", str(model_folder), "--input", str(source), "--output", str(output), *GENERATION,
+            *options]
+
+
+def test_a_file_that_is_not_our_output_is_refused_and_left_as_it_was(model_folder, tmp_path, capsys):
+    source = tmp_path / "d.jsonl"
+    source.write_text('{"id": "a", "text": "w1 w2"}\n{"id": "b", "text": "w3 w4"}')  # no final newline
+    before = source.read_bytes()
+    assert main(summarize_args(model_folder, source, source, "--id_column", "id")) == 2
+    assert "is the --input file" in capsys.readouterr().err
+    other = tmp_path / "mine.jsonl"  # someone's file, not summaries: neither read as finished nor cut short
+    for content in ('{"doc_id": "a"}\n{"doc_id": "b"}', '{"id": "a", "text": "w1"}\n', '{"doc_id": "a"}'):
+        other.write_text(content)
+        assert main(summarize_args(model_folder, source, other, "--id_column", "id")) == 1
+        assert "not one of our summary records" in capsys.readouterr().err
+        assert other.read_text() == content
+    assert source.read_bytes() == before
+
+
+def test_ids_with_unicode_line_separators_and_undecodable_file_names_are_kept(model_folder, tmp_path):
+    source = tmp_path / "d.jsonl"
+    ids = ["a\u2028b", "c\u2029d", "e\x85f", "g\u00e9"]
+    source.write_text("".join(json.dumps({"id": i, "text": document(8, offset=k)}) + "\n" for k, i in enumerate(ids)))
+    output = tmp_path / "out.jsonl"
+    assert main(summarize_args(model_folder, source, output, "--id_column", "id")) == 0
+    assert list(corpus_module.finished_records(output)) == ids
+    assert main(summarize_args(model_folder, source, output, "--id_column", "id")) == 0  # a rerun reads it back
+    assert len(corpus_module.json_lines(output)) == 4
+    folder = tmp_path / "docs"
+    folder.mkdir()
+    (folder / "ok.txt").write_text(document(10))
+    with open(os.fsencode(folder) + b"/caf\xe9.txt", "w") as handle:  # a Latin-1 file name
+        handle.write(document(12, offset=2))
+    assert main(summarize_args(model_folder, folder, tmp_path / "docs.jsonl")) == 0
+    assert sorted(corpus_module.finished_records(tmp_path / "docs.jsonl")) == ["caf\\xe9.txt", "ok.txt"]
+
+
+def test_csv_ids_stay_text_and_bad_jsonl_lines_go_to_the_errors_file(model_folder, tmp_path, capsys):
+    table = tmp_path / "t.csv"
+    table.write_text(f"id,text\n001,{document(6)}\n002,\n,{document(7)}\n1,{document(8)}\n")
+    output = tmp_path / "csv.jsonl"
+    assert main(summarize_args(model_folder, table, output, "--id_column", "id")) == 0
+    assert list(corpus_module.finished_records(output)) == ["001", "1"]
+    assert {e["id"] for e in corpus_module.json_lines(tmp_path / "csv.errors.jsonl")} == {"002", "<row 2>"}
+    lines = tmp_path / "l.jsonl"
+    lines.write_text(json.dumps({"id": "a", "text": document(6)}) + "\n{\"id\": \"b\", \"te\n[1, 2]\n"
+                     + json.dumps({"id": "c", "text": document(9)}) + "\n")
+    assert main(summarize_args(model_folder, lines, tmp_path / "l-out.jsonl", "--id_column", "id")) == 0
+    assert list(corpus_module.finished_records(tmp_path / "l-out.jsonl")) == ["a", "c"]
+    errors = corpus_module.json_lines(tmp_path / "l-out.errors.jsonl")
+    assert [e["id"] for e in errors] == ["<line 2>", "<line 3>"] and errors[0]["error"].startswith("not JSON")
+    capsys.readouterr()
+    (tmp_path / "empty.jsonl").write_text("")
+    assert main(summarize_args(model_folder, tmp_path / "empty.jsonl", tmp_path / "e.jsonl")) == 2
+    assert "holds no records" in capsys.readouterr().err
+
+
+def test_options_that_do_not_apply_are_refused(model_folder, tmp_path, capsys):
+    folder = tmp_path / "docs"
+    folder.mkdir()
+    (folder / "a.txt").write_text(document(10))
+    write_jsonl(tmp_path / "corpus.jsonl", 2)
+    cases = [
+        (summarize_args(model_folder, folder, tmp_path / "o.jsonl", "--reference_column", "summary"),
+         "--reference_column apply to table files"),
+        (summarize_args(model_folder, folder / "a.txt", tmp_path / "o.jsonl", "--text_column", "body", "--split", "x"),
+         "--split / --text_column apply to table files"),
+        (summarize_args(model_folder, tmp_path / "corpus.jsonl", tmp_path / "o.jsonl", "--split", "validation"),
+         "--split applies to Hub datasets"),
+        (summarize_args(model_folder, "missing.jsonl", tmp_path / "o.jsonl"), "missing.jsonl: no such file"),
+        (summarize_args(model_folder, folder, tmp_path / "o.jsonl", "--repetition_penalty", "-1"),
+         "--repetition_penalty: expected a positive number, got -1"),
+        (summarize_args(model_folder, folder, tmp_path / "o.jsonl", "--length_penalty", "nan"),
+         "--length_penalty: expected a finite number, got nan"),
+    ]
+    for argv, message in cases:
+        assert main(argv) == 2, argv
+        assert message in capsys.readouterr().err
+    assert not (tmp_path / "o.jsonl").exists()
+    with pytest.raises(ValueError, match="`max_batch_size` must be a positive integer"):
+        corpus_module.plan_batches([3, 4], 100, max_batch_size=0)
+
+
+def test_a_rerun_with_another_process_count_keeps_the_finished_parts(model_folder, tmp_path):
+    write_jsonl(tmp_path / "corpus.jsonl", 6)
+    arguments = summarize_args(model_folder, tmp_path / "corpus.jsonl", tmp_path / "one.jsonl", "--id_column", "doc_id")
+    assert main(arguments) == 0
+    reference = corpus_module.json_lines(tmp_path / "one.jsonl")
+    # What an interrupted 2-process run leaves: two finished summaries in one part, a stale errors file of the parts.
+    output = tmp_path / "two.jsonl"
+    part = tmp_path / "two.jsonl.part-1-of-2.jsonl"
+    part.write_text("".join(json.dumps(record, ensure_ascii=False) + "\n" for record in reference[:2]))
+    (tmp_path / "two.jsonl.part-0-of-2.errors.jsonl").write_text('{"id": "d005", "error": "old"}\n')
+    (tmp_path / "two.errors.jsonl").write_text('{"id": "d004", "error": "old"}\n')
+    calls = []
+    original = corpus_module._summarize_batch
+    corpus_module._summarize_batch = lambda summarizer, corpus, batch, *rest: (
+        calls.extend(corpus.ids[i] for i in batch) or original(summarizer, corpus, batch, *rest))
+    try:
+        assert main(arguments[:-4] + ["--output", str(output), *arguments[-2:]]) == 0
+    finally:
+        corpus_module._summarize_batch = original
+    assert sorted(calls) == sorted(record["id"] for record in reference[2:])  # the parts' summaries are not redone
+    assert corpus_module.json_lines(output) == reference
+    assert sorted(path.name for path in tmp_path.iterdir() if path.name.startswith("two")) == ["two.jsonl"]
+    # merge_parts of a multi-process run with no errors leaves no earlier run's errors file behind
+    (tmp_path / "two.errors.jsonl").write_text('{"id": "d004", "error": "old"}\n')
+    corpus = corpus_module.read_corpus(str(tmp_path / "corpus.jsonl"), id_column="doc_id")
+    assert corpus_module.merge_parts(output, corpus, world_size=2) == 6
+    assert not (tmp_path / "two.errors.jsonl").exists()
