@@ -282,6 +282,9 @@ def summarize(args: argparse.Namespace) -> int:
     if args.output_jsonl_options_given:
         raise UsageError("longreach summarize: --split/--text_column/--id_column/--reference_column/--max_batch_tokens "
                          "are for a corpus (--input SRC --output OUT.jsonl)")
+    if args.output and args.file != "-" and Path(args.output).resolve() == Path(args.file).resolve():
+        raise UsageError(f"longreach summarize: --output {args.output} is the document FILE; choose another file for "
+                         "the summary")
     start = time.perf_counter()
     document = _read_document(args.file)
     _progress(f"loading {args.model} ...")
@@ -305,8 +308,14 @@ def summarize(args: argparse.Namespace) -> int:
     for warning in caught:
         _progress(f"warning: {warning.message}")
     if args.output:
-        with open(args.output, "w", encoding="utf-8") as handle:
-            handle.write(summary + "\n")
+        output = Path(args.output)
+        temporary = output.with_name(f".{output.name}.tmp-{os.getpid()}")  # renamed into place: never half-written
+        try:
+            temporary.write_text(summary + "\n", encoding="utf-8")
+            os.replace(temporary, output)
+        except OSError as error:
+            temporary.unlink(missing_ok=True)
+            raise CommandError(f"cannot write --output {args.output}: {error.strerror}") from None
         _progress(f"summary written to {args.output}")
     else:
         print(summary)

@@ -122,3 +122,16 @@ def test_model_cards_command(tmp_path, capsys):
     assert main(["model-cards", "--output_dir", str(tmp_path)]) == 0
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dodo_llama.md", "locost.md", "vcc_t5.md"]
     assert capsys.readouterr().out.split()[0].endswith("locost.md")
+
+
+def test_summarize_refuses_to_write_over_its_document(converted_locost, tmp_path, capsys):
+    (tmp_path / "doc.txt").write_text(document(30))
+    before = (tmp_path / "doc.txt").read_text()
+    assert main(["summarize", "--model", str(converted_locost), str(tmp_path / "doc.txt"), "--max_new_tokens", "2",
+                 "--output", str(tmp_path / "." / "doc.txt")]) == 2
+    assert "is the document FILE" in capsys.readouterr().err
+    assert (tmp_path / "doc.txt").read_text() == before
+    assert main(["summarize", "--model", str(converted_locost), str(tmp_path / "doc.txt"), "--max_new_tokens", "2",
+                 "--output", str(tmp_path / "absent-folder" / "s.txt")]) == 1
+    assert "cannot write --output" in capsys.readouterr().err
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["doc.txt"]  # no temporary file left behind
