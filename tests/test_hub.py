@@ -225,3 +225,49 @@ def test_real_push_and_remote_load(tmp_path):
     finally:
         api.delete_repo(repo_id)
     assert result["summary"] == expected
+
+
+def test_a_model_loaded_as_remote_code_saves_a_complete_folder(tmp_path):
+    """Where longreach is not installed (a Hub user fine-tuning with Trainer), a model loaded with trust_remote_code
+    saves the same files, auto_map and custom_pipelines as ours, and the saved folder loads and summarizes alike."""
+    from test_modeling_dodo import tiny_model as tiny_dodo
+    from test_modeling_vcc_t5 import tiny_model as tiny_vcc
+
+    save_tiny_locost(tmp_path / "locost")
+    tiny_vcc().save_pretrained(tmp_path / "vcc")
+    tiny_dodo().save_pretrained(tmp_path / "dodo")
+    doc = document(30)
+    result = run_without_longreach(
+        f"""
+        import json, os
+        import torch
+        from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM, pipeline
+        report = {{}}
+        for name, auto in (("locost", AutoModelForSeq2SeqLM), ("vcc", AutoModelForSeq2SeqLM),
+                           ("dodo", AutoModelForCausalLM)):
+            model = auto.from_pretrained(name, trust_remote_code=True)
+            model.save_pretrained(name + "-resaved")
+            with open(name + "-resaved/config.json") as handle:
+                config = json.load(handle)
+            reloaded = auto.from_pretrained(name + "-resaved", trust_remote_code=True)
+            same = all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), reloaded.state_dict().values()))
+            report[name] = {{"files": sorted(os.listdir(name + "-resaved")), "auto_map": config["auto_map"],
+                            "custom_pipelines": config.get("custom_pipelines"), "same_weights": same}}
+        os.link("locost/tokenizer.json", "locost-resaved/tokenizer.json")
+        os.link("locost/tokenizer_config.json", "locost-resaved/tokenizer_config.json")
+        report["summaries"] = [pipeline("summarization", model=folder, trust_remote_code=True)({doc!r},
+                               max_new_tokens=4)[0]["summary_text"] for folder in ("locost", "locost-resaved")]
+        print(json.dumps(report))
+        """,
+        tmp_path,
+    )
+    for name in ("locost", "vcc", "dodo"):
+        original = tmp_path / name
+        config = json.loads((original / "config.json").read_text())
+        saved_files = sorted(p.name for p in original.iterdir() if p.name not in TOKENIZER_FILES)
+        assert result[name]["files"] == saved_files, name
+        assert result[name]["auto_map"] == config["auto_map"], name
+        assert result[name]["custom_pipelines"] == config.get("custom_pipelines"), name
+        assert result[name]["same_weights"], name
+    assert "pipeline_summarization.py" in result["locost"]["files"]
+    assert result["summaries"][0] == result["summaries"][1]

@@ -23,8 +23,7 @@ from pathlib import Path
 # `from <dots><dotted.name> import ...` at the start of a line (multi-line import lists only change what follows).
 _RELATIVE_IMPORT = re.compile(r"^(?P<head>[ \t]*from[ \t]+)(?P<dots>\.+)(?P<name>[\w.]*)(?P<tail>[ \t]+import\b)", re.M)
 
-#: Where the summarization pipeline lives in the installed package, relative to ``longreach.modeling``.
-PIPELINE_MODULE = "..pipelines.pipeline_summarization"
+#: The summarization pipeline's class (see :func:`_pipeline_module_for` for its module).
 PIPELINE_CLASS = "LongSummarizationPipeline"
 
 
@@ -46,24 +45,27 @@ def collect_flat_sources(root_modules: list[str]) -> dict[str, str]:
 
     Relative imports are rewritten to sibling imports (``from ..configuration.configuration_locost import X`` becomes
     ``from .configuration_locost import X``). Two different modules with the same file name would collide in the
-    flat folder; that is refused rather than silently overwritten.
+    flat folder; that is refused rather than silently overwritten. Two copies of one file are not a collision: a
+    model loaded as remote code has its configuration module loaded twice by transformers, once for ``AutoConfig``
+    and once as the modeling module's sibling, from two folders of the modules cache.
     """
     sources: dict[str, str] = {}
-    origin: dict[str, str] = {}
+    origin: dict[str, tuple[str, str]] = {}  # file name -> (module name, source text)
     pending = list(root_modules)
     while pending:
         module_name = pending.pop()
         path = _module_file(module_name)
         if path.name == "__init__.py":
             raise ValueError(f"Remote code cannot import a package ({module_name!r}); import its modules directly.")
+        text = path.read_text(encoding="utf-8")
         if path.name in origin:
-            if origin[path.name] != module_name:
+            first_name, first_text = origin[path.name]
+            if first_name != module_name and first_text != text:
                 raise ValueError(
-                    f"Two modules would both be saved as {path.name!r}: {origin[path.name]!r} and {module_name!r}."
+                    f"Two modules would both be saved as {path.name!r}: {first_name!r} and {module_name!r}."
                 )
             continue
-        origin[path.name] = module_name
-        text = path.read_text(encoding="utf-8")
+        origin[path.name] = (module_name, text)
 
         def rewrite(match: re.Match) -> str:
             if not match.group("name"):
@@ -80,21 +82,16 @@ def collect_flat_sources(root_modules: list[str]) -> dict[str, str]:
 
 
 def _pipeline_module_for(model_module: str) -> str | None:
-    """Module name of the summarization pipeline, as seen from a model module (installed or flat remote copy)."""
-    candidates = []
-    package = model_module.rpartition(".")[0]
+    """Module name of the summarization pipeline, as seen from a model module (installed or flat remote copy).
+
+    The import is relative and written out on purpose: transformers copies every file that a remote-code module
+    imports relatively (even inside a function) next to it, so a model loaded as remote code, where longreach is not
+    installed, has the pipeline's file beside its own and saves it too (with ``custom_pipelines`` that still load)."""
     try:
-        candidates.append(_resolve_relative(model_module, "..", PIPELINE_MODULE.lstrip("."), is_package=False))
-    except (ImportError, ValueError):
-        pass
-    candidates.append(f"{package}.{PIPELINE_MODULE.rpartition('.')[2]}")  # flat copy: a sibling file
-    for candidate in candidates:
-        try:
-            importlib.import_module(candidate)
-            return candidate
-        except ImportError:
-            continue
-    return None
+        from ..pipelines.pipeline_summarization import LongSummarizationPipeline
+    except ImportError:
+        return None
+    return LongSummarizationPipeline.__module__
 
 
 class HubReadyMixin:
