@@ -154,3 +154,90 @@ def test_corrupt_inputs_get_one_line_naming_the_cause(fixtures_dir, tmp_path, ca
     assert cause in error and str(source.name) in error
     assert "weights_only=False" not in error and "allow-list" not in error
     assert not (tmp_path / "out").exists()
+
+
+def folder_checkpoint_in(fixtures_dir: Path, model: str, folder: Path, edit) -> Path:
+    """A copy of a fixture's folder checkpoint (LOCOST's hf_checkpoint, VCC's hf_ckpt) as safetensors, with its
+    tensors changed by ``edit(tensors)``."""
+    from safetensors.torch import save_file
+
+    from longreach.conversion.conversion_utils import load_state_dict_from_folder
+
+    source = fixtures_dir / model / {"locost": "hf_checkpoint", "vcc": "hf_ckpt"}[model]
+    folder.mkdir(parents=True)
+    shutil.copy(source / "config.json", folder / "config.json")
+    tensors = {key: tensor.clone() for key, tensor in load_state_dict_from_folder(source).items()}
+    edit(tensors)
+    save_file(tensors, folder / "model.safetensors")
+    return folder
+
+
+@pytest.mark.parametrize("model", ["locost", "vcc"])
+def test_a_bfloat16_checkpoint_converts_in_its_own_precision(fixtures_dir, tmp_path, model):
+    import torch
+    from transformers import AutoModelForSeq2SeqLM
+
+    def to_bfloat16(tensors):
+        for key, tensor in tensors.items():
+            tensors[key] = tensor.to(torch.bfloat16)
+
+    source = folder_checkpoint_in(fixtures_dir, model, tmp_path / "bf16", to_bfloat16)
+    assert main(["convert", model, "--checkpoint_path", str(source), "--pytorch_dump_folder_path",
+                 str(tmp_path / "out")]) == 0
+    converted = AutoModelForSeq2SeqLM.from_pretrained(tmp_path / "out", dtype="auto")
+    assert converted.dtype == torch.bfloat16
+    from safetensors.torch import load_file
+
+    original = load_file(source / "model.safetensors")
+    assert torch.equal(converted.get_input_embeddings().weight, original["shared.weight"])
+
+
+@pytest.mark.parametrize("model", ["locost", "vcc"])
+def test_a_wrongly_shaped_tensor_is_named_with_both_shapes(fixtures_dir, tmp_path, capsys, model):
+    import torch
+
+    def widen(tensors):
+        key = next(key for key in tensors if key.endswith("DenseReluDense.wo.weight") or key.endswith("wo.weight"))
+        tensors[key] = torch.zeros(tensors[key].shape[0], tensors[key].shape[1] + 1)
+        widen.key = key
+
+    source = folder_checkpoint_in(fixtures_dir, model, tmp_path / "shape", widen)
+    assert main(["convert", model, "--checkpoint_path", str(source), "--pytorch_dump_folder_path",
+                 str(tmp_path / "out")]) == 1
+    error = capsys.readouterr().err
+    assert "tensor shapes differ from the model's" in error
+    assert "wo.weight: checkpoint [" in error and ", model [" in error
+    assert not (tmp_path / "out").exists()
+
+
+def test_unreadable_inputs_are_one_line_errors_naming_the_file(fixtures_dir, tmp_path, capsys):
+    from longreach.conversion import convert_dodo_original_checkpoint as dodo_converter
+
+    broken = tmp_path / "broken-config"
+    shutil.copytree(fixtures_dir / "locost" / "hf_checkpoint", broken)
+    (broken / "config.json").write_text('{"d_model": 16,')
+    assert main(["convert", "locost", "--checkpoint_path", str(broken), "--pytorch_dump_folder_path",
+                 str(tmp_path / "out")]) == 1
+    assert "config.json is not valid JSON" in capsys.readouterr().err
+    adapters = fixtures_dir / "dodo" / "adapters"
+    shutil.copytree(adapters / "encoder", tmp_path / "encoder")
+    from safetensors.torch import save_file
+
+    from longreach.conversion.conversion_utils import load_weights_file
+
+    weights = load_weights_file(tmp_path / "encoder" / "adapter_model.bin")
+    (tmp_path / "encoder" / "adapter_model.bin").unlink()
+    save_file({key: tensor.clone() for key, tensor in weights.items()}, tmp_path / "encoder" / "adapter_model.safetensors")
+    data = (tmp_path / "encoder" / "adapter_model.safetensors").read_bytes()
+    (tmp_path / "encoder" / "adapter_model.safetensors").write_bytes(data[: len(data) // 2])
+    (tmp_path / "scorer-folder.pt").mkdir()
+    for kwargs, message in (
+        ({"encoder": tmp_path / "encoder", "scorer": fixtures_dir / "dodo" / "scorer.pt"},
+         "adapter_model.safetensors is truncated or corrupt"),
+        ({"encoder": adapters / "encoder", "scorer": tmp_path / "scorer-folder.pt"}, "scorer-folder.pt is a folder"),
+    ):
+        with pytest.raises(ConversionError, match=message):
+            dodo_converter.convert_dodo_peft_folders(
+                kwargs["encoder"], adapters / "decoder", kwargs["scorer"], fixtures_dir / "dodo" / "base",
+                tmp_path / "dodo-out", soft_prompt_length=0)
+    assert not (tmp_path / "dodo-out").exists()

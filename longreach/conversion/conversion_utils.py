@@ -61,6 +61,7 @@ def safe_torch_load(path: str | os.PathLike, allowed_classes: Iterable[type] = (
     """
     import pickle
 
+    _check_is_file(path)
     with torch.serialization.safe_globals(list(allowed_classes)):
         try:
             return torch.load(path, map_location="cpu", weights_only=True)
@@ -82,8 +83,30 @@ def safe_torch_load(path: str | os.PathLike, allowed_classes: Iterable[type] = (
             raise ConversionError(f"{path} is {kind}: {detail[:200]}") from None
 
 
+def _check_is_file(path: str | os.PathLike) -> None:
+    if not Path(path).is_file():
+        raise ConversionError(f"{path} is {'a folder' if Path(path).is_dir() else 'missing'}; expected a weights file.")
+
+
+def read_json(path: str | os.PathLike) -> dict:
+    """A JSON object from ``path``; anything else is a one-line :class:`ConversionError` naming the file."""
+    try:
+        payload = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError) as error:
+        raise ConversionError(f"cannot read {path}: {getattr(error, 'strerror', None) or error}") from None
+    except json.JSONDecodeError as error:
+        raise ConversionError(f"{path} is not valid JSON: {error.msg} (line {error.lineno}, column {error.colno}).") from None
+    if not isinstance(payload, dict):
+        raise ConversionError(f"{path} must hold a JSON object, got {type(payload).__name__}.")
+    return payload
+
+
 def load_weights_file(path: Path) -> dict[str, torch.Tensor]:
+    """The tensors of a ``.safetensors`` file or a ``torch.save`` state dict (``weights_only=True``); failures are
+    one-line :class:`ConversionError` s naming the file."""
+    path = Path(path)
     if path.suffix == ".safetensors":
+        _check_is_file(path)
         from safetensors import SafetensorError
 
         try:
@@ -105,7 +128,10 @@ def load_state_dict_from_folder(folder: str | os.PathLike) -> dict[str, torch.Te
     for index_name in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
         index = folder / index_name
         if index.is_file():
-            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            weight_map = read_json(index).get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise ConversionError(f"{index} has no 'weight_map' object.")
+            shards = sorted(set(weight_map.values()))
             state_dict: dict[str, torch.Tensor] = {}
             for shard in shards:
                 state_dict.update(load_weights_file(folder / shard))
@@ -120,7 +146,7 @@ def load_folder_checkpoint(folder: Path, config_path: Path | None = None) -> tup
     config_file = config_path or folder / "config.json"
     if not config_file.is_file():
         raise ConversionError(f"No config.json in {folder} (pass --config_path).")
-    return load_state_dict_from_folder(folder), json.loads(config_file.read_text())
+    return load_state_dict_from_folder(folder), read_json(config_file)
 
 
 def strip_prefix(state_dict: dict[str, torch.Tensor], prefix: str, source: str) -> dict[str, torch.Tensor]:
@@ -191,6 +217,49 @@ class KeyMap:
             if match:
                 return match.expand(source_key)
         return None
+
+
+def widest_floating_dtype(tensors: Iterable[torch.Tensor]) -> torch.dtype:
+    """The widest floating dtype among ``tensors`` (float32 if none): converting to it loses nothing."""
+    dtypes = {tensor.dtype for tensor in tensors if tensor.is_floating_point()}
+    return max(dtypes, key=lambda dtype: torch.finfo(dtype).bits) if dtypes else torch.float32
+
+
+def load_converted(model: torch.nn.Module, converted: dict[str, torch.Tensor], tied: set[str],
+                   source: str) -> tuple[dict[str, torch.Tensor], torch.dtype]:
+    """Load ``converted`` (our names; ``tied`` keys come from their tie) into ``model`` in the checkpoint's own
+    precision (its widest floating dtype: a bfloat16 checkpoint gives a bfloat16 model, with the modules the model keeps
+    in float32 upcast, which loses nothing). Shapes are checked first and
+    every mismatch is named. Returns the tensors as loaded (the ones to verify after saving) and their dtype."""
+    shapes = {key: tuple(tensor.shape) for key, tensor in model.state_dict().items()}
+    wrong = {key: (tuple(tensor.shape), shapes[key]) for key, tensor in converted.items()
+             if key in shapes and tuple(tensor.shape) != shapes[key]}
+    if wrong:
+        lines = [f"{key}: checkpoint {list(have)}, model {list(need)}" for key, (have, need) in sorted(wrong.items())]
+        raise ConversionError(f"{source}: tensor shapes differ from the model's (is the config the checkpoint's?):\n"
+                              + "\n".join(lines))
+    dtype = widest_floating_dtype(converted.values())
+    # Modules the model keeps in float32 in half precision (as from_pretrained does: LOCOST's SSM parameters)
+    kept = list(getattr(model, "_keep_in_fp32_modules_strict", None) or [])
+    if dtype == torch.float16:
+        kept += list(getattr(model, "_keep_in_fp32_modules", None) or [])
+    float32_kept = re.compile("|".join(map(re.escape, kept))) if kept and dtype != torch.float32 else None
+
+    def target_dtype(key: str) -> torch.dtype:
+        return torch.float32 if float32_kept is not None and float32_kept.search(key) else dtype
+
+    converted = {key: tensor.to(target_dtype(key)) if tensor.is_floating_point() else tensor
+                 for key, tensor in converted.items()}
+    model.to(dtype)
+    if float32_kept is not None:
+        for name, module in model.named_modules():
+            if name and float32_kept.search(name):
+                module.float()
+    missing, unexpected = model.load_state_dict(converted, strict=False)
+    if set(missing) - tied or unexpected:
+        raise ConversionError(f"{source}: loading into the model failed: missing {sorted(set(missing) - tied)}, "
+                              f"unexpected {sorted(unexpected)}")
+    return converted, dtype
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -41,7 +41,6 @@ Numerics: the converted model computes the original's ``+ s`` score term (``scor
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import re
 import sys
@@ -57,6 +56,9 @@ from .conversion_utils import (
     find_local_tokenizer,
     finish_conversion,
     load_state_dict_from_folder,
+    load_weights_file,
+    read_json,
+    widest_floating_dtype,
     prepare_output_folder,
     safe_torch_load,
     staged_output,
@@ -296,15 +298,13 @@ def read_peft_adapter(folder: Path, allow_code_execution: bool = False) -> tuple
     config_file = folder / "adapter_config.json"
     if not config_file.is_file():
         raise ConversionError(f"{folder} is not a PEFT adapter folder (no adapter_config.json).")
-    adapter_config = json.loads(config_file.read_text(encoding="utf-8"))
+    adapter_config = read_json(config_file)
     if adapter_config.get("peft_type", "LORA") != "LORA":
         raise ConversionError(f"{folder} holds a {adapter_config.get('peft_type')} adapter; Dodo uses LoRA.")
     for name in ("adapter_model.safetensors", "adapter_model.bin"):
         if (folder / name).is_file():
             if name.endswith(".safetensors"):
-                from safetensors.torch import load_file
-
-                weights = load_file(str(folder / name))
+                weights = load_weights_file(folder / name)
             else:
                 weights = load_pickle(folder / name, allow_code_execution)
             return adapter_config, weights
@@ -350,9 +350,7 @@ def lora_targets_from_adapter_config(
 def read_scorer(path: Path, allow_code_execution: bool = False) -> dict[str, torch.Tensor]:
     """The scorer FFN from a plain state dict or the generic Nugget package's ``scorer_states`` file (spec §9.4)."""
     if path.suffix == ".safetensors":
-        from safetensors.torch import load_file
-
-        payload = load_file(str(path))
+        payload = load_weights_file(path)
     else:
         payload = load_pickle(path, allow_code_execution)
     if not isinstance(payload, dict):
@@ -384,9 +382,7 @@ def read_soft_prompt(path: Path, allow_code_execution: bool = False) -> torch.Te
     """A ``[soft, hidden]`` tensor from a safetensors/pt file (a tensor, or a dict with exactly one 2-D tensor or with
     the Lightning key ``nugget.decoder.soft_emb.weight``), or from the authors' Lightning checkpoint."""
     if path.suffix == ".safetensors":
-        from safetensors.torch import load_file
-
-        payload = load_file(str(path))
+        payload = load_weights_file(path)
     else:
         payload = load_pickle(path, allow_code_execution)
     if isinstance(payload, dict) and "state_dict" in payload:
@@ -409,11 +405,6 @@ def read_soft_prompt(path: Path, allow_code_execution: bool = False) -> torch.Te
 # ---------------------------------------------------------------------------------------------------------------------
 # Conversion
 # ---------------------------------------------------------------------------------------------------------------------
-
-
-def _widest_dtype(tensors) -> torch.dtype:
-    dtypes = {tensor.dtype for tensor in tensors if tensor.is_floating_point()}
-    return max(dtypes, key=lambda dtype: torch.finfo(dtype).bits) if dtypes else torch.float32
 
 
 def _build_and_save(
@@ -451,7 +442,7 @@ def _build_and_save(
     if wrong:
         raise ConversionError(f"{source}: tensor shapes differ from the model's (checkpoint, model): {wrong}")
     # One dtype for the whole model: by default the widest of the sources (lossless: the authors keep float32 adapters)
-    target_dtype = getattr(torch, dtype) if dtype else _widest_dtype(converted.values())
+    target_dtype = getattr(torch, dtype) if dtype else widest_floating_dtype(converted.values())
     converted = {
         key: tensor.to(target_dtype) if tensor.is_floating_point() else tensor for key, tensor in converted.items()
     }

@@ -36,8 +36,10 @@ from .conversion_utils import (
     KeyMap,
     find_local_tokenizer,
     finish_conversion,
+    load_converted,
     load_folder_checkpoint,
     pickled_class_stand_in,
+    read_json,
     prepare_output_folder,
     safe_torch_load,
     strip_prefix,
@@ -124,9 +126,7 @@ def read_original_checkpoint(checkpoint_path: Path, config_path: Path | None = N
         raise ConversionError(f"{checkpoint_path} is not a Lightning checkpoint (no 'state_dict' entry).")
     state_dict = strip_prefix(checkpoint["state_dict"], "model.", str(checkpoint_path))
     if config_path is not None:
-        import json
-
-        return state_dict, json.loads(Path(config_path).read_text())
+        return state_dict, read_json(config_path)
     pickled = (checkpoint.get("hyper_parameters") or {}).get("config")
     if pickled is None:
         raise ConversionError(f"{checkpoint_path} holds no pickled config; pass --config_path CONFIG_JSON.")
@@ -153,15 +153,13 @@ def convert_locost_checkpoint(
         key_map = KeyMap(key_map.rules, {**key_map.tied, r"lm_head\.weight": "shared.weight"})
     expected_keys = [key for key in model.state_dict() if key not in tied]
     converted = key_map.apply(original_state_dict, expected_keys, source=str(checkpoint_path))
-    missing, unexpected = model.load_state_dict(converted, strict=False)
-    if set(missing) - tied or unexpected:
-        raise ConversionError(f"Loading into the model failed: missing {missing}, unexpected {unexpected}")
+    converted, dtype = load_converted(model, converted, tied, source=str(checkpoint_path))
     model.generation_config.max_new_tokens = 512  # the authors' evaluation setting (greedy, 512 new tokens)
 
     finish_conversion(
         model, output, converted, card_name="locost", source=str(checkpoint_path),
         tokenizer_name_or_path=tokenizer_name_or_path or find_local_tokenizer(checkpoint_path),
-        push_to_hub=push_to_hub,
+        push_to_hub=push_to_hub, reload_kwargs={"dtype": dtype},
     )
     return output
 

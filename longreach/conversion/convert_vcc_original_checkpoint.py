@@ -29,7 +29,6 @@ and a model card.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import sys
 from pathlib import Path
@@ -42,8 +41,10 @@ from .conversion_utils import (
     KeyMap,
     find_local_tokenizer,
     finish_conversion,
+    load_converted,
     load_folder_checkpoint,
     prepare_output_folder,
+    read_json,
     safe_torch_load,
     strip_prefix,
 )
@@ -181,7 +182,7 @@ def read_checkpoint(checkpoint_path: Path, config_path: Path | None = None) -> t
     if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint:
         raise ConversionError(f"{checkpoint_path} is not a Lightning checkpoint (no 'state_dict' entry).")
     state_dict = strip_prefix(checkpoint["state_dict"], "model.", str(checkpoint_path))
-    return state_dict, json.loads(Path(config_path).read_text())
+    return state_dict, read_json(config_path)
 
 
 def convert_vcc_checkpoint(
@@ -214,9 +215,7 @@ def convert_vcc_checkpoint(
         source_state_dict = {**source_state_dict, "lm_head.weight": source_state_dict["shared.weight"].clone()}
     expected_keys = [key for key in model.state_dict() if key not in tied_targets]
     converted = key_map.apply(source_state_dict, expected_keys, source=str(checkpoint_path))
-    missing, unexpected = model.load_state_dict(converted, strict=False)
-    if set(missing) - tied_targets or unexpected:
-        raise ConversionError(f"Loading into the model failed: missing {missing}, unexpected {unexpected}")
+    converted, dtype = load_converted(model, converted, tied_targets, source=str(checkpoint_path))
     model.generation_config.num_beams = 1  # the paper evaluates with greedy decoding
     for name, value in generation.items():
         setattr(model.generation_config, name, value)
@@ -224,7 +223,7 @@ def convert_vcc_checkpoint(
     finish_conversion(
         model, output, converted, card_name="vcc_t5", source=str(checkpoint_path),
         tokenizer_name_or_path=tokenizer_name_or_path or find_local_tokenizer(checkpoint_path),
-        push_to_hub=push_to_hub,
+        push_to_hub=push_to_hub, reload_kwargs={"dtype": dtype},
     )
     return output
 
