@@ -5,6 +5,7 @@ without a single real token (which would otherwise generate a repeated token sil
 from __future__ import annotations
 
 import argparse
+import re
 
 import pytest
 import torch
@@ -101,3 +102,33 @@ def test_dodo_refuses_a_static_cache_instead_of_ignoring_it():
     with pytest.raises(UsageError, match="--cache_implementation static: DodoLlamaForCausalLM"):
         _check_generation_options(argparse.Namespace(cache_implementation="static"), model)
     _check_generation_options(argparse.Namespace(cache_implementation="dynamic"), model)
+
+
+@pytest.mark.parametrize("config_class, field, value, message", [
+    ("LocostConfig", "relative_attention_num_buckets", 0, "must be an integer >= 2, got 0"),
+    ("LocostConfig", "relative_attention_max_distance", 8, "must exceed half of `relative_attention_num_buckets`"),
+    ("LocostConfig", "layer_norm_epsilon", -1.0, "`layer_norm_epsilon` must be a positive number, got -1.0"),
+    ("LocostConfig", "dropout_rate", 1.5, "`dropout_rate` must be a number in [0, 1), got 1.5"),
+    ("LocostConfig", "dropout_rate", "x", "`dropout_rate` must be a number in [0, 1), got 'x'"),
+    ("LocostConfig", "feed_forward_proj", "bogus", "`feed_forward_proj` must be an activation name"),
+    ("LocostConfig", "d_model", True, "`d_model` must be a positive integer, got True"),
+    ("VCCT5Config", "num_vanilla_layers", True, "`num_vanilla_layers` must be an integer between 0 and"),
+    ("VCCT5Config", "feed_forward_proj", "gated-nonsense", "`feed_forward_proj` must be an activation name"),
+    ("VCCT5Config", "initializer_factor", 0.0, "`initializer_factor` must be a positive number, got 0.0"),
+])
+def test_t5_config_fields_are_checked_at_construction(config_class, field, value, message):
+    import longreach
+
+    with pytest.raises(ValueError, match=re.escape(message)):
+        getattr(longreach, config_class)(**{field: value})
+
+
+def test_dodo_config_runs_llamas_own_checks():
+    from longreach import DodoLlamaConfig
+
+    sizes = dict(vocab_size=128, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2)
+    with pytest.raises(ValueError, match=re.escape("The hidden size (66) is not a multiple of the number of attention")):
+        DodoLlamaConfig(hidden_size=66, **sizes)
+    with pytest.raises(ValueError, match="Missing required keys in `rope_parameters`.*factor"):
+        DodoLlamaConfig(hidden_size=64, rope_parameters={"rope_type": "linear", "rope_theta": 1e4}, **sizes)
+    assert DodoLlamaConfig(hidden_size=64, **sizes).hidden_size == 64

@@ -137,7 +137,19 @@ class DodoLlamaConfig(LlamaConfig):
         if self.lora_layers is not None:
             self.lora_layers = sorted({int(layer) for layer in self.lora_layers})
         super().__post_init__(**kwargs)
+        self.validate_llama()
         self.validate_dodo()
+
+    def validate_llama(self) -> None:
+        """LlamaConfig's own checks (head sizes, rope parameters, ...), which its strict dataclass runs at construction
+        but a subclass's does not: run here, as a ValueError naming what is wrong."""
+        from huggingface_hub.errors import StrictDataclassError
+
+        try:
+            self.validate()
+        except (StrictDataclassError, KeyError, TypeError) as error:
+            lines = [line.strip() for line in str(error).strip().strip('"').splitlines() if line.strip()]
+            raise ValueError(f"Invalid Llama settings in {type(self).__name__}: {' '.join(lines[1:] or lines)}") from error
 
     # ------------------------------------------------------------------------------------------------------------------
     # Derived values
