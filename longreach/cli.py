@@ -322,6 +322,18 @@ def summarize(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_settings(args: argparse.Namespace) -> dict:
+    """What makes a corpus run's summaries (recorded beside its output; see ``corpus.check_run_settings``)."""
+
+    def where(name: str | None) -> str | None:
+        return str(Path(name).expanduser().resolve()) if name is not None and Path(name).expanduser().exists() else name
+
+    return {"model": where(args.model), "tokenizer": where(args.tokenizer or args.model), "dtype": args.dtype,
+            "max_input_length": args.max_input_length,
+            "generation": {key: value for key, value in _generate_kwargs(args).items()
+                           if key != "cache_implementation"}}  # static or dynamic: the same summaries
+
+
 def summarize_corpus_command(args: argparse.Namespace) -> int:
     """``longreach summarize --input SRC --output OUT.jsonl``: see :mod:`longreach.corpus`."""
     from . import corpus as corpus_module
@@ -356,6 +368,10 @@ def summarize_corpus_command(args: argparse.Namespace) -> int:
                                                                  else ""))
     summarizer = load_summarizer(args.model, args.tokenizer, device, args.dtype)
     _check_generation_options(args, summarizer.model)
+    try:
+        corpus_module.check_run_settings(args.output, _run_settings(args))
+    except corpus_module.CorpusError as error:
+        raise UsageError(str(error)) from None
     try:
         stats = corpus_module.summarize_corpus(
             summarizer, corpus, args.output, max_batch_tokens=args.max_batch_tokens,

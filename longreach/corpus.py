@@ -15,6 +15,8 @@
 * Several processes (``torchrun`` / ``accelerate launch``: ``RANK`` and ``WORLD_SIZE``) split the documents; each
   appends to its own ``OUT.part-R-of-W.jsonl`` (resumable on its own) and rank 0 merges the parts into ``OUT``.
 * With a reference column, ROUGE-1/2/Lsum (``rouge-score``) is printed and written to ``OUT.metrics.json``.
+* What makes a summary (model, tokenizer, ``--max_input_length``, generation options) is kept in
+  ``OUT.settings.json``; a rerun with other settings is refused rather than mixing two runs in ``OUT``.
 """
 
 from __future__ import annotations
@@ -314,6 +316,35 @@ def part_error_files(output: Path) -> list[Path]:
 
 def errors_path_of(path: Path) -> Path:
     return path.with_name(path.name.removesuffix(".jsonl") + ".errors.jsonl")
+
+
+def settings_path_of(output: Path) -> Path:
+    return output.with_name(output.name.removesuffix(".jsonl") + ".settings.json")
+
+
+def check_run_settings(output: str | os.PathLike, settings: dict) -> None:
+    """Record in ``OUT.settings.json`` what makes a summary (model, tokenizer, input length, generation options), or,
+    where ``OUT`` or its parts already hold summaries made with other settings, stop with a :class:`CorpusError` that
+    names them: a rerun finishes a run, it never mixes two. Output of a version that wrote no settings is accepted."""
+    output = Path(output)
+    path = settings_path_of(output)
+    has_records = any(p.exists() and p.stat().st_size for p in [output, *part_files(output)])
+    if has_records and path.exists():
+        try:
+            recorded = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, json.JSONDecodeError):
+            recorded = None
+        if recorded != settings:
+            recorded = recorded if isinstance(recorded, dict) else {}
+            changed = [f"{key}: {recorded.get(key)!r} then, {settings.get(key)!r} now"
+                       for key in sorted(set(recorded) | set(settings)) if recorded.get(key) != settings.get(key)]
+            raise CorpusError(f"--output {output} holds summaries made with other settings ({'; '.join(changed)}); "
+                              "rerun with the same settings to finish it, or choose another --output.")
+        return
+    output.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    temporary.write_text(json.dumps(settings, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    os.replace(temporary, path)
 
 
 # ---------------------------------------------------------------------------------------------------------------------

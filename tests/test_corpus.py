@@ -294,9 +294,29 @@ def test_a_rerun_with_another_process_count_keeps_the_finished_parts(model_folde
         corpus_module._summarize_batch = original
     assert sorted(calls) == sorted(record["id"] for record in reference[2:])  # the parts' summaries are not redone
     assert corpus_module.json_lines(output) == reference
-    assert sorted(path.name for path in tmp_path.iterdir() if path.name.startswith("two")) == ["two.jsonl"]
+    assert sorted(path.name for path in tmp_path.iterdir() if path.name.startswith("two")) == ["two.jsonl",
+                                                                                         "two.settings.json"]
     # merge_parts of a multi-process run with no errors leaves no earlier run's errors file behind
     (tmp_path / "two.errors.jsonl").write_text('{"id": "d004", "error": "old"}\n')
     corpus = corpus_module.read_corpus(str(tmp_path / "corpus.jsonl"), id_column="doc_id")
     assert corpus_module.merge_parts(output, corpus, world_size=2) == 6
     assert not (tmp_path / "two.errors.jsonl").exists()
+
+
+def test_a_rerun_with_other_settings_is_refused_instead_of_mixing_runs(model_folder, tmp_path, capsys):
+    write_jsonl(tmp_path / "corpus.jsonl", 4)
+    arguments = summarize_args(model_folder, tmp_path / "corpus.jsonl", tmp_path / "out.jsonl", "--id_column", "doc_id")
+    assert main(arguments) == 0
+    settings = json.loads((tmp_path / "out.settings.json").read_text())
+    assert settings["generation"] == {"max_new_tokens": 4} and settings["max_input_length"] is None
+    assert settings["model"] == str(Path(model_folder).resolve())
+    before = (tmp_path / "out.jsonl").read_bytes()
+    assert main(arguments + ["--max_input_length", "20"]) == 2
+    error = capsys.readouterr().err
+    assert "holds summaries made with other settings (max_input_length: None then, 20 now)" in error
+    assert (tmp_path / "out.jsonl").read_bytes() == before
+    assert main(arguments + ["--cache_implementation", "static"]) == 0  # the same summaries: not a change
+    assert (tmp_path / "out.jsonl").read_bytes() == before
+    (tmp_path / "out.jsonl").unlink()  # nothing left to mix with: the new settings are recorded
+    assert main(arguments + ["--max_input_length", "20"]) == 0
+    assert json.loads((tmp_path / "out.settings.json").read_text())["max_input_length"] == 20
