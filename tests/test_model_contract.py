@@ -98,6 +98,24 @@ def test_assisted_decoding_equals_greedy(tester):
     assert torch.equal(greedy(tester, batch=1, prompt_lookup_num_tokens=2), expected)
 
 
+def test_dodo_assisted_decoding_with_a_longer_context_and_a_separate_assistant():
+    """The assistant's cache is cropped by transformers from its `get_seq_length()`, which must count tokens only (the
+    nugget slots and the soft prompt before them are not tokens): before, a 30-token context failed in the second
+    round."""
+    import copy
+
+    model = ModelTester("dodo").model
+    generator = torch.Generator().manual_seed(1)
+    context = torch.randint(3, model.config.vocab_size, (1, 30), generator=generator)
+    prompt = torch.randint(3, model.config.vocab_size, (1, 6), generator=generator)
+    assistant = copy.deepcopy(model)
+    with torch.no_grad():
+        for new_tokens in (6, 12):
+            options = dict(context_input_ids=context, max_new_tokens=new_tokens, min_new_tokens=new_tokens)
+            expected = model.generate(prompt, **options)
+            assert torch.equal(model.generate(prompt, assistant_model=assistant, **options), expected)
+
+
 def test_dodo_cache_crop_keeps_nuggets_and_counts_tokens():
     from longreach.modeling.input_checks import cache_of
     from longreach.modeling.modeling_dodo import DodoCache
@@ -107,12 +125,13 @@ def test_dodo_cache_crop_keeps_nuggets_and_counts_tokens():
     with torch.no_grad():
         cache = cache_of(tester.model(**inputs, use_cache=True))  # `.cache` from transformers 5.24 on
     assert isinstance(cache, DodoCache) and cache.seen_tokens == 6
-    columns = cache.get_seq_length()  # nugget slots + soft prompt + 6 tokens
+    assert cache.get_seq_length() == 6  # tokens, as generate()'s bookkeeping counts them
+    columns = cache.layers[0].get_seq_length()  # nugget slots + soft prompt + 6 tokens
     cache.crop(4)  # DynamicCache semantics: keep 4 tokens
-    assert cache.seen_tokens == 4 and cache.get_seq_length() == columns - 2
+    assert cache.seen_tokens == 4 == cache.get_seq_length() and cache.layers[0].get_seq_length() == columns - 2
     assert cache.decoder_mask.shape[1] == columns - 2 - cache.num_nugget_slots
     cache.crop(-1)  # negative: remove one token
-    assert cache.seen_tokens == 3 and cache.get_seq_length() == columns - 3
+    assert cache.seen_tokens == 3 == cache.get_seq_length() and cache.layers[0].get_seq_length() == columns - 3
     cache.crop(10)  # more than it holds: nothing to remove
     assert cache.seen_tokens == 3
     cache.autoregressive = True
@@ -535,3 +554,40 @@ def test_attention_outputs_are_t5_shaped_and_encoder_attentions_none(kind):
     assert all(a.shape == (2, heads, 3, 3) for a in out.decoder_attentions)
     assert all(a.shape == (2, heads, 3, source) for a in out.cross_attentions)
     assert out.encoder_attentions is None
+
+
+@pytest.mark.parametrize("kind", ["locost", "vcc"])
+def test_gradient_checkpointing_turns_the_decoder_cache_off_and_keeps_a_callers_prefix(kind):
+    """As T5: under activation checkpointing `use_cache=True` is turned off (the backward replay would write every key
+    into the cache twice), and a cache the caller passes (PEFT's prefix tuning) is read in training too."""
+    from transformers.cache_utils import DynamicCache, EncoderDecoderCache
+
+    tester = ModelTester(kind)
+    settings = {"dropout_rate": 0.0, **({"exploration_probability": 0.0} if kind == "vcc" else {})}  # no randomness
+    config = type(tester.model.config).from_dict({**tester.model.config.to_dict(), **settings})
+    torch.manual_seed(0)
+    model = type(tester.model)(config)
+    inputs = tester.inputs(batch=2)
+    decoder_input_ids = torch.randint(3, tester.vocab_size, (2, 5), generator=torch.Generator().manual_seed(2))
+    model.train()
+    model.gradient_checkpointing_enable()
+    logits = model(**inputs, decoder_input_ids=decoder_input_ids).logits  # use_cache left at its default
+    logits.float().pow(2).mean().backward()
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+
+    def prefix():
+        torch.manual_seed(9)
+        cache = EncoderDecoderCache(DynamicCache(), DynamicCache())
+        heads, head_dim = model.config.num_heads, model.config.d_kv
+        for layer in range(model.config.num_decoder_layers):
+            cache.self_attention_cache.update(torch.randn(2, heads, 3, head_dim), torch.randn(2, heads, 3, head_dim),
+                                              layer)
+        return cache
+
+    model.gradient_checkpointing_disable()
+    with torch.no_grad():
+        trained = model(**inputs, decoder_input_ids=decoder_input_ids, past_key_values=prefix(), use_cache=False).logits
+        model.eval()
+        evaluated = model(**inputs, decoder_input_ids=decoder_input_ids, past_key_values=prefix(), use_cache=False).logits
+        without = model(**inputs, decoder_input_ids=decoder_input_ids).logits
+    assert torch.allclose(trained, evaluated, atol=1e-6) and not torch.allclose(trained, without, atol=1e-3)

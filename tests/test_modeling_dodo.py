@@ -364,7 +364,8 @@ def test_forward_logits_cover_input_ids_only_and_match_a_cached_continuation(mod
         first = model(tokens[:, :4], nuggets=nuggets, use_cache=True)
         cache = first.past_key_values
         assert isinstance(cache, DodoCache) and cache.seen_tokens == 4
-        assert cache.get_seq_length() == nuggets.mask.shape[1] + 2 + 4  # nuggets + soft prompt + tokens
+        assert cache.get_seq_length() == 4  # the tokens, as generate()'s bookkeeping counts (assisted decoding crops)
+        assert cache.layers[0].get_seq_length() == nuggets.mask.shape[1] + 2 + 4  # nuggets + soft prompt + tokens
         rest = model(tokens[:, 4:], attention_mask=torch.ones(2, 7), past_key_values=cache, nuggets=nuggets)
     assert max_diff(torch.cat([first.logits, rest.logits], 1), full.logits) < 1e-5
 
@@ -832,7 +833,8 @@ def test_activation_checkpointing_leaves_inference_and_the_cache_unchanged():
     context, tokens = ids(2, 20), ids(2, 6)
     # training step: the decoder's cache ends the same (nuggets, then the new keys/values, appended once)
     caches = [m(tokens, context_input_ids=context, labels=tokens).past_key_values for m in (plain, checkpointed)]
-    assert caches[0].get_seq_length() == caches[1].get_seq_length() == caches[0].num_nugget_slots + 2 + 6
+    assert caches[0].get_seq_length() == caches[1].get_seq_length() == 6
+    assert caches[0].layers[0].get_seq_length() == caches[1].layers[0].get_seq_length() == caches[0].num_nugget_slots + 2 + 6
     for a, b in zip(caches[0].layers, caches[1].layers):
         assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
     # no gradient (generate() on a model left in train mode) and eval mode: identical outputs, no replay machinery

@@ -118,10 +118,14 @@ def reject_head_masks(kwargs: dict) -> None:
 def take_cache_argument(past_key_values, kwargs: dict):
     """The key/value cache a model's ``forward`` was given: transformers >= 5.24 passes it as ``cache`` (its
     ``generate()`` uses that name), earlier 5.x releases as ``past_key_values`` (accepted until transformers 5.40).
-    ``cache`` is removed from ``kwargs``."""
+    ``cache`` is removed from ``kwargs``. Given both (PEFT's prefix tuning passes ``past_key_values`` while
+    ``generate()`` passes ``cache``), ``cache`` is used with a warning, as transformers' own models do."""
     cache = kwargs.pop("cache", None)
     if cache is not None and past_key_values is not None:
-        raise ValueError("Pass the key/value cache once, as `cache` (or the older name `past_key_values`), not both.")
+        import warnings
+
+        warnings.warn("Both `cache` and its older name `past_key_values` were passed: `past_key_values` is ignored.",
+                      UserWarning, stacklevel=3)
     return cache if cache is not None else past_key_values
 
 

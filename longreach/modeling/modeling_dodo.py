@@ -171,6 +171,12 @@ class DodoCache(DynamicCache):
         self.compressed_tokens = 0
         self.compressed_real_tokens: torch.Tensor | None = None
 
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """The number of *token* columns processed (``seen_tokens``), as transformers' generation utilities read it
+        (e.g. assisted decoding computes how many columns to ``crop`` from it): the nugget slots and the soft prompt
+        before them are not tokens of the sequence. The layers' own lengths still count every column."""
+        return self.seen_tokens
+
     @property
     def num_nugget_slots(self) -> int:
         return 0 if self.nugget_mask is None else self.nugget_mask.shape[1]

@@ -31,8 +31,11 @@ from transformers.modeling_outputs import (
     Seq2SeqModelOutput,
 )
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.utils import logging
 
 from .input_checks import cache_field, cache_of, check_token_ids, cut_to_length, pad_right
+
+logger = logging.get_logger(__name__)
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Norm and feed-forward
@@ -892,10 +895,14 @@ class T5DecoderStack(nn.Module):
     ) -> BaseModelOutputWithPastAndCrossAttentions:
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Pass exactly one of `decoder_input_ids` and `decoder_inputs_embeds`.")
+        if use_cache and self.training and torch.is_grad_enabled() and any(
+                getattr(block, "gradient_checkpointing", False) for block in self.block):
+            # The backward pass replays each block, which would write its keys into a cache a second time (T5 too
+            # turns caching off here). A cache the caller passed (prefix tuning) is still read.
+            logger.warning_once("`use_cache=True` is incompatible with gradient checkpointing. Setting `use_cache=False`.")
+            use_cache = False
         if use_cache and past_key_values is None:
             past_key_values = EncoderDecoderCache(DynamicCache(), DynamicCache())  # layers are added lazily
-        if not use_cache and self.training:
-            past_key_values = None
         # Tokens already cached: an int for a dynamic cache; for a static one a 0-d tensor once it holds any (0 before).
         past_length = past_key_values.get_seq_length() if past_key_values is not None else 0
         if input_ids is not None and not torch.is_tensor(past_length) and past_length == 0:
