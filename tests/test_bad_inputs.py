@@ -132,3 +132,32 @@ def test_dodo_config_runs_llamas_own_checks():
     with pytest.raises(ValueError, match="Missing required keys in `rope_parameters`.*factor"):
         DodoLlamaConfig(hidden_size=64, rope_parameters={"rope_type": "linear", "rope_theta": 1e4}, **sizes)
     assert DodoLlamaConfig(hidden_size=64, **sizes).hidden_size == 64
+
+
+def test_seq2seq_decoder_rows_must_match_the_encoder_rows(seq2seq):
+    input_ids = torch.randint(3, vocab(seq2seq), (2, 40))
+    decoder_rows = torch.randint(3, vocab(seq2seq), (1, 5))
+    with pytest.raises(ValueError, match=re.escape("`decoder_input_ids` has 1 rows but the encoder input has 2")):
+        seq2seq(input_ids, decoder_input_ids=decoder_rows)
+    with pytest.raises(ValueError, match=re.escape("`labels` must be [batch, length] with one row per encoder input (2)")):
+        seq2seq(input_ids, labels=decoder_rows)
+    with pytest.raises(ValueError, match=re.escape("`labels` must have the [batch, length] shape (2, 5)")):
+        seq2seq(input_ids, decoder_input_ids=decoder_rows.repeat(2, 1), labels=decoder_rows.repeat(2, 2))
+
+
+def test_dodo_context_errors_name_the_context_arguments():
+    model = tiny_dodo()
+    generator = torch.Generator().manual_seed(1)
+    context = torch.randint(3, 100, (2, 30), generator=generator)
+    prompt = torch.randint(3, 100, (2, 6), generator=generator)
+    with torch.no_grad():
+        with pytest.raises(ValueError, match="`context_attention_mask` must have the shape .* of `context_input_ids`"):
+            model(prompt, context_input_ids=context, context_attention_mask=torch.ones(2, 5, dtype=torch.long))
+        empty_row = torch.ones_like(context) * torch.tensor([[1], [0]])
+        with pytest.raises(ValueError, match=re.escape("rows [1] of `context_attention_mask` have no real token")):
+            model(prompt, context_input_ids=context, context_attention_mask=empty_row)
+        for call in (model, model.generate):
+            with pytest.raises(ValueError, match="`context_attention_mask` was given without `context_input_ids`"):
+                call(prompt, context_attention_mask=torch.ones_like(context))
+        # no prompt: one BOS row per context, not one row for all
+        assert model.generate(context_input_ids=context, max_new_tokens=2).shape == (2, 3)

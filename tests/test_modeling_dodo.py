@@ -1120,3 +1120,30 @@ def test_features_read_from_the_phi_pass_use_autograd_only_when_a_base_weight_th
         model.get_parameter(BASE_WEIGHT).requires_grad_(train_base_weight)
         CHECKPOINTING["default"](model)
         assert model.compress(ids(1, 20), output_features=True).features.requires_grad == train_base_weight
+
+
+def test_config_output_hidden_states_keeps_logits_and_loss_on_the_tokens():
+    """As LlamaModel: the config's output_hidden_states (from_pretrained(..., output_hidden_states=True)) applies when the
+    call does not say, and the logits still cover `input_ids` only (not the soft prompt)."""
+    model = tiny_model()
+    generator = torch.Generator().manual_seed(1)
+    context = torch.randint(3, VOCAB, (2, 30), generator=generator)
+    prompt = torch.randint(3, VOCAB, (2, 6), generator=generator)
+    with torch.no_grad():
+        expected = model(prompt, context_input_ids=context, labels=prompt)
+        model.config.output_hidden_states = True
+        flagged = model(prompt, context_input_ids=context, labels=prompt)
+    assert flagged.logits.shape == expected.logits.shape == (2, 6, VOCAB)
+    assert torch.allclose(flagged.loss, expected.loss) and flagged.hidden_states[0].shape[:2] == (2, 6)
+    assert expected.hidden_states is None
+
+
+def test_data_collator_takes_tensors_and_numpy_features():
+    import numpy as np
+
+    collator = DodoDataCollator(pad_token_id=0)
+    as_lists = collator([{"context_input_ids": [1, 5, 6], "input_ids": [7, 8]}, {"context_input_ids": [0]}])
+    for convert in (torch.tensor, np.array):
+        batch = collator([{"context_input_ids": convert([1, 5, 6]), "input_ids": convert([7, 8])},
+                          {"context_input_ids": convert([0])}])  # a one-token context of token 0 is not empty
+        assert all(torch.equal(batch[key], as_lists[key]) for key in as_lists)

@@ -705,7 +705,8 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
     # -----------------------------------------------------------------------------------------------------------------
 
     def compress(
-        self, input_ids: torch.LongTensor, attention_mask: torch.Tensor | None = None, output_features: bool = False
+        self, input_ids: torch.LongTensor, attention_mask: torch.Tensor | None = None, output_features: bool = False,
+        *, argument_names: tuple[str, str] = ("input_ids", "attention_mask"),
     ) -> DodoNuggets:
         """Compress contexts into nuggets (top-k by ``config.nugget_ratio``, last real token forced).
 
@@ -714,13 +715,16 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
                 as the authors do).
             attention_mask (`torch.Tensor` of shape `[batch, n]`, *optional*): 1 for real tokens.
             output_features (`bool`): also return the scorer input features.
+            argument_names: the caller's names for the two tensors, used in error messages (``forward`` and
+                ``generate`` pass ``context_input_ids`` / ``context_attention_mask``).
         """
-        check_token_ids("input_ids", input_ids, vocab_size=self.get_input_embeddings().num_embeddings)
-        check_mask("attention_mask", attention_mask, "input_ids", input_ids)
+        ids_name, mask_name = argument_names
+        check_token_ids(ids_name, input_ids, vocab_size=self.get_input_embeddings().num_embeddings)
+        check_mask(mask_name, attention_mask, ids_name, input_ids)
         mask = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
         if (mask.sum(dim=1) == 0).any():
             empty = (mask.sum(dim=1) == 0).nonzero().flatten().tolist()
-            raise ValueError(f"Empty context: rows {empty} of `attention_mask` have no real token to compress.")
+            raise ValueError(f"Empty context: rows {empty} of `{mask_name}` have no real token to compress.")
         return self._compress(input_ids, mask, token_positions(mask), output_features=output_features)
 
     def _compress(
@@ -1134,7 +1138,9 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
             check_token_ids("context_input_ids", context_input_ids, vocab_size=self.get_input_embeddings().num_embeddings)
             if nuggets is not None:
                 raise ValueError("Pass either `nuggets` or `context_input_ids` (compressed here), not both.")
-            nuggets = self.compress(context_input_ids, context_attention_mask)
+            nuggets = self.compress(context_input_ids, context_attention_mask, argument_names=("context_input_ids", "context_attention_mask"))
+        elif context_attention_mask is not None:
+            raise ValueError("`context_attention_mask` was given without `context_input_ids`; pass both, or neither.")
         use_cache = self.config.use_cache if use_cache is None else use_cache
 
         cache = past_key_values if isinstance(past_key_values, DodoCache) and past_key_values.started else None
@@ -1166,11 +1172,11 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
                 raise ValueError("`nuggets` do not match the nuggets already in `past_key_values`.")
 
         soft = 0
-        extra = {}
-        if output_attentions:
-            extra["output_attentions"] = True
-        if output_hidden_states:
-            extra["output_hidden_states"] = True
+        # As LlamaModel does, the config's flags apply when the call does not say (from_pretrained(...,
+        # output_hidden_states=True)); passed on explicitly, so that the inner model does not read the config again.
+        output_attentions = self.config.output_attentions if output_attentions is None else output_attentions
+        output_hidden_states = self.config.output_hidden_states if output_hidden_states is None else output_hidden_states
+        extra = {"output_attentions": bool(output_attentions), "output_hidden_states": bool(output_hidden_states)}
         if cache.autoregressive or (cache.num_nugget_slots == 0 and self.config.recent_window is not None):
             if input_ids is None:
                 raise ValueError(
@@ -1246,9 +1252,19 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
             check_token_ids("context_input_ids", context_input_ids, vocab_size=self.get_input_embeddings().num_embeddings)
             if nuggets is not None:
                 raise ValueError("Pass either `nuggets` or `context_input_ids` (compressed here), not both.")
-            nuggets = self.compress(context_input_ids, context_attention_mask)
+            nuggets = self.compress(context_input_ids, context_attention_mask, argument_names=("context_input_ids", "context_attention_mask"))
+        elif context_attention_mask is not None:
+            raise ValueError("`context_attention_mask` was given without `context_input_ids`; pass both, or neither.")
         if kwargs.get("inputs_embeds") is not None:
             raise ValueError("`inputs_embeds` are not supported by Dodo's generate(); pass `input_ids`.")
+        if input_ids is None and nuggets is not None:
+            # generate() would start one BOS row; one per context is what is meant.
+            bos = (kwargs.get("generation_config") or self.generation_config).bos_token_id
+            bos = self.config.bos_token_id if bos is None else bos
+            if not isinstance(bos, int):
+                raise ValueError("Pass `input_ids` (a prompt per context): without one, generation starts from the BOS "
+                                 f"token, and this model's bos_token_id is {bos!r}.")
+            input_ids = torch.full((nuggets.mask.shape[0], 1), bos, dtype=torch.long, device=nuggets.mask.device)
         if nuggets is not None:
             self._check_nuggets(nuggets, input_ids.shape[0] if input_ids is not None else None)
             kwargs["nuggets"] = nuggets
@@ -1413,6 +1429,15 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
 # ---------------------------------------------------------------------------------------------------------------------
 
 
+def _token_list(ids) -> list[int]:
+    """Token ids given as a list, a tensor or a numpy array, as a list of ints (``None``: empty)."""
+    if ids is None:
+        return []
+    if hasattr(ids, "tolist"):
+        ids = ids.tolist()
+    return [int(token) for token in ids]
+
+
 class DodoDataCollator:
     """Batches (context, target) pairs for compressor-mode training with ``Trainer`` (paper §2.3, spec §3.7).
 
@@ -1432,8 +1457,9 @@ class DodoDataCollator:
             raise ValueError("DodoDataCollator got an empty batch.")
         contexts, targets, prompt_lengths = [], [], []
         for index, feature in enumerate(features):
-            context = list(feature.get("context_input_ids") or [])
-            target = list(feature["input_ids"]) if feature.get("input_ids") is not None else context
+            # Lists, tensors or numpy arrays (a `datasets` dataset with a torch/numpy format): never tested for truth.
+            context = _token_list(feature.get("context_input_ids"))
+            target = _token_list(feature["input_ids"]) if feature.get("input_ids") is not None else context
             if not context or not target:
                 raise ValueError(f"Feature {index} needs a non-empty `context_input_ids` (and `input_ids` if given).")
             contexts.append(context)

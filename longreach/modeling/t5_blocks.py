@@ -1080,6 +1080,12 @@ class T5Seq2SeqLMMixin:
         output_hidden_states: bool,
     ) -> BaseModelOutputWithPastAndCrossAttentions:
         """The T5 decoder over ``encoder_outputs`` (cross-attention masked by the encoder's ``attention_mask``)."""
+        decoder_inputs = decoder_input_ids if decoder_input_ids is not None else decoder_inputs_embeds
+        rows = encoder_outputs.last_hidden_state.shape[0]
+        if decoder_inputs is not None and decoder_inputs.dim() >= 1 and decoder_inputs.shape[0] != rows:
+            name = "decoder_input_ids" if decoder_input_ids is not None else "decoder_inputs_embeds"
+            raise ValueError(f"`{name}` has {decoder_inputs.shape[0]} rows but the encoder input has {rows}; pass one "
+                             "decoder row per document.")
         return self.decoder(
             input_ids=decoder_input_ids,
             attention_mask=decoder_attention_mask,
@@ -1146,6 +1152,14 @@ class T5Seq2SeqLMMixin:
         """Run the decoder over ``encoder_outputs`` and project to the vocabulary (plus the loss with ``labels``)."""
         if labels is not None:
             check_token_ids("labels", labels, vocab_size=self.get_output_embeddings().out_features, ignore_index=-100)
+            rows = encoder_outputs.last_hidden_state.shape[0]
+            if labels.dim() != 2 or labels.shape[0] != rows:
+                raise ValueError(f"`labels` must be [batch, length] with one row per encoder input ({rows}), got shape "
+                                 f"{tuple(labels.shape)}.")
+            decoder_inputs = decoder_input_ids if decoder_input_ids is not None else decoder_inputs_embeds
+            if decoder_inputs is not None and tuple(labels.shape[:2]) != tuple(decoder_inputs.shape[:2]):
+                raise ValueError(f"`labels` must have the [batch, length] shape {tuple(decoder_inputs.shape[:2])} of the "
+                                 f"decoder inputs, got {tuple(labels.shape)}.")
         if labels is not None and decoder_input_ids is None and decoder_inputs_embeds is None:
             decoder_input_ids = self._shift_right(labels)
         if decoder_input_ids is None and decoder_inputs_embeds is None:
