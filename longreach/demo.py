@@ -136,13 +136,68 @@ def _written_by_demo(folder: Path) -> bool:
     return card.is_file() and _DEMO_CARD_MARK in card.read_text(encoding="utf-8", errors="replace")
 
 
+#: What a demo run writes beside its model folder, in ``<output_dir>-heldout`` (the held-out set, summarized).
+HELD_OUT_FILES = {"documents.jsonl", "documents.tmp", "summaries.jsonl", "summaries.errors.jsonl",
+                  "summaries.metrics.json", "summaries.settings.json"}
+
+
+def held_out_dir(output_dir: Path) -> Path:
+    return output_dir.with_name(output_dir.name + "-heldout")
+
+
+def _demo_model_files() -> set[str]:
+    """The names a demo run writes into its model folder: the weights, config, tokenizer and card, and the code files
+    of a Hub-ready LOCOST folder (those of this version, plus the names earlier versions wrote)."""
+    from .modeling.remote_code import collect_flat_sources
+
+    code = collect_flat_sources(["longreach.modeling.modeling_locost", "longreach.configuration.configuration_locost",
+                                 "longreach.pipelines.pipeline_summarization"])
+    return set(code) | {"README.md", "config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
+                        "tokenizer_config.json", "special_tokens_map.json", "training_args.bin"}
+
+
+def _foreign_files(folder: Path, ours: set[str]) -> list[str]:
+    """Names in ``folder`` that a demo run did not write (its own temporary files, ``.name...``, count as its own)."""
+    return sorted(path.name for path in folder.iterdir()
+                  if path.name not in ours and not any(path.name.startswith(f".{name}") for name in ours))
+
+
 def check_output_dir(output_dir: Path) -> None:
-    """The demo may write ``output_dir``: it does not exist, is empty, or holds an earlier demo model."""
+    """Before minutes of training: the demo may write ``output_dir`` (it does not exist, is empty, or holds an earlier
+    demo model and nothing else) and ``<output_dir>-heldout`` beside it (the same), and can create them there."""
+    shown = str(output_dir)
+    output_dir = output_dir.expanduser().resolve()
+    if output_dir == Path.cwd().resolve() or output_dir.parent == output_dir:
+        raise OutputDirError(f"--output_dir {shown!r} is the current folder or a root; the demo replaces its folder "
+                             "whole, so pass a folder of its own (e.g. --output_dir longreach-demo).")
+    ancestor = output_dir.parent
+    while not ancestor.exists():
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise OutputDirError(f"--output_dir {shown!r}: {str(ancestor)!r} is a file, not a folder.")
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        raise OutputDirError(f"--output_dir {shown!r}: cannot write in {str(ancestor)!r}; pass a folder you can write.")
     if output_dir.exists() and not output_dir.is_dir():
-        raise OutputDirError(f"--output_dir {str(output_dir)!r} is a file; pass a folder path (it is created).")
-    if output_dir.is_dir() and any(output_dir.iterdir()) and not _written_by_demo(output_dir):
-        raise OutputDirError(f"--output_dir {str(output_dir)!r} is not empty and was not written by the demo; pass an "
-                             "empty or new folder (e.g. --output_dir longreach-demo-2).")
+        raise OutputDirError(f"--output_dir {shown!r} is a file; pass a folder path (it is created).")
+    if output_dir.is_dir() and any(output_dir.iterdir()):
+        if not _written_by_demo(output_dir):
+            raise OutputDirError(f"--output_dir {shown!r} is not empty and was not written by the demo; pass an "
+                                 "empty or new folder (e.g. --output_dir longreach-demo-2).")
+        foreign = _foreign_files(output_dir, _demo_model_files())
+        if foreign:
+            raise OutputDirError(f"--output_dir {shown!r} holds an earlier demo model and files the demo did not write "
+                                 f"({', '.join(foreign[:5])}), which a rerun would delete; move them away or pass "
+                                 "another folder.")
+    beside = held_out_dir(output_dir)
+    if beside.exists() and not beside.is_dir():
+        raise OutputDirError(f"--output_dir {shown!r}: {str(beside)!r}, where the demo writes the held-out set, is a "
+                             "file; move it away or pass another folder.")
+    if beside.is_dir():
+        foreign = _foreign_files(beside, HELD_OUT_FILES)
+        if foreign:
+            raise OutputDirError(f"--output_dir {shown!r}: {str(beside)!r}, where the demo writes the held-out set, "
+                                 f"holds files the demo did not write ({', '.join(foreign[:5])}); move them away or "
+                                 "pass another folder.")
 
 
 @contextlib.contextmanager
@@ -573,7 +628,7 @@ def run_demo(output_dir: str | Path = DEFAULT_OUTPUT_DIR, settings: DemoSettings
     missing = [name for name in ("accelerate", "rouge_score") if importlib.util.find_spec(name) is None]
     if missing:
         raise DemoError(f"The demo needs {', '.join(missing)} (training and ROUGE): pip install 'longreach[train]'.")
-    output_dir = Path(output_dir)
+    output_dir = Path(output_dir).expanduser()
     check_output_dir(output_dir)  # before minutes of training, not after
     stage = _Stage(9)
     set_seed(seed)
@@ -659,10 +714,10 @@ def run_demo(output_dir: str | Path = DEFAULT_OUTPUT_DIR, settings: DemoSettings
     print(f"    reference: {longest['summary']}\n    summary:   {summary}\n"
           f"    lead:      {lead_baseline(longest['document'])}", flush=True)
 
-    corpus_dir = output_dir.with_name(output_dir.name + "-heldout")  # beside the model: the held-out set, summarized
+    corpus_dir = held_out_dir(output_dir)  # beside the model: the held-out set, summarized
     corpus_dir.mkdir(exist_ok=True)
     documents_file, summaries_file = corpus_dir / "documents.jsonl", corpus_dir / "summaries.jsonl"
-    for name in ("summaries.jsonl", "summaries.errors.jsonl", "summaries.metrics.json"):
+    for name in ("summaries.jsonl", "summaries.errors.jsonl", "summaries.metrics.json", "summaries.settings.json"):
         (corpus_dir / name).unlink(missing_ok=True)  # an earlier demo's summaries: this run's model is new
     with open(documents_file.with_suffix(".tmp"), "w", encoding="utf-8") as handle:
         for example in held_out:

@@ -197,3 +197,29 @@ def test_demo_save_replaces_an_earlier_demo_model_atomically(tmp_path):
         (staging / "model.safetensors").write_text("new")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["longreach-demo"]
     assert [p.name for p in folder.iterdir()] == ["model.safetensors"]
+
+
+def test_demo_refuses_before_training_what_a_rerun_would_lose_or_cannot_write(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    earlier = tmp_path / "longreach-demo"
+    earlier.mkdir()
+    (earlier / "README.md").write_text(f"{_DEMO_CARD_MARK} (an earlier run)")
+    (earlier / "model.safetensors").write_text("weights")
+    check_output_dir(earlier)  # an earlier demo model alone may be replaced
+    (tmp_path / "afile").write_text("mine")
+    beside = tmp_path / "longreach-demo-heldout"
+    beside.mkdir()
+    (beside / "summaries.jsonl").write_text("")  # the demo's own
+    cases = [
+        (earlier, "notes.txt", "files the demo did not write (notes.txt)"),
+        (beside, "mine.json", "where the demo writes the held-out set, holds files the demo did not write (mine.json)"),
+    ]
+    for folder, name, message in cases:
+        (folder / name).write_text("mine")
+        assert main(["demo", "--output_dir", str(earlier)]) == 2
+        assert message in capsys.readouterr().err
+        (folder / name).unlink()
+    for output_dir, message in ((".", "is the current folder or a root"), ("afile/model", "is a file, not a folder")):
+        assert main(["demo", "--output_dir", output_dir]) == 2
+        assert message in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "longreach-demo", "longreach-demo-heldout"]
