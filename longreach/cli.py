@@ -447,7 +447,14 @@ def push(args: argparse.Namespace) -> int:
 def model_cards(args: argparse.Namespace) -> int:
     from .hub import write_reference_model_cards
 
-    for path in write_reference_model_cards(args.output_dir):
+    try:
+        paths = write_reference_model_cards(args.output_dir)
+    except ValueError as error:
+        raise UsageError(f"longreach model-cards: {str(error).replace('`output_dir`', '--output_dir')}") from None
+    except OSError as error:
+        raise CommandError(f"cannot write the model cards into --output_dir {args.output_dir}: "
+                           f"{error.strerror or error}") from None
+    for path in paths:
         print(path)
     return 0
 

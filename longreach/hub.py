@@ -172,14 +172,26 @@ def write_model_card(
 
 
 def write_reference_model_cards(output_dir: str | Path = "model_cards") -> list[Path]:
-    """(Re)generate ``model_cards/locost.md``, ``vcc_t5.md`` and ``dodo_llama.md`` from the templates."""
-    output_dir = Path(output_dir)
+    """(Re)generate ``model_cards/locost.md``, ``vcc_t5.md`` and ``dodo_llama.md`` from the templates.
+
+    Each card is written under a temporary name and renamed into place; a file of that name that is not a longreach
+    card (someone's own notes) is refused with a ``ValueError`` before anything is written."""
+    output_dir = Path(output_dir).expanduser()
+    if output_dir.exists() and not output_dir.is_dir():
+        raise ValueError(f"`output_dir` {str(output_dir)!r} is a file; pass a folder (it is created).")
+    paths = [output_dir / f"{key}.md" for key in MODEL_CARDS]
+    foreign = [path.name for path in paths if path.exists() and read_card_state(path) is None]
+    if foreign:
+        raise ValueError(f"`output_dir` {str(output_dir)!r} holds {', '.join(foreign)}, which are not longreach model "
+                         "cards; move them away or pass another folder.")
     output_dir.mkdir(parents=True, exist_ok=True)
-    paths = []
-    for key in MODEL_CARDS:
-        path = output_dir / f"{key}.md"
-        build_model_card(key).save(path)
-        paths.append(path)
+    for key, path in zip(MODEL_CARDS, paths):
+        temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        try:
+            temporary.write_text(str(build_model_card(key)), encoding="utf-8")
+            os.replace(temporary, path)
+        finally:
+            temporary.unlink(missing_ok=True)
     return paths
 
 

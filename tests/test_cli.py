@@ -135,3 +135,17 @@ def test_summarize_refuses_to_write_over_its_document(converted_locost, tmp_path
                  "--output", str(tmp_path / "absent-folder" / "s.txt")]) == 1
     assert "cannot write --output" in capsys.readouterr().err
     assert sorted(path.name for path in tmp_path.iterdir()) == ["doc.txt"]  # no temporary file left behind
+
+
+def test_model_cards_keep_files_that_are_not_our_cards(tmp_path, capsys):
+    (tmp_path / "locost.md").write_text("MINE")
+    assert main(["model-cards", "--output_dir", str(tmp_path)]) == 2
+    assert "holds locost.md, which are not longreach model cards" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["locost.md"] and (tmp_path / "locost.md").read_text() == "MINE"
+    (tmp_path / "locost.md").unlink()
+    assert main(["model-cards", "--output_dir", str(tmp_path)]) == 0
+    assert main(["model-cards", "--output_dir", str(tmp_path)]) == 0  # our own cards are regenerated in place
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dodo_llama.md", "locost.md", "vcc_t5.md"]
+    (tmp_path / "afile").write_text("x")
+    assert main(["model-cards", "--output_dir", str(tmp_path / "afile")]) == 2
+    assert "is a file" in capsys.readouterr().err
