@@ -241,3 +241,33 @@ def test_unreadable_inputs_are_one_line_errors_naming_the_file(fixtures_dir, tmp
                 kwargs["encoder"], adapters / "decoder", kwargs["scorer"], fixtures_dir / "dodo" / "base",
                 tmp_path / "dodo-out", soft_prompt_length=0)
     assert not (tmp_path / "dodo-out").exists()
+
+
+def test_output_folder_rules_and_push_preflight_come_before_converting(fixtures_dir, tmp_path, capsys, monkeypatch):
+    source = fixtures_dir / "locost" / "hf_checkpoint"
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "afile").write_text("mine")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    for output, extra, message in (
+        (".", [], "is the current folder or a root"),
+        ("afile/out", [], "afile is a file, not a folder"),
+        ("new/deeper/out", ["--push_to_hub", "me/repo"], "HF_HUB_OFFLINE is set"),
+        ("out", ["--push_to_hub", "not a repo"], "is not a Hub repository id"),
+    ):
+        assert main(["convert", "locost", "--checkpoint_path", str(source), "--pytorch_dump_folder_path", output,
+                     *extra]) == 1
+        assert message in capsys.readouterr().err
+    assert main(["convert", "locost", "--checkpoint_path", str(tmp_path / "absent"), "--pytorch_dump_folder_path",
+                 "made/for/nothing/out"]) == 1
+    capsys.readouterr()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]  # no folder made by a failed conversion
+    monkeypatch.setenv("HOME", str(tmp_path))  # "~/conv" is the home folder's, not a folder named "~"
+    assert main(["convert", "locost", "--checkpoint_path", str(source), "--pytorch_dump_folder_path", "~/conv"]) == 0
+    converted = tmp_path / "conv"
+    assert converted.is_dir() and oct(converted.stat().st_mode & 0o777) == oct(0o777 & ~_umask())
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask

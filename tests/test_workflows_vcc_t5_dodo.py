@@ -392,6 +392,10 @@ def converted(tmp_path_factory, fixtures_dir):
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(hub, "HfApi", RecordingHubApi)
         patch.setenv("HF_HUB_OFFLINE", "1")
+        # the converters' check before converting (online, reachable, logged in), as the recorder stands in for the Hub
+        patch.setattr(hub, "hub_is_offline", lambda: False)
+        patch.setattr(hub, "hub_reachable", lambda timeout=3.0: True)
+        patch.setattr("huggingface_hub.get_token", lambda: "recorded")
         for name in NAMES:
             RecordingHubApi.instances = []
             outputs, sources = [], []

@@ -273,7 +273,10 @@ def prepare_output_folder(output: str | os.PathLike, inputs: Iterable[str | os.P
     Nothing is created under its name: converters write through :func:`staged_output`. Staging folders left by a
     killed conversion into the same output are removed.
     """
-    output = Path(output).resolve()
+    output = Path(output).expanduser().resolve()
+    if output == Path.cwd().resolve() or output.parent == output:
+        raise ConversionError(f"--pytorch_dump_folder_path {output} is the current folder or a root; the converted "
+                              "folder is renamed into place, so pass a folder of its own.")
     for source in inputs:
         if source is None:
             continue
@@ -292,12 +295,41 @@ def prepare_output_folder(output: str | os.PathLike, inputs: Iterable[str | os.P
             raise ConversionError(
                 f"--pytorch_dump_folder_path {output} is not empty; refusing to overwrite. Pass a new or empty folder."
             )
-    output.parent.mkdir(parents=True, exist_ok=True)
+    ancestor = output.parent
+    while not ancestor.exists():
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise ConversionError(f"--pytorch_dump_folder_path {output}: {ancestor} is a file, not a folder.")
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        raise ConversionError(f"--pytorch_dump_folder_path {output}: cannot write in {ancestor}.")
+    if not output.parent.is_dir():
+        return output  # its parent folders are created by staged_output, once the conversion gets that far
     for stale in output.parent.glob(f".{output.name}.incomplete-*"):
         pid = stale.name.split("-")[-2] if stale.name.count("-") >= 2 else ""
         if stale.is_dir() and not (pid.isdigit() and _process_alive(int(pid))):
             shutil.rmtree(stale, ignore_errors=True)
     return output
+
+
+def check_push_target(repo_id: str | None) -> None:
+    """Before converting, what ``--push_to_hub REPO_ID`` needs: a valid repository id, the Hub online and reachable,
+    a login (a conversion of minutes must not end in a network error)."""
+    if repo_id is None:
+        return
+    from huggingface_hub import get_token
+
+    from ..hub import _REPO_ID, hub_is_offline, hub_reachable
+
+    if not _REPO_ID.match(repo_id) or "/" not in repo_id:
+        raise ConversionError(f"--push_to_hub {repo_id!r} is not a Hub repository id; expected 'namespace/name'.")
+    if hub_is_offline():
+        raise ConversionError("--push_to_hub: HF_HUB_OFFLINE is set; unset it, or convert without --push_to_hub and "
+                              "upload later with `longreach push`.")
+    if not hub_reachable():
+        raise ConversionError("--push_to_hub: the Hub cannot be reached from this machine; convert without it and "
+                              "upload later with `longreach push`.")
+    if get_token() is None:
+        raise ConversionError("--push_to_hub: not logged in to the Hub; run `hf auth login` or set HF_TOKEN.")
 
 
 def _process_alive(pid: int) -> bool:
@@ -314,7 +346,12 @@ def _process_alive(pid: int) -> bool:
 def staged_output(output: Path) -> Iterator[Path]:
     """Yield a hidden sibling folder of ``output`` to write into; when the block succeeds, rename it to ``output``
     (an empty ``output`` folder is replaced), and when it fails remove it."""
+    created = [folder for folder in [output.parent, *output.parent.parents] if not folder.exists()]
+    output.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{output.name}.incomplete-{os.getpid()}-", dir=output.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    staging.chmod(0o777 & ~umask)  # mkdtemp makes it private; the converted folder gets the usual permissions
     try:
         yield staging
         if output.is_dir():
@@ -322,6 +359,11 @@ def staged_output(output: Path) -> Iterator[Path]:
         os.rename(staging, output)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
+        for folder in created:  # the parent folders this conversion made, innermost first, if still empty
+            try:
+                folder.rmdir()
+            except OSError:
+                break
         raise
 
 

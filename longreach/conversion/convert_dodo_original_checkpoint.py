@@ -54,6 +54,7 @@ from .conversion_utils import (
     ConversionError,
     KeyMap,
     find_local_tokenizer,
+    check_push_target,
     finish_conversion,
     load_state_dict_from_folder,
     load_weights_file,
@@ -491,6 +492,7 @@ def convert_dodo_checkpoint(
         hparams.get("pretrained"), checkpoint_path, str(base_model_path) if base_model_path else None
     )
     output = prepare_output_folder(pytorch_dump_folder_path, [checkpoint_path, hparams_path, base_path])
+    check_push_target(push_to_hub)
     base_fields = read_base_config(base_path)
     dodo_fields = dodo_fields_from_hparams(hparams, base_fields["num_hidden_layers"])
     config = DodoLlamaConfig(**base_fields, **dodo_fields, legacy_decoder_mask_order=legacy_decoder_mask_order)
@@ -543,6 +545,7 @@ def convert_dodo_peft_folders(
     soft_prompt_path = Path(soft_prompt_path) if soft_prompt_path is not None else None
     inputs = [encoder_adapter_path, decoder_adapter_path, scorer_path, base_path, soft_prompt_path]
     output = prepare_output_folder(pytorch_dump_folder_path, inputs)
+    check_push_target(push_to_hub)
     if not (base_path / "config.json").is_file():
         raise ConversionError(f"--base_model_path {base_path} is not a Llama folder (no config.json).")
     base_fields = read_base_config(base_path)

@@ -35,6 +35,7 @@ from .conversion_utils import (
     ConversionError,
     KeyMap,
     find_local_tokenizer,
+    check_push_target,
     finish_conversion,
     load_converted,
     load_folder_checkpoint,
@@ -143,6 +144,7 @@ def convert_locost_checkpoint(
     """Convert, save Hub-ready, reload and verify every tensor. Returns the output folder."""
     checkpoint_path = Path(checkpoint_path)
     output = prepare_output_folder(pytorch_dump_folder_path, [checkpoint_path, config_path])
+    check_push_target(push_to_hub)
     original_state_dict, original_config = read_original_checkpoint(checkpoint_path, Path(config_path) if config_path else None)
     config = locost_config_from_original(original_config)
 

@@ -40,6 +40,7 @@ from .conversion_utils import (
     ConversionError,
     KeyMap,
     find_local_tokenizer,
+    check_push_target,
     finish_conversion,
     load_converted,
     load_folder_checkpoint,
@@ -198,6 +199,7 @@ def convert_vcc_checkpoint(
     checkpoint_path = Path(checkpoint_path)
     config_path = Path(config_path) if config_path is not None else None
     output = prepare_output_folder(pytorch_dump_folder_path, [checkpoint_path, config_path])
+    check_push_target(push_to_hub)
     source_state_dict, source_config = read_checkpoint(checkpoint_path, config_path)
     if "shared.weight" not in source_state_dict:
         raise ConversionError(f"{checkpoint_path}: no 'shared.weight' (the token embedding); is this a T5 checkpoint?")
