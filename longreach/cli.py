@@ -15,6 +15,7 @@ for usage errors and 1 for failures; ``--debug`` shows the traceback instead. ``
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import json
 import math
@@ -49,6 +50,22 @@ class OneLineArgumentParser(argparse.ArgumentParser):
 
     def error(self, message: str):
         raise UsageError(f"{self.prog}: {message} (see `{self.prog} --help`)")
+
+
+@contextlib.contextmanager
+def one_line_argparse_errors():
+    """Usage errors of the parsers the sub-commands bring (the converters', the demo's: plain ``argparse``, as they
+    also run on their own) become one line, as the ``longreach`` parser's are."""
+    error = argparse.ArgumentParser.error
+    argparse.ArgumentParser.error = OneLineArgumentParser.error
+    try:
+        yield
+    finally:
+        argparse.ArgumentParser.error = error
+
+
+#: Set by :func:`main` from ``--debug``: the sub-commands that catch their own errors let them through.
+_DEBUG = False
 
 
 def positive_int(text: str) -> int:
@@ -117,7 +134,8 @@ def convert(argv: list[str]) -> int:
         return 1
     program, sys.argv[0] = sys.argv[0], f"longreach convert {name}"  # the converter's --help names this command
     try:
-        return module.main(converter_argv)
+        with one_line_argparse_errors():
+            return module.main(converter_argv, debug=_DEBUG)
     finally:
         sys.argv[0] = program
 
@@ -430,8 +448,16 @@ def push_preflight() -> None:
 def push(args: argparse.Namespace) -> int:
     from .hub import push_folder_to_hub
 
+    from .hub import _REPO_ID, hub_files
+
     if not Path(args.folder).is_dir():
         raise UsageError(f"longreach push: {args.folder} is not a folder; pass a saved checkpoint folder")
+    if not _REPO_ID.match(args.repo_id):
+        raise UsageError(f"longreach push: {args.repo_id!r} is not a Hub repository id; expected 'namespace/name'")
+    try:
+        hub_files(args.folder)  # what would be uploaded, and whether the folder can be: before any network check
+    except ValueError as error:
+        raise UsageError(f"longreach push: {str(error).strip().splitlines()[0]}") from None
     push_preflight()
     try:
         commit = push_folder_to_hub(args.folder, args.repo_id, private=args.private or None,
@@ -540,7 +566,8 @@ def run(argv: list[str]) -> int:
     if argv and argv[0] == "demo":
         from .demo import main as demo_main
 
-        return demo_main(argv[1:])
+        with one_line_argparse_errors():
+            return demo_main(argv[1:], debug=_DEBUG)
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.version:
@@ -564,9 +591,11 @@ def run(argv: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    debug = "--debug" in argv[:1] or (argv[:1] != ["convert"] and "--debug" in argv)
-    if debug:
+    global _DEBUG
+    debug = "--debug" in argv  # no sub-command has an option of that name
+    while "--debug" in argv:
         argv.remove("--debug")
+    _DEBUG = debug
     try:
         return run(argv)
     except CommandError as error:

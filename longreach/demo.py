@@ -729,7 +729,10 @@ def run_demo(output_dir: str | Path = DEFAULT_OUTPUT_DIR, settings: DemoSettings
     stage(f"The held-out set through the corpus command: longreach {' '.join(command)}")
     from .cli import main as cli_main
 
-    if cli_main(command) != 0:
+    code = cli_main(command)
+    if code == 130:  # Ctrl-C during the corpus command: the demo is interrupted, not failed
+        raise KeyboardInterrupt
+    if code != 0:
         raise DemoError(f"`longreach {' '.join(command)}` failed (see above).")
     lines = summaries_file.read_text(encoding="utf-8").splitlines()
     print(f"    {len(lines)} summaries in {summaries_file}; the first {min(3, len(lines))}:", flush=True)
@@ -803,7 +806,7 @@ def _training_note(settings: DemoSettings, train: list[dict], held_out: list[dic
     )
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, *, debug: bool = False) -> int:
     parser = argparse.ArgumentParser(
         prog="longreach demo",
         description="Train a small LOCOST summarizer from scratch on local text, evaluate ROUGE, save it Hub-ready "
@@ -825,6 +828,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         result = run_demo(args.output_dir, settings, seed=args.seed)
     except DemoError as error:
+        if debug:  # `longreach --debug demo ...`: the traceback
+            raise
         print(f"error: {error}", file=sys.stderr)
         return 2 if isinstance(error, OutputDirError) else 1
     folder = result["output_dir"]

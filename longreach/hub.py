@@ -235,7 +235,10 @@ def hub_files(folder: str | Path) -> list[str]:
     config_path = folder / "config.json"
     if not config_path.is_file():
         raise ValueError(f"`folder` must hold a saved model (config.json); {folder} has none.")
-    config = json.loads(config_path.read_text(encoding="utf-8"))
+    try:
+        config = json.loads(config_path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ValueError(f"{config_path} is not valid JSON ({error}).") from None
     auto_map = config.get("auto_map") or {}
     if "AutoConfig" not in auto_map or "summarization" not in (config.get("custom_pipelines") or {}):
         raise ValueError(

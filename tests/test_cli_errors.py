@@ -142,3 +142,38 @@ def test_unexpected_failures_are_one_line_too(tiny_folder, text_file, capsys, mo
     monkeypatch.setattr(cli, "load_summarizer", broken)
     line = run(["summarize", "--model", str(tiny_folder), str(text_file)], capsys, 1)
     assert line == "error: RuntimeError: simulated failure (run again with --debug for the traceback)"
+
+
+def test_push_checks_the_folder_and_repository_id_before_the_network(tiny_folder, capsys, monkeypatch, tmp_path):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert "has none" in run(["push", str(empty), "someone/tiny"], capsys, 2)
+    assert "is not a Hub repository id" in run(["push", str(tiny_folder), "not a repo"], capsys, 2)
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_folder, broken)
+    (broken / "config.json").write_text("{not json")
+    assert "config.json is not valid JSON" in run(["push", str(broken), "someone/tiny"], capsys, 2)
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["demo", "--bogus"], "longreach demo: unrecognized arguments: --bogus"),
+    (["convert", "locost"], "longreach convert locost: the following arguments are required: --checkpoint_path"),
+    (["convert", "dodo", "--pytorch_dump_folder_path", "o", "--nonsense"],
+     "longreach convert dodo: unrecognized arguments: --nonsense"),
+])
+def test_sub_command_usage_errors_are_one_line(argv, expected, capsys):
+    assert expected in run(argv, capsys, 2)
+
+
+def test_debug_reaches_the_converters_and_the_demo(tmp_path):
+    from longreach.conversion.conversion_utils import ConversionError
+    from longreach.demo import OutputDirError
+
+    for argv in (["--debug", "convert", "locost"], ["convert", "locost", "--debug"]):
+        with pytest.raises(ConversionError, match="does not exist"):
+            main(argv + ["--checkpoint_path", str(tmp_path / "absent"), "--pytorch_dump_folder_path",
+                         str(tmp_path / "out")])
+    (tmp_path / "afile").write_text("mine")
+    with pytest.raises(OutputDirError, match="is a file"):
+        main(["demo", "--output_dir", str(tmp_path / "afile"), "--debug"])

@@ -714,7 +714,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, *, debug: bool = False) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
     args = parse_args(argv)
     unsafe = args.unsafe_allow_pickle_code_execution
@@ -756,6 +756,8 @@ def main(argv: list[str] | None = None) -> int:
         else:
             output = export_peft_adapters(args.export_peft_from, args.pytorch_dump_folder_path)
     except ConversionError as error:
+        if debug:  # `longreach --debug convert ...`: the traceback
+            raise
         print(f"error: {error}", file=sys.stderr)
         return 1
     print(f"Dodo {'PEFT export' if args.export_peft_from else 'checkpoint'} written to {output}")

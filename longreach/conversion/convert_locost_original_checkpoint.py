@@ -176,7 +176,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, *, debug: bool = False) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
     args = parse_args(argv)
     try:
@@ -185,6 +185,8 @@ def main(argv: list[str] | None = None) -> int:
             args.push_to_hub,
         )
     except ConversionError as error:
+        if debug:  # `longreach --debug convert ...`: the traceback
+            raise
         print(f"error: {error}", file=sys.stderr)
         return 1
     print(f"Converted LOCOST checkpoint written to {output}")
