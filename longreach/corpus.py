@@ -178,7 +178,7 @@ def _read_jsonl_lines(path: Path, corpus: Corpus) -> _Rows:
         try:
             record = json.loads(line)
         except json.JSONDecodeError as error:
-            corpus.errors.append({"id": f"<line {number}>", "error": f"not JSON: {error.msg} at column {error.colno}"})
+            corpus.errors.append({"id": f"<line {number}>", "error": f"not JSON: {error.msg} (column {error.colno})"})
             continue
         if not isinstance(record, dict):
             corpus.errors.append({"id": f"<line {number}>", "error": f"not a JSON object: {type(record).__name__}"})

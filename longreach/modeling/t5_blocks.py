@@ -899,7 +899,9 @@ class T5DecoderStack(nn.Module):
                 getattr(block, "gradient_checkpointing", False) for block in self.block):
             # The backward pass replays each block, which would write its keys into a cache a second time (T5 too
             # turns caching off here). A cache the caller passed (prefix tuning) is still read.
-            logger.warning_once("`use_cache=True` is incompatible with gradient checkpointing. Setting `use_cache=False`.")
+            logger.warning_once(
+                "`use_cache=True` is incompatible with gradient checkpointing. Setting `use_cache=False`."
+            )
             use_cache = False
         if use_cache and past_key_values is None:
             past_key_values = EncoderDecoderCache(DynamicCache(), DynamicCache())  # layers are added lazily
@@ -1158,8 +1160,9 @@ class T5Seq2SeqLMMixin:
                                  f"{tuple(labels.shape)}.")
             decoder_inputs = decoder_input_ids if decoder_input_ids is not None else decoder_inputs_embeds
             if decoder_inputs is not None and tuple(labels.shape[:2]) != tuple(decoder_inputs.shape[:2]):
-                raise ValueError(f"`labels` must have the [batch, length] shape {tuple(decoder_inputs.shape[:2])} of the "
-                                 f"decoder inputs, got {tuple(labels.shape)}.")
+                expected = tuple(decoder_inputs.shape[:2])
+                raise ValueError(f"`labels` must have the [batch, length] shape {expected} of the decoder inputs, got "
+                                 f"{tuple(labels.shape)}.")
         if labels is not None and decoder_input_ids is None and decoder_inputs_embeds is None:
             decoder_input_ids = self._shift_right(labels)
         if decoder_input_ids is None and decoder_inputs_embeds is None:
