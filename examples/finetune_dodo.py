@@ -77,6 +77,7 @@ from transformers.trainer_utils import SchedulerType
 
 import longreach  # noqa: F401  (registers Dodo with the Auto classes)
 from longreach import DodoDataCollator, DodoLlamaForCausalLM
+from longreach.finetuning import check_output_dir, decide_what_to_run, load_data_files, resume_checkpoint
 from longreach.hub import push_folder_to_hub, write_model_card
 
 TASKS = ("continuation", "summarization", "autoencoding")
@@ -104,8 +105,8 @@ class DataArguments:
     task: str = field(default="continuation", metadata={"help": f"One of {TASKS}."})
     dataset_name: str | None = field(default=None, metadata={"help": "Hub dataset name."})
     dataset_config_name: str | None = field(default=None, metadata={"help": "Hub dataset configuration."})
-    train_file: str | None = field(default=None, metadata={"help": "JSON or JSON-lines training file."})
-    validation_file: str | None = field(default=None, metadata={"help": "JSON or JSON-lines validation file."})
+    train_file: str | None = field(default=None, metadata={"help": "Training file (.json, .jsonl, .csv, .parquet)."})
+    validation_file: str | None = field(default=None, metadata={"help": "Validation file (same kinds)."})
     context_column: str = field(default="context", metadata={"help": "Column with the contexts (compressed)."})
     target_column: str = field(default="target", metadata={"help": "Column with the targets (not for autoencoding)."})
     prompt_column: str | None = field(
@@ -217,11 +218,7 @@ def load_raw_datasets(data_args: DataArguments):
 
     if data_args.dataset_name is not None:
         return load_dataset(data_args.dataset_name, data_args.dataset_config_name)
-    files = {split: path for split, path in (("train", data_args.train_file), ("validation", data_args.validation_file))
-             if path is not None}
-    if not files:
-        raise ValueError("Pass --dataset_name, or --train_file and/or --validation_file (JSON or JSON lines).")
-    return load_dataset("json", data_files=files)
+    return load_data_files(data_args.train_file, data_args.validation_file)
 
 
 class ExampleEncoder:
@@ -315,7 +312,12 @@ def parameter_changes(before: dict[str, torch.Tensor], model: torch.nn.Module) -
     return groups
 
 
-def run(model_args: ModelArguments, data_args: DataArguments, training_args: DodoTrainingArguments) -> dict:
+def run(model_args: ModelArguments, data_args: DataArguments, training_args: DodoTrainingArguments,
+        argv: list[str] | None = None) -> dict:
+    """Train and/or evaluate. ``argv`` (the command line) tells whether --do_train / --do_eval were asked for."""
+    for option in ("max_context_length", "max_target_length"):
+        if getattr(data_args, option) < 1:
+            raise ValueError(f"--{option} must be a positive number of tokens, got {getattr(data_args, option)}.")
     if data_args.task not in TASKS:
         raise ValueError(f"--task must be one of {TASKS}, got {data_args.task!r}.")
     if training_args.remove_unused_columns:
@@ -323,8 +325,12 @@ def run(model_args: ModelArguments, data_args: DataArguments, training_args: Dod
     set_seed(training_args.seed)
     model, tokenizer = load_model_and_tokenizer(model_args)
     raw = load_raw_datasets(data_args)
-    if not (training_args.do_train or training_args.do_eval):  # neither asked for: do what the data allows
+    if argv is not None:
+        decide_what_to_run(training_args, raw, argv)
+    elif not (training_args.do_train or training_args.do_eval):  # neither asked for: do what the data allows
         training_args.do_train, training_args.do_eval = "train" in raw, "validation" in raw
+    if training_args.do_train:
+        check_output_dir(training_args.output_dir)  # before training: the card written after it keeps what is there
 
     def features(split: str, limit: int | None):
         if split not in raw:
@@ -364,16 +370,18 @@ def run(model_args: ModelArguments, data_args: DataArguments, training_args: Dod
         else None
     metrics: dict = {}
     if training_args.do_train:
-        result = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+        result = trainer.train(resume_from_checkpoint=resume_checkpoint(training_args))
         metrics.update(result.metrics)
         trainer.save_model()  # Hub-ready: weights, code files, auto_map, custom_pipelines, tokenizer
         source = data_args.dataset_name or data_args.train_file
-        write_model_card(
-            training_args.output_dir, "dodo_llama",
-            training_note=f"Trained with `examples/finetune_dodo.py` ({data_args.task}) on {source} "
-            f"({len(train_dataset)} examples, {result.global_step} steps) from "
-            f"`{model_args.model_name_or_path or model_args.base_model_name_or_path}`.",
-        )
+        if trainer.is_world_process_zero():  # several processes (torchrun): the first writes the card
+            write_model_card(
+                training_args.output_dir, "dodo_llama",
+                training_note=f"Trained with `examples/finetune_dodo.py` ({data_args.task}) on {source} "
+                f"({len(train_dataset)} examples, {result.global_step} steps) from "
+                f"`{model_args.model_name_or_path or model_args.base_model_name_or_path}`.",
+            )
+        trainer.accelerator.wait_for_everyone()  # the folder is complete before any process reads it
     if training_args.do_eval and eval_dataset is not None:
         evaluation = trainer.evaluate()
         evaluation["eval_perplexity"] = math.exp(min(evaluation["eval_loss"], 50.0))
@@ -382,7 +390,7 @@ def run(model_args: ModelArguments, data_args: DataArguments, training_args: Dod
     if before is not None:
         metrics["parameters_changed"] = parameter_changes(before, model)
         metrics["activation_checkpointing"] = model.is_activation_checkpointing
-    if push_to is not None and training_args.do_train:
+    if push_to is not None and training_args.do_train and trainer.is_world_process_zero():
         commit = push_folder_to_hub(training_args.output_dir, push_to, private=training_args.hub_private_repo,
                                     token=training_args.hub_token)
         print(f"Uploaded to {push_to}: {getattr(commit, 'commit_url', commit)}")
@@ -463,8 +471,8 @@ def main(argv: list[str] | None = None) -> dict:
                              and (i == 0 or argv[i - 1] != "--output_dir")]
     parser = HfArgumentParser((ModelArguments, DataArguments, DodoTrainingArguments))
     model_args, data_args, training_args = parser.parse_args_into_dataclasses(args=argv)
-    metrics = run(model_args, data_args, training_args)
-    if training_args.do_train:
+    metrics = run(model_args, data_args, training_args, argv)
+    if training_args.do_train and training_args.process_index == 0:
         # The saved folder is what Hub users get: load it the way they would (remote code) and generate.
         from transformers import AutoModelForCausalLM
 

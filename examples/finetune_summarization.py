@@ -47,6 +47,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import longreach  # noqa: F401  (registers LOCOST / VCC-T5 with the Auto classes)
+from longreach.finetuning import check_output_dir, decide_what_to_run, load_data_files, resume_checkpoint
 from longreach.hub import push_folder_to_hub, write_model_card
 from longreach.metrics import rouge_scores
 from transformers import (
@@ -84,8 +85,8 @@ class ModelArguments:
 class DataArguments:
     dataset_name: str | None = field(default=None, metadata={"help": "Hub dataset name."})
     dataset_config_name: str | None = field(default=None, metadata={"help": "Hub dataset configuration."})
-    train_file: str | None = field(default=None, metadata={"help": "JSON or JSON-lines training file."})
-    validation_file: str | None = field(default=None, metadata={"help": "JSON or JSON-lines validation file."})
+    train_file: str | None = field(default=None, metadata={"help": "Training file (.json, .jsonl, .csv, .parquet)."})
+    validation_file: str | None = field(default=None, metadata={"help": "Validation file (same kinds)."})
     text_column: str = field(default="document", metadata={"help": "Column with the documents."})
     summary_column: str = field(default="summary", metadata={"help": "Column with the reference summaries."})
     max_source_length: int = field(default=4096, metadata={"help": "Document tokens kept for training."})
@@ -139,16 +140,21 @@ class SummarizationCollator:
         return self.seq2seq(features)
 
 
-def build_compute_metrics(tokenizer):
+def build_compute_metrics(tokenizer, references: list[str] | None = None):
+    """ROUGE of the generated summaries against ``references``, the validation set's summaries as written (the labels
+    are cut to --max_target_length; they stand in only where the references are not known)."""
     import numpy as np
 
     def compute_metrics(eval_prediction) -> dict[str, float]:
         predictions, labels = eval_prediction.predictions, eval_prediction.label_ids
         predictions = np.where(predictions >= 0, predictions, tokenizer.pad_token_id)
-        labels = np.where(labels >= 0, labels, tokenizer.pad_token_id)
         summaries = tokenizer.batch_decode(predictions, skip_special_tokens=True)
-        references = tokenizer.batch_decode(labels, skip_special_tokens=True)
-        metrics = rouge_scores(summaries, references, digits=4)
+        if references is not None and len(references) == len(summaries):
+            targets = references
+        else:
+            targets = tokenizer.batch_decode(np.where(labels >= 0, labels, tokenizer.pad_token_id),
+                                             skip_special_tokens=True)
+        metrics = rouge_scores(summaries, targets, digits=4)
         metrics["gen_len"] = float(np.mean([np.count_nonzero(row != tokenizer.pad_token_id) for row in predictions]))
         return metrics
 
@@ -186,22 +192,27 @@ def load_raw_datasets(data_args: DataArguments):
 
     if data_args.dataset_name is not None:
         return load_dataset(data_args.dataset_name, data_args.dataset_config_name)
-    files = {split: path for split, path in (("train", data_args.train_file), ("validation", data_args.validation_file))
-             if path is not None}
-    if not files:
-        raise ValueError("Pass --dataset_name, or --train_file and/or --validation_file (JSON or JSON lines).")
-    return load_dataset("json", data_files=files)
+    return load_data_files(data_args.train_file, data_args.validation_file)
 
 
-def run(model_args: ModelArguments, data_args: DataArguments, training_args: Seq2SeqTrainingArguments) -> dict:
+def run(model_args: ModelArguments, data_args: DataArguments, training_args: Seq2SeqTrainingArguments,
+        argv: list[str] | None = None) -> dict:
+    """Train and/or evaluate. ``argv`` (the command line) tells whether --do_train / --do_eval were asked for."""
+    for option in ("max_source_length", "max_target_length"):
+        if getattr(data_args, option) < 1:
+            raise ValueError(f"--{option} must be a positive number of tokens, got {getattr(data_args, option)}.")
     set_seed(training_args.seed)
     training_args.predict_with_generate = True
-    if training_args.generation_max_length is None:
-        training_args.generation_max_length = data_args.max_target_length
+    if training_args.generation_max_length is None:  # counts the decoder start token: max_target_length new tokens
+        training_args.generation_max_length = data_args.max_target_length + 1
     model, tokenizer = load_model_and_tokenizer(model_args)
     raw = load_raw_datasets(data_args)
-    if not (training_args.do_train or training_args.do_eval):  # neither asked for: do what the data allows
+    if argv is not None:
+        decide_what_to_run(training_args, raw, argv)
+    elif not (training_args.do_train or training_args.do_eval):  # neither asked for: do what the data allows
         training_args.do_train, training_args.do_eval = "train" in raw, "validation" in raw
+    if training_args.do_train:
+        check_output_dir(training_args.output_dir)  # before training: the card written after it keeps what is there
 
     def features(split: str, limit: int | None):
         if split not in raw:
@@ -213,13 +224,16 @@ def run(model_args: ModelArguments, data_args: DataArguments, training_args: Seq
                                  "set --text_column / --summary_column.")
         if limit is not None:
             dataset = dataset.select(range(min(limit, len(dataset))))
-        cut = [0]
+        cut, cut_summaries = [0], [0]
 
         def preprocess(batch):
             encoded, num_cut = encode_documents(model, tokenizer, batch[data_args.text_column],
                                                 data_args.max_source_length)
             cut[0] += num_cut
-            encoded["labels"] = tokenizer(text_target=batch[data_args.summary_column], truncation=True,
+            summaries = batch[data_args.summary_column]
+            cut_summaries[0] += sum(len(ids) > data_args.max_target_length
+                                    for ids in tokenizer(text_target=summaries)["input_ids"])
+            encoded["labels"] = tokenizer(text_target=summaries, truncation=True,
                                           max_length=data_args.max_target_length)["input_ids"]
             return encoded
 
@@ -229,6 +243,11 @@ def run(model_args: ModelArguments, data_args: DataArguments, training_args: Seq
         if cut[0]:
             print(f"{cut[0]} of {len(dataset)} {split} documents are longer than --max_source_length="
                   f"{data_args.max_source_length} tokens and were cut to it.", file=sys.stderr)
+        if cut_summaries[0]:
+            print(f"{cut_summaries[0]} of {len(dataset)} {split} summaries are longer than --max_target_length="
+                  f"{data_args.max_target_length} tokens and were cut to it"
+                  + (" (ROUGE is scored against the summaries as written)." if split == "validation" else "."),
+                  file=sys.stderr)
         return mapped
 
     train_dataset = features("train", data_args.max_train_samples) if training_args.do_train else None
@@ -237,26 +256,35 @@ def run(model_args: ModelArguments, data_args: DataArguments, training_args: Seq
     push_to = (training_args.hub_model_id or Path(training_args.output_dir).name) if training_args.push_to_hub else None
     training_args.push_to_hub = False
     collator = SummarizationCollator(DataCollatorForSeq2Seq(tokenizer, model=model, label_pad_token_id=-100))
+    references = None
+    if eval_dataset is not None:
+        validation = raw["validation"]
+        if data_args.max_eval_samples is not None:
+            validation = validation.select(range(min(data_args.max_eval_samples, len(validation))))
+        references = list(validation[data_args.summary_column])
     trainer = Seq2SeqTrainer(
         model=model, args=training_args, train_dataset=train_dataset, eval_dataset=eval_dataset,
-        processing_class=tokenizer, data_collator=collator, compute_metrics=build_compute_metrics(tokenizer),
+        processing_class=tokenizer, data_collator=collator,
+        compute_metrics=build_compute_metrics(tokenizer, references),
     )
     metrics = {}
     generation_config = copy.deepcopy(model.generation_config)
     if training_args.do_train:
-        result = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+        result = trainer.train(resume_from_checkpoint=resume_checkpoint(training_args))
         metrics.update(result.metrics)
         model.generation_config = generation_config  # evaluation fills in every default (max_length=20, ...)
         trainer.save_model()  # Hub-ready: weights, code files, auto_map, custom_pipelines, tokenizer
-        write_model_card(
-            training_args.output_dir, model.config.model_type,
-            training_note=f"Fine-tuned with `examples/finetune_summarization.py` on "
-            f"{data_args.dataset_name or data_args.train_file} ({len(train_dataset)} documents).",
-        )
+        if trainer.is_world_process_zero():  # several processes (torchrun): the first writes the card
+            write_model_card(
+                training_args.output_dir, model.config.model_type,
+                training_note=f"Fine-tuned with `examples/finetune_summarization.py` on "
+                f"{data_args.dataset_name or data_args.train_file} ({len(train_dataset)} documents).",
+            )
+        trainer.accelerator.wait_for_everyone()  # the folder is complete before any process reads it
     if training_args.do_eval and eval_dataset is not None:
         metrics.update(trainer.evaluate(max_new_tokens=data_args.max_target_length))
     trainer.log_metrics("all", metrics)
-    if push_to is not None and training_args.do_train:
+    if push_to is not None and training_args.do_train and trainer.is_world_process_zero():
         commit = push_folder_to_hub(training_args.output_dir, push_to, private=training_args.hub_private_repo,
                                     token=training_args.hub_token)
         print(f"Uploaded to {push_to}: {getattr(commit, 'commit_url', commit)}")
@@ -311,8 +339,8 @@ def main(argv: list[str] | None = None) -> dict:
                                               and (i == 0 or argv[i - 1] != "--output_dir")]
     parser = HfArgumentParser((ModelArguments, DataArguments, Seq2SeqTrainingArguments))
     model_args, data_args, training_args = parser.parse_args_into_dataclasses(args=argv)
-    metrics = run(model_args, data_args, training_args)
-    if training_args.do_train:
+    metrics = run(model_args, data_args, training_args, argv)
+    if training_args.do_train and training_args.process_index == 0:
         from transformers import pipeline
 
         summarizer = pipeline("summarization", model=training_args.output_dir, trust_remote_code=True)

@@ -164,10 +164,20 @@ def write_model_card(
     training_note: str | None = None,
     tags: list[str] | None = None,
 ) -> Path:
-    """Write the family's model card as ``output_folder/README.md`` (converters call this). Returns its path."""
+    """Write the family's model card as ``output_folder/README.md`` (converters call this). Returns its path.
+
+    Written under a temporary name and renamed into place; a ``README.md`` there that is not a longreach card (the
+    user's own) is refused with a ``ValueError``, not replaced."""
     card = build_model_card(model_name, repo_id, converted_from, training_note, tags)
     path = Path(output_folder) / README
-    card.save(path)
+    if path.exists() and read_card_state(path) is None:
+        raise ValueError(f"{path} exists and is not a longreach model card; move it away (it would be replaced).")
+    temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        temporary.write_text(str(card), encoding="utf-8")
+        os.replace(temporary, path)
+    finally:
+        temporary.unlink(missing_ok=True)
     return path
 
 

@@ -164,3 +164,51 @@ def test_finetune_dodo_pushes_with_our_card(tmp_path, monkeypatch, recorder):
     assert "training_args.bin" not in files
     readme = files["README.md"].decode()
     assert "Trained with `examples/finetune_dodo.py`" in readme and 'model="someone/dodo"' in readme
+
+
+def test_finetune_summarization_trains_with_an_eval_strategy_and_a_rerun_resumes(tmp_path, monkeypatch, capsys):
+    """An evaluation strategy without --do_train still trains (TrainingArguments turns do_eval on by itself); a rerun of
+    the same command into the same --output_dir continues from its last complete checkpoint instead of starting over;
+    summaries longer than --max_target_length are announced."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    example = _load_example("finetune_summarization", monkeypatch)
+    output_dir = tmp_path / "ft"
+    argv = [a for a in example.smoke_arguments(str(output_dir)) if a not in ("--do_train", "--do_eval")]
+    argv += ["--eval_strategy", "steps", "--eval_steps", "2", "--save_strategy", "steps", "--save_steps", "2",
+             "--max_steps", "2", "--max_target_length", "3"]
+    metrics = example.main(argv)
+    assert metrics["train_loss"] > 0 and (output_dir / "model.safetensors").is_file()
+    err = capsys.readouterr().err
+    assert "summaries are longer than --max_target_length=3 tokens and were cut to it" in err
+    assert "ROUGE is scored against the summaries as written" in err
+    assert sorted(p.name for p in output_dir.glob("checkpoint-*")) == ["checkpoint-2"]
+    example.main([a if a != "2" or argv[i - 1] != "--max_steps" else "4" for i, a in enumerate(argv)])
+    assert f"Resuming from {output_dir / 'checkpoint-2'}" in capsys.readouterr().err
+    state = json.loads((output_dir / "checkpoint-4" / "trainer_state.json").read_text())
+    assert state["global_step"] == 4 and state["log_history"][0]["step"] == 2  # continued, not restarted
+
+
+def test_finetuning_helpers_keep_what_the_user_has(tmp_path):
+    from types import SimpleNamespace
+
+    from longreach.finetuning import check_output_dir, load_data_files, resume_checkpoint
+
+    (tmp_path / "README.md").write_text("my notes")
+    with pytest.raises(ValueError, match="holds a README.md that is not a longreach model card"):
+        check_output_dir(tmp_path)
+    for step, complete in ((3, True), (7, True), (9, False)):  # checkpoint-9 was cut short by a crash
+        (tmp_path / f"checkpoint-{step}").mkdir()
+        if complete:
+            (tmp_path / f"checkpoint-{step}" / "trainer_state.json").write_text("{}")
+    assert resume_checkpoint(SimpleNamespace(output_dir=str(tmp_path), resume_from_checkpoint=None)) == str(
+        tmp_path / "checkpoint-7")
+    assert resume_checkpoint(SimpleNamespace(output_dir=str(tmp_path), resume_from_checkpoint="last")) == str(
+        tmp_path / "checkpoint-7")
+    assert resume_checkpoint(SimpleNamespace(output_dir=str(tmp_path / "new"), resume_from_checkpoint=None)) is None
+    (tmp_path / "train.csv").write_text("document,summary\n001 a b c,x y\n")
+    (tmp_path / "empty.csv").write_text("")
+    assert load_data_files(str(tmp_path / "train.csv"), None)["train"][0]["document"] == "001 a b c"
+    with pytest.raises(ValueError, match="--validation_file .*empty.csv is empty"):
+        load_data_files(str(tmp_path / "train.csv"), str(tmp_path / "empty.csv"))
+    with pytest.raises(ValueError, match=r"--train_file .*notes.txt: expected a \.json / \.jsonl / \.csv / \.parquet"):
+        load_data_files(str(tmp_path / "notes.txt"), None)

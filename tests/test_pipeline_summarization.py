@@ -252,3 +252,20 @@ def test_plain_calls_log_no_warnings(model, tokenizer):
     finally:
         transformers_logger.removeHandler(handler)
     assert [record.getMessage() for record in records if record.levelno >= logging.WARNING] == []
+
+
+def test_token_ids_are_the_same_batched_or_one_by_one():
+    """`return_tensors=True`: a batch pads its finished rows to the longest; the ids end at the end of sequence."""
+    from workflow_helpers import document, tiny_locost, word_tokenizer
+
+    model = tiny_locost()
+    summarizer = pipeline("long-summarization", model=model, tokenizer=word_tokenizer())
+    eos = model.generation_config.eos_token_id
+    documents = [document(length, offset) for length, offset in ((300, 1), (12, 2), (90, 3), (5, 4), (150, 7))]
+    options = dict(max_new_tokens=8, return_tensors=True, suppress_tokens=[0], sequence_bias={(eos,): 3.2})
+    # (a tiny random model: the padding token suppressed and the end of sequence favoured, so rows end at other steps)
+    one_by_one = [summarizer(doc, **options)[0]["summary_token_ids"].tolist() for doc in documents]
+    batched = [record["summary_token_ids"].tolist() for record in summarizer(documents, batch_size=5, **options)]
+    assert batched == one_by_one and len({len(ids) for ids in one_by_one}) > 1
+    with pytest.raises(ValueError, match="the output would be empty"):
+        summarizer(documents[0], return_text=False)

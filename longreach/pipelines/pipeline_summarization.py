@@ -106,6 +106,9 @@ class LongSummarizationPipeline(Pipeline):
             postprocess_params["return_text"] = return_text
         if return_tensors is not None:
             postprocess_params["return_tensors"] = return_tensors
+        if return_text is not None and not return_text and not return_tensors:
+            raise ValueError("`return_text=False` asks for no text, and `return_tensors` is not set: the output would "
+                             "be empty. Pass `return_tensors=True` for the token ids.")
         return preprocess_params, forward_params, postprocess_params
 
     def __call__(self, documents, *args, **kwargs):
@@ -220,10 +223,14 @@ class LongSummarizationPipeline(Pipeline):
 
     def postprocess(self, model_outputs, clean_up_tokenization_spaces=False, return_text=True, return_tensors=False):
         records = []
+        eos = self.model.generation_config.eos_token_id
+        eos = set(eos if isinstance(eos, (list, tuple)) else [] if eos is None else [eos])
         for ids in model_outputs["output_ids"][0]:
             record = {}
             if return_tensors:
-                record["summary_token_ids"] = ids
+                # Up to the first end of sequence: in a batch, the finished rows are padded to the longest one.
+                ends = [i for i, token in enumerate(ids.tolist()) if token in eos and i > 0]
+                record["summary_token_ids"] = ids[: ends[0] + 1] if ends else ids
             if return_text:
                 record["summary_text"] = self.tokenizer.decode(
                     ids, skip_special_tokens=True, clean_up_tokenization_spaces=clean_up_tokenization_spaces
