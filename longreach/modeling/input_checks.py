@@ -77,6 +77,8 @@ def check_rows_not_empty(name: str, mask: torch.Tensor | None) -> None:
 def cut_to_length(ids: list[int], max_length: int | None, eos_token_id: int | None) -> tuple[list[int], int]:
     """``(ids cut from the end to at most max_length tokens, how many were dropped)``; a final EOS stays the final
     token. ``max_length=None`` keeps everything."""
+    if max_length is not None and (isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 1):
+        raise ValueError(f"`max_length` (tokens to keep) must be a positive integer or None, got {max_length!r}.")
     ids = list(ids)
     if max_length is None or len(ids) <= max_length:
         return ids, 0
