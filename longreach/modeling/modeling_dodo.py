@@ -1138,7 +1138,8 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
             check_token_ids("context_input_ids", context_input_ids, vocab_size=self.get_input_embeddings().num_embeddings)
             if nuggets is not None:
                 raise ValueError("Pass either `nuggets` or `context_input_ids` (compressed here), not both.")
-            nuggets = self.compress(context_input_ids, context_attention_mask, argument_names=("context_input_ids", "context_attention_mask"))
+            nuggets = self.compress(context_input_ids, context_attention_mask,
+                                    argument_names=("context_input_ids", "context_attention_mask"))
         elif context_attention_mask is not None:
             raise ValueError("`context_attention_mask` was given without `context_input_ids`; pass both, or neither.")
         use_cache = self.config.use_cache if use_cache is None else use_cache
@@ -1252,7 +1253,8 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
             check_token_ids("context_input_ids", context_input_ids, vocab_size=self.get_input_embeddings().num_embeddings)
             if nuggets is not None:
                 raise ValueError("Pass either `nuggets` or `context_input_ids` (compressed here), not both.")
-            nuggets = self.compress(context_input_ids, context_attention_mask, argument_names=("context_input_ids", "context_attention_mask"))
+            nuggets = self.compress(context_input_ids, context_attention_mask,
+                                    argument_names=("context_input_ids", "context_attention_mask"))
         elif context_attention_mask is not None:
             raise ValueError("`context_attention_mask` was given without `context_input_ids`; pass both, or neither.")
         if kwargs.get("inputs_embeds") is not None:
