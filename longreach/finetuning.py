@@ -72,8 +72,9 @@ def resume_checkpoint(training_args) -> str | None:
         return None
     last_step = next(step for step, path in steps if path == complete[0])
     skipped = [path.name for step, path in steps if step > last_step]
-    print(f"Resuming from {complete[0]}" + (f" (skipping the incomplete {', '.join(skipped)})" if skipped else "")
-          + "; pass another --output_dir to start over.", file=sys.stderr)
+    if getattr(training_args, "process_index", 0) == 0:  # once, not once per process under torchrun
+        print(f"Resuming from {complete[0]}" + (f" (skipping the incomplete {', '.join(skipped)})" if skipped else "")
+              + "; pass another --output_dir to start over.", file=sys.stderr)
     return str(complete[0])
 
 
