@@ -161,3 +161,12 @@ def test_dodo_context_errors_name_the_context_arguments():
                 call(prompt, context_attention_mask=torch.ones_like(context))
         # no prompt: one BOS row per context, not one row for all
         assert model.generate(context_input_ids=context, max_new_tokens=2).shape == (2, 3)
+
+
+def test_cut_to_length_refuses_a_length_below_one():
+    from longreach.modeling.input_checks import cut_to_length
+
+    assert cut_to_length([5, 6, 7, 1], 3, eos_token_id=1) == ([5, 6, 1], 1)
+    for bad in (0, -2, True):
+        with pytest.raises(ValueError, match="`max_length` .* must be a positive integer or None"):
+            cut_to_length([5, 6, 7, 1], bad, eos_token_id=1)

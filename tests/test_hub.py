@@ -271,3 +271,14 @@ def test_a_model_loaded_as_remote_code_saves_a_complete_folder(tmp_path):
         assert result[name]["same_weights"], name
     assert "pipeline_summarization.py" in result["locost"]["files"]
     assert result["summaries"][0] == result["summaries"][1]
+
+
+def test_write_model_card_keeps_a_readme_that_is_not_ours(tmp_path):
+    (tmp_path / "README.md").write_text("my notes")
+    with pytest.raises(ValueError, match="exists and is not a longreach model card"):
+        hub.write_model_card(tmp_path, "locost")
+    assert (tmp_path / "README.md").read_text() == "my notes"
+    (tmp_path / "README.md").unlink()
+    hub.write_model_card(tmp_path, "locost")
+    hub.write_model_card(tmp_path, "locost", training_note="again")  # our own card is replaced
+    assert "again" in (tmp_path / "README.md").read_text() and sorted(p.name for p in tmp_path.iterdir()) == ["README.md"]
