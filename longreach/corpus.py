@@ -296,22 +296,15 @@ def part_path(output: Path, rank: int, world_size: int) -> Path:
     return output if world_size == 1 else output.with_name(f"{output.name}.part-{rank}-of-{world_size}.jsonl")
 
 
-def part_files(output: Path) -> dict[Path, int]:
-    """Every part file of ``output`` on disk (``OUT.part-R-of-W.jsonl``, whatever W), with its W: a run with another
-    process count than an interrupted one still counts that run's finished summaries."""
-    pattern = re.compile(rf"{re.escape(output.name)}\.part-(\d+)-of-(\d+)\.jsonl")
+def part_files(output: Path, suffix: str = ".jsonl") -> dict[Path, int]:
+    """Every part file of ``output`` on disk (``OUT.part-R-of-W.jsonl``, or with ``suffix=".errors.jsonl"`` their
+    errors files), whatever W, with its W: a run with another process count than an interrupted one still counts that
+    run's finished summaries."""
+    pattern = re.compile(rf"{re.escape(output.name)}\.part-(\d+)-of-(\d+){re.escape(suffix)}")
     if not output.parent.is_dir():
         return {}
     return {path: int(match.group(2)) for path in sorted(output.parent.iterdir())
             if (match := pattern.fullmatch(path.name))}
-
-
-def part_error_files(output: Path) -> list[Path]:
-    """Every ``OUT.part-R-of-W.errors.jsonl`` on disk, whatever W (the errors of the parts, merged at the end)."""
-    pattern = re.compile(rf"{re.escape(output.name)}\.part-(\d+)-of-(\d+)\.errors\.jsonl")
-    if not output.parent.is_dir():
-        return []
-    return [path for path in sorted(output.parent.iterdir()) if pattern.fullmatch(path.name)]
 
 
 def errors_path_of(path: Path) -> Path:
@@ -472,7 +465,7 @@ def merge_parts(output: str | os.PathLike, corpus: Corpus, world_size: int) -> i
             _write_atomically(errors_file, [error for path in found for error in json_lines(path)])
         else:
             errors_file.unlink(missing_ok=True)  # an earlier run's errors were all retried in this one
-    for path in dict.fromkeys(parts + this_run + part_error_files(output)):
+    for path in dict.fromkeys(parts + this_run + list(part_files(output, ".errors.jsonl"))):
         path.unlink(missing_ok=True)
     return len(merged)
 

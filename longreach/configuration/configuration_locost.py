@@ -161,7 +161,9 @@ class LocostConfig(PreTrainedConfig):
 
     def validate_locost(self) -> None:
         """Refuse settings the model cannot run, naming the field, the value and what is expected."""
-        check_t5_fields(self)
+        from ..modeling.t5_blocks import check_t5_config
+
+        check_t5_config(self)  # the T5 fields both T5-style configs share
         if not isinstance(self.d_state, int) or isinstance(self.d_state, bool) or self.d_state < 2 or self.d_state % 2:
             raise ValueError(
                 f"`d_state` must be a positive even integer (N/2 complex modes are stored), got {self.d_state!r}."
@@ -195,31 +197,3 @@ class LocostConfig(PreTrainedConfig):
             raise ValueError(
                 f"`ssm_dt_min` and `ssm_dt_max` must satisfy 0 < min <= max, got {self.ssm_dt_min} and {self.ssm_dt_max}."
             )
-
-
-def check_t5_fields(config) -> None:
-    """The T5 fields every T5-style config shares, refused at construction (not as a crash or NaNs in the model)."""
-    from transformers.activations import ACT2FN
-
-    for name in ("relative_attention_num_buckets", "relative_attention_max_distance"):
-        value = getattr(config, name)
-        if not isinstance(value, int) or isinstance(value, bool) or value < 2:
-            raise ValueError(f"`{name}` must be an integer >= 2, got {value!r}.")
-    if config.relative_attention_max_distance <= config.relative_attention_num_buckets // 2:
-        raise ValueError(
-            "`relative_attention_max_distance` must exceed half of `relative_attention_num_buckets` (the exact "
-            f"buckets), got {config.relative_attention_max_distance} and {config.relative_attention_num_buckets}."
-        )
-    for name in ("layer_norm_epsilon", "initializer_factor"):
-        value = getattr(config, name)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
-            raise ValueError(f"`{name}` must be a positive number, got {value!r}.")
-    if isinstance(config.dropout_rate, bool) or not isinstance(config.dropout_rate, (int, float)) \
-            or not 0 <= config.dropout_rate < 1:
-        raise ValueError(f"`dropout_rate` must be a number in [0, 1), got {config.dropout_rate!r}.")
-    parts = config.feed_forward_proj.split("-") if isinstance(config.feed_forward_proj, str) else []
-    if not 1 <= len(parts) <= 2 or (len(parts) == 2 and parts[0] != "gated") or parts[-1] not in ACT2FN:
-        raise ValueError(
-            "`feed_forward_proj` must be an activation name, optionally after 'gated-' (e.g. 'relu', 'gated-gelu'), "
-            f"got {config.feed_forward_proj!r}."
-        )

@@ -81,8 +81,8 @@ def collect_flat_sources(root_modules: list[str]) -> dict[str, str]:
     return sources
 
 
-def _pipeline_module_for(model_module: str) -> str | None:
-    """Module name of the summarization pipeline, as seen from a model module (installed or flat remote copy).
+def _pipeline_module_for() -> str | None:
+    """Module name of the summarization pipeline (installed, or a flat remote copy beside this module).
 
     The import is relative and written out on purpose: transformers copies every file that a remote-code module
     imports relatively (even inside a function) next to it, so a model loaded as remote code, where longreach is not
@@ -123,7 +123,7 @@ class HubReadyMixin:
         save_directory = Path(save_directory)
         save_directory.mkdir(parents=True, exist_ok=True)
         roots = [type(self).__module__, type(self.config).__module__]
-        pipeline_module = _pipeline_module_for(type(self).__module__) if self._hub_pipeline_auto_class else None
+        pipeline_module = _pipeline_module_for() if self._hub_pipeline_auto_class else None
         if pipeline_module is not None:
             roots.append(pipeline_module)
         sources = collect_flat_sources(roots)

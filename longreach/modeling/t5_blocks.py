@@ -140,17 +140,39 @@ class Dropout(nn.Dropout):
         return super().forward(hidden_states)
 
 
+def check_t5_config(config) -> None:
+    """The T5 fields LOCOST's and VCC-T5's configs share, refused at construction (not as a crash or NaNs in the
+    model); their configs call this from their own checks."""
+    for name in ("relative_attention_num_buckets", "relative_attention_max_distance"):
+        value = getattr(config, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 2:
+            raise ValueError(f"`{name}` must be an integer >= 2, got {value!r}.")
+    if config.relative_attention_max_distance <= config.relative_attention_num_buckets // 2:
+        raise ValueError(
+            "`relative_attention_max_distance` must exceed half of `relative_attention_num_buckets` (the exact "
+            f"buckets), got {config.relative_attention_max_distance} and {config.relative_attention_num_buckets}."
+        )
+    for name in ("layer_norm_epsilon", "initializer_factor"):
+        value = getattr(config, name)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+            raise ValueError(f"`{name}` must be a positive number, got {value!r}.")
+    rate = config.dropout_rate
+    if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 <= rate < 1:
+        raise ValueError(f"`dropout_rate` must be a number in [0, 1), got {rate!r}.")
+    ffn_activation(config)
+
+
 def ffn_activation(config) -> tuple[bool, str]:
     """``(is_gated, activation name)`` from T5's ``feed_forward_proj`` ("relu", "gated-gelu", "gated-silu", ...)."""
-    parts = config.feed_forward_proj.split("-")
-    if len(parts) > 2 or (len(parts) == 2 and parts[0] != "gated"):
+    proj = config.feed_forward_proj
+    parts = proj.split("-") if isinstance(proj, str) else []
+    act = "gelu_new" if proj == "gated-gelu" else parts[-1] if parts else None
+    if not 1 <= len(parts) <= 2 or (len(parts) == 2 and parts[0] != "gated") or act not in ACT2FN:
         raise ValueError(
-            f"`feed_forward_proj` must look like 'relu' or 'gated-gelu', got {config.feed_forward_proj!r}."
+            "`feed_forward_proj` must be an activation name, optionally after 'gated-' (e.g. 'relu', 'gated-gelu'), "
+            f"got {proj!r}."
         )
     is_gated = len(parts) == 2
-    act = "gelu_new" if config.feed_forward_proj == "gated-gelu" else parts[-1]
-    if act not in ACT2FN:
-        raise ValueError(f"`feed_forward_proj` names an unknown activation {parts[-1]!r}; known: {sorted(ACT2FN)}.")
     if act == "gelu_new":
         # T5's tanh GELU as one fused op (torch's gelu(approximate="tanh"), equal up to float rounding): autograd keeps
         # its input only, where transformers' NewGELUActivation, written as five ops, keeps five [*, d_ff] tensors.
