@@ -269,3 +269,56 @@ def test_token_ids_are_the_same_batched_or_one_by_one():
     assert batched == one_by_one and len({len(ids) for ids in one_by_one}) > 1
     with pytest.raises(ValueError, match="the output would be empty"):
         summarizer(documents[0], return_text=False)
+
+
+def test_num_return_sequences_from_a_generation_config_gives_one_record_each(model, tokenizer):
+    """Several sequences asked for by a `generation_config` passed in the call are several records (they were glued
+    into one), as when asked for by keyword."""
+    import copy
+
+    summarizer = pipeline("long-summarization", model=model, tokenizer=tokenizer)
+    config = copy.deepcopy(model.generation_config)
+    config.update(num_beams=3, num_return_sequences=2, max_new_tokens=4)
+    documents = [document(40, offset=2), document(25, offset=3)]
+    records = summarizer(documents, generation_config=config, return_tensors=True)
+    inputs, _ = model.prepare_summarization_inputs(tokenizer, documents[:1])
+    with torch.no_grad():
+        expected = model.generate(**inputs, generation_config=config)
+    assert [len(per_document) for per_document in records] == [2, 2]
+    assert [record["summary_token_ids"].tolist() for record in records[0]] == expected.tolist()
+    by_keyword = summarizer(documents, num_beams=3, num_return_sequences=2, max_new_tokens=4, return_tensors=True)
+    assert [[r["summary_token_ids"].tolist() for r in doc] for doc in records] == [
+        [r["summary_token_ids"].tolist() for r in doc] for doc in by_keyword]
+
+
+def _tiny_llama():
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=99, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, pad_token_id=0, eos_token_id=1,
+                                        bos_token_id=1)).eval()
+
+
+def test_decoder_only_summary_lengths_count_the_summary_alone(tokenizer):
+    """The pipeline's own prompt (the document, for a plain decoder-only model; Dodo's instruction) is not counted in
+    `max_length` / `min_length`, which bound the summary as they do for encoder-decoders."""
+    summarizer = LongSummarizationPipeline(model=_tiny_llama(), tokenizer=tokenizer)
+    doc = document(20, offset=5)  # 21 prompt tokens: `max_length=7` used to be shorter than the prompt
+    for length in (3, 7):
+        records = summarizer(doc, max_length=length, min_length=length, return_tensors=True)
+        assert len(records[0]["summary_token_ids"]) == length
+
+
+@pytest.mark.parametrize("decoder_only", [False, True])
+def test_summary_token_ids_end_at_the_callers_eos_even_first(model, tokenizer, decoder_only):
+    """`summary_token_ids` end at the end-of-sequence id the call asked for, also when it is a decoder-only model's
+    first new token (an encoder-decoder's first token is the decoder start, which may share the EOS id)."""
+    summarizer = LongSummarizationPipeline(model=_tiny_llama() if decoder_only else model, tokenizer=tokenizer)
+    stop, other, first = 5, 6, (0 if decoder_only else 1)
+
+    def allowed(row, ids):  # row 0 ends at once with `stop`; row 1 goes on with `other`
+        return [stop] if row == 0 else [other]
+
+    records = summarizer([document(30, offset=2), document(30, offset=4)], batch_size=2, max_new_tokens=5,
+                         eos_token_id=stop, prefix_allowed_tokens_fn=allowed, return_tensors=True)
+    assert records[0]["summary_token_ids"].tolist()[first:] == [stop]
+    assert records[1]["summary_token_ids"].tolist()[first:] == [other] * 5

@@ -56,7 +56,10 @@ class LongSummarizationPipeline(Pipeline):
       ``summary_token_ids``.
     * ``generate_kwargs`` (`dict`) and any other keyword (``max_new_tokens``, ``num_beams``, ``do_sample``,
       ``length_penalty``, ``no_repeat_ngram_size``, ``num_return_sequences``, ``streamer``, ...): passed to
-      ``model.generate``. The model's ``generation_config`` supplies everything not given.
+      ``model.generate``. The model's ``generation_config`` supplies everything not given. For decoder-only models
+      (Dodo), ``max_length`` and ``min_length`` count the summary's tokens, as for encoder-decoders: they are passed
+      as ``max_new_tokens`` / ``min_new_tokens``, since the prompt the pipeline builds around a document is not the
+      user's.
 
     A single document gives a list of ``num_return_sequences`` records (one by default); a list of documents gives one
     record per document (a list of records per document when ``num_return_sequences > 1``).
@@ -77,7 +80,7 @@ class LongSummarizationPipeline(Pipeline):
         generate_kwargs=None,
         **more_generate_kwargs,
     ):
-        preprocess_params = {}
+        preprocess_params, postprocess_params = {}, {}
         if max_input_length is not None:
             if not isinstance(max_input_length, int) or isinstance(max_input_length, bool) or max_input_length < 1:
                 raise ValueError(f"`max_input_length` must be a positive integer, got {max_input_length!r}.")
@@ -98,8 +101,11 @@ class LongSummarizationPipeline(Pipeline):
                     f"tokens (a warning reports what is dropped); got `truncation={merged['truncation']!r}`."
                 )
             forward_params = merged  # one key per option, so that call options update constructor defaults
+            if "eos_token_id" in merged:  # where `summary_token_ids` end
+                postprocess_params["eos_token_id"] = merged["eos_token_id"]
+            elif getattr(merged.get("generation_config"), "eos_token_id", None) is not None:
+                postprocess_params["eos_token_id"] = merged["generation_config"].eos_token_id
 
-        postprocess_params = {}
         if clean_up_tokenization_spaces is not None:
             postprocess_params["clean_up_tokenization_spaces"] = clean_up_tokenization_spaces
         if return_text is not None:
@@ -161,14 +167,21 @@ class LongSummarizationPipeline(Pipeline):
                     stacklevel=2,
                 )
 
+        if not self.model.config.is_encoder_decoder:
+            # The prompt is ours, not the user's: a summary's max_length / min_length count the summary alone.
+            for total, new_tokens in (("max_length", "max_new_tokens"), ("min_length", "min_new_tokens")):
+                if total in generate_kwargs and new_tokens not in generate_kwargs:
+                    generate_kwargs = dict(generate_kwargs)
+                    generate_kwargs[new_tokens] = generate_kwargs.pop(total)
         output_ids = self.model.generate(**inputs, **generate_kwargs)
         if not self.model.config.is_encoder_decoder:
             output_ids = output_ids[:, inputs["input_ids"].shape[1] :]  # decoder-only: drop the prompt
-        num_sequences = generate_kwargs.get("num_return_sequences") or getattr(
-            self.model.generation_config, "num_return_sequences", None
-        ) or 1
-        # [batch, num_return_sequences, length]: the base class splits the first dimension back into documents.
-        return {"output_ids": output_ids.reshape(len(documents), num_sequences, -1)}
+        # generate() returns num_return_sequences rows per document, wherever that number was set (a call option, a
+        # `generation_config` passed in, the model's own): [batch, num_return_sequences, length], whose first dimension
+        # the base class splits back into documents.
+        if output_ids.shape[0] % len(documents):
+            raise ValueError(f"generate() returned {output_ids.shape[0]} sequences for {len(documents)} documents.")
+        return {"output_ids": output_ids.reshape(len(documents), output_ids.shape[0] // len(documents), -1)}
 
     def _prepare_inputs(self, documents: list[str], max_input_length: int | None):
         prepare = getattr(self.model, "prepare_summarization_inputs", None)
@@ -221,15 +234,19 @@ class LongSummarizationPipeline(Pipeline):
             attention_mask[row, span] = 1
         return {"input_ids": input_ids, "attention_mask": attention_mask}, dropped
 
-    def postprocess(self, model_outputs, clean_up_tokenization_spaces=False, return_text=True, return_tensors=False):
+    def postprocess(self, model_outputs, clean_up_tokenization_spaces=False, return_text=True, return_tensors=False,
+                    eos_token_id=None):
         records = []
-        eos = self.model.generation_config.eos_token_id
+        eos = self.model.generation_config.eos_token_id if eos_token_id is None else eos_token_id
         eos = set(eos if isinstance(eos, (list, tuple)) else [] if eos is None else [eos])
+        # an encoder-decoder's output starts with the decoder start token, which may be the EOS id; a decoder-only
+        # model's output here is the summary alone (the prompt was dropped), whose first token may end it
+        first = 1 if self.model.config.is_encoder_decoder else 0
         for ids in model_outputs["output_ids"][0]:
             record = {}
             if return_tensors:
                 # Up to the first end of sequence: in a batch, the finished rows are padded to the longest one.
-                ends = [i for i, token in enumerate(ids.tolist()) if token in eos and i > 0]
+                ends = [i for i, token in enumerate(ids.tolist()) if token in eos and i >= first]
                 record["summary_token_ids"] = ids[: ends[0] + 1] if ends else ids
             if return_text:
                 record["summary_text"] = self.tokenizer.decode(
