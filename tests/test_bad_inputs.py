@@ -170,3 +170,65 @@ def test_cut_to_length_refuses_a_length_below_one():
     for bad in (0, -2, True):
         with pytest.raises(ValueError, match="`max_length` .* must be a positive integer or None"):
             cut_to_length([5, 6, 7, 1], bad, eos_token_id=1)
+
+
+@pytest.mark.parametrize("kind, field, value, message", [
+    ("locost", "encoder_chunk_length", 0, "`encoder_chunk_length` must be a positive integer or None, got 0"),
+    ("locost", "cross_attention_logn_length", 1, "`cross_attention_logn_length` must be None or an integer >= 2"),
+    ("locost", "num_ssm_heads", 2, "`num_ssm_heads` must be 1"),
+    ("locost", "hidden_size", 0, "`d_model` must be a positive integer, got 0"),  # an alias of d_model
+    ("vcc", "num_vanilla_layers", 7, "`num_vanilla_layers` must be an integer between 0 and `num_layers` (3), got 7"),
+    ("vcc", "num_refined_blocks", 0, "`num_refined_blocks` must be a positive integer, got 0"),
+    ("dodo", "nugget_ratio", 0.0, "`nugget_ratio` must be in (0, 1] (nuggets per token), got 0.0"),
+])
+def test_from_pretrained_overrides_are_validated_with_the_stored_config(tmp_path, kind, field, value, message):
+    """transformers' `from_dict` sets `field=value` overrides on the config after construction, where the config's
+    checks had already run; they are checked with the stored values instead, at load time."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM
+
+    torch.manual_seed(0)
+    model = {"locost": tiny_locost, "vcc": lambda: tiny_vcc(num_layers=3), "dodo": tiny_dodo}[kind]()
+    model.save_pretrained(tmp_path)
+    auto_model = AutoModelForCausalLM if kind == "dodo" else AutoModelForSeq2SeqLM
+    for load in (type(model.config).from_pretrained, AutoConfig.from_pretrained, auto_model.from_pretrained):
+        with pytest.raises(ValueError, match=re.escape(message)):
+            load(tmp_path, **{field: value})
+
+
+def test_from_pretrained_overrides_keep_transformers_return_unused_kwargs_contract(tmp_path):
+    from transformers import AutoConfig
+
+    tiny_locost().save_pretrained(tmp_path)
+    config, unused = AutoConfig.from_pretrained(
+        tmp_path, encoder_chunk_length=16, num_attention_heads=2, output_attentions=True, not_a_field=1,
+        return_unused_kwargs=True,
+    )
+    assert (config.encoder_chunk_length, config.num_heads, config.output_attentions) == (16, 2, True)
+    assert unused == {"not_a_field": 1}
+
+
+@pytest.mark.parametrize("feed_forward_proj", ["relu", "gated-gelu"])
+def test_vcc_loads_a_t5_checkpoint_that_needs_the_overrides(tmp_path, feed_forward_proj):
+    """A 3-layer T5 is valid for VCC-T5 only with the override `num_vanilla_layers=3` (the default 4 is not): the
+    override is validated with the stored values, not after a check with the default."""
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    from longreach import VCCT5ForConditionalGeneration
+
+    torch.manual_seed(0)
+    t5 = T5ForConditionalGeneration(T5Config(
+        vocab_size=200, d_model=32, d_kv=8, d_ff=64, num_layers=3, num_decoder_layers=2, num_heads=4,
+        decoder_start_token_id=0, dropout_rate=0.0, feed_forward_proj=feed_forward_proj,
+    )).eval()
+    t5.save_pretrained(tmp_path)
+    model = VCCT5ForConditionalGeneration.from_pretrained(tmp_path, num_vanilla_layers=3, segment_length=None).eval()
+    assert (model.config.num_vanilla_layers, model.config.segment_length) == (3, None)
+    input_ids, decoder_input_ids = torch.randint(3, 200, (2, 40)), torch.randint(3, 200, (2, 4))
+    with torch.no_grad():
+        expected = t5(input_ids, decoder_input_ids=decoder_input_ids).logits
+        torch.testing.assert_close(model(input_ids, decoder_input_ids=decoder_input_ids).logits, expected)
+    # an override still wins over a stored value that __post_init__ applies after the fields
+    from longreach import VCCT5Config
+
+    config = VCCT5Config.from_pretrained(tmp_path, num_vanilla_layers=3, tie_word_embeddings=False)
+    assert "scale_decoder_outputs" in t5.config.to_dict() and config.tie_word_embeddings is False

@@ -14,6 +14,8 @@ import re
 import torch
 from transformers import LlamaConfig
 
+from .configuration_locost import pop_field_overrides
+
 NUGGET_COUNT_ROUNDINGS = ("dodo", "ceil")
 SCORER_FEATURES = ("base_final_norm", "encoder_hidden")
 NUGGET_ENCODINGS = ("encoder_pass", "reencode")
@@ -139,6 +141,16 @@ class DodoLlamaConfig(LlamaConfig):
         super().__post_init__(**kwargs)
         self.validate_llama()
         self.validate_dodo()
+
+    @classmethod
+    def from_dict(cls, config_dict: dict, **kwargs):
+        # field overrides are validated with the stored values (see `pop_field_overrides`); a stored legacy
+        # `rope_scaling`, which __post_init__ applies after the fields, gives way to a `rope_parameters` override
+        config_dict = dict(config_dict)
+        if "rope_parameters" in kwargs:
+            config_dict.pop("rope_scaling", None)
+        config_dict = pop_field_overrides(cls, config_dict, kwargs)
+        return super().from_dict(config_dict, **kwargs)
 
     def validate_llama(self) -> None:
         """LlamaConfig's own checks (head sizes, rope parameters, ...), which its strict dataclass runs at construction

@@ -7,6 +7,8 @@ import math
 
 from transformers import PreTrainedConfig
 
+from .configuration_locost import pop_field_overrides
+
 #: The original code's class paths in its ``encoder_layers`` list (one entry per encoder layer).
 ORIGINAL_VANILLA_LAYER = "src.t5.models.layers.T5Block"
 ORIGINAL_VCC_LAYER = "src.t5.models.vcc_layers.VccT5Block"
@@ -195,6 +197,21 @@ class VCCT5Config(PreTrainedConfig):
             self.num_decoder_layers = self.num_layers
         super().__post_init__(**kwargs)
         self.validate_vcc()
+
+    @classmethod
+    def from_dict(cls, config_dict: dict, **kwargs):
+        # field overrides are validated with the stored values (see `pop_field_overrides`); stored values that
+        # __post_init__ applies after the fields (original names, T5's `scale_decoder_outputs`) give way to them
+        shadowed = {"num_vanilla_layers": ["encoder_layers"], "tie_word_embeddings": ["scale_decoder_outputs"]}
+        for original, name in ORIGINAL_FIELD_NAMES.items():
+            if original != name:
+                shadowed.setdefault(name, []).append(original)
+        config_dict = dict(config_dict)
+        for name in set(kwargs) & set(shadowed):
+            for stored in shadowed[name]:
+                config_dict.pop(stored, None)
+        config_dict = pop_field_overrides(cls, config_dict, kwargs)
+        return super().from_dict(config_dict, **kwargs)
 
     @classmethod
     def from_preset(cls, name: str, **overrides) -> "VCCT5Config":
