@@ -5,6 +5,7 @@ Parity with the authors' outputs lives in ``test_convert_dodo.py`` (it needs the
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -1147,3 +1148,82 @@ def test_data_collator_takes_tensors_and_numpy_features():
         batch = collator([{"context_input_ids": convert([1, 5, 6]), "input_ids": convert([7, 8])},
                           {"context_input_ids": convert([0])}])  # a one-token context of token 0 is not empty
         assert all(torch.equal(batch[key], as_lists[key]) for key in as_lists)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# generate()'s signature, later turns, assistants, PEFT from outside, offloading
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def test_generate_takes_inputs_and_a_positional_generation_config_as_llama_does(model):
+    from transformers import GenerationConfig
+
+    context, prompt = ids(1, 20), ids(1, 4)
+    with torch.no_grad():
+        nuggets = model.compress(context)
+        expected = model.generate(input_ids=prompt, nuggets=nuggets, max_new_tokens=5, do_sample=False)
+        assert torch.equal(model.generate(inputs=prompt, nuggets=nuggets, max_new_tokens=5, do_sample=False), expected)
+        config = GenerationConfig(max_new_tokens=5, do_sample=False, pad_token_id=0)
+        assert torch.equal(model.generate(prompt, config, nuggets=nuggets), expected)
+        assert torch.equal(model.generate(prompt, config, context_input_ids=context), expected)
+        with pytest.raises(ValueError, match="Pass the prompt once"):
+            model.generate(prompt, input_ids=prompt, nuggets=nuggets, max_new_tokens=2)
+
+
+def test_a_later_turn_refuses_nuggets_other_than_those_in_its_cache(model):
+    """Continuing from a returned cache: its nuggets are the ones attended to, so other nuggets are refused (they were
+    ignored); the same nuggets, or none, continue the turn."""
+    contexts, prompt = ids(2, 20), ids(1, 4)
+    with torch.no_grad():
+        first, other = model.compress(contexts[:1]), model.compress(contexts[1:])
+        turn = model.generate(prompt, nuggets=first, max_new_tokens=3, do_sample=False, return_dict_in_generate=True)
+        follow_up = torch.cat([turn.sequences, ids(1, 2)], dim=1)
+        options = dict(max_new_tokens=3, do_sample=False)
+        fresh = model.generate(follow_up, nuggets=first, **options)
+        assert torch.equal(model.generate(follow_up, nuggets=first, cache=copy.deepcopy(turn.past_key_values),
+                                          **options), fresh)
+        with pytest.raises(ValueError, match="`nuggets` differ from the nuggets already in `past_key_values`"):
+            model.generate(follow_up, nuggets=other, cache=copy.deepcopy(turn.past_key_values), **options)
+        with pytest.raises(ValueError, match="`nuggets` differ"):
+            seen = turn.past_key_values.seen_tokens  # (the last generated token is not in the cache yet)
+            model(follow_up[:, seen:], nuggets=other, past_key_values=copy.deepcopy(turn.past_key_values),
+                  attention_mask=torch.ones_like(follow_up))
+
+
+def test_an_assistant_that_cannot_read_nuggets_is_refused_clearly(model):
+    llama = LlamaForCausalLM(LlamaConfig(vocab_size=model.config.vocab_size, hidden_size=16, intermediate_size=32,
+                                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1))
+    with pytest.raises(ValueError, match="`assistant_model` must be a DodoLlamaForCausalLM"):
+        model.generate(ids(1, 4), context_input_ids=ids(1, 20), assistant_model=llama, max_new_tokens=3)
+
+
+@pytest.mark.parametrize("change", ["get_peft_model on q_proj", "get_peft_model on gate_proj", "merge_and_unload"])
+def test_peft_adapters_added_from_outside_are_refused(change):
+    """PEFT adapters added to a Dodo model were left inactive (on φ/θ's layers), trained beside Dodo's own parameters
+    and saved without them, and `merge_and_unload` dropped φ: each is now a clear error at the next call."""
+    from peft import get_peft_model
+
+    model = tiny_model()
+    target = "gate_proj" if "gate_proj" in change else "q_proj"
+    wrapped = get_peft_model(model, LoraConfig(r=2, target_modules=[target], task_type="CAUSAL_LM"))
+    if change == "merge_and_unload":
+        wrapped = wrapped.merge_and_unload()
+    with pytest.raises(ValueError, match="LoRA layers were changed from outside"):
+        wrapped(input_ids=ids(1, 5), context_input_ids=ids(1, 20))
+    with pytest.raises(ValueError, match="LoRA layers were changed from outside"):
+        wrapped(input_ids=ids(1, 5))
+
+
+def test_offloaded_soft_prompt_is_loaded_by_its_hook(tmp_path, model):
+    """Under accelerate's disk offload, the soft prompt is read by calling its module (its hook loads the weight)."""
+    model.save_pretrained(tmp_path / "dodo")
+    context, prompt = ids(1, 20), ids(1, 4)
+    with torch.no_grad():
+        expected = model.generate(prompt, context_input_ids=context, max_new_tokens=4, do_sample=False)
+    offloaded = AutoModelForCausalLM.from_pretrained(
+        tmp_path / "dodo", device_map={"model": "cpu", "lm_head": "cpu", "nugget_scorer": "cpu", "soft_prompt": "disk"},
+        offload_folder=str(tmp_path / "offload"))
+    assert offloaded.soft_prompt.weight.device.type == "meta"
+    with torch.no_grad():
+        generated = offloaded.generate(prompt, context_input_ids=context, max_new_tokens=4, do_sample=False)
+    assert torch.equal(generated, expected)

@@ -43,7 +43,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 from transformers import initialization as init
 from transformers.cache_utils import Cache, DynamicCache
-from transformers.generation import GenerationMixin
+from transformers.generation import GenerationConfig, GenerationMixin
 from transformers.modeling_outputs import CausalLMOutputWithPast
 from transformers.models.llama.modeling_llama import LlamaModel, LlamaPreTrainedModel
 from transformers.utils import ModelOutput
@@ -507,6 +507,30 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
             self.__dict__["_dodo_lora_layer_list"] = layers
         return layers
 
+    def _check_own_adapters(self) -> None:
+        """Dodo switches its LoRA layers between φ and θ itself, at every call. Adapters added to it with PEFT
+        (``get_peft_model``, ``add_adapter``) would then be left inactive, or trained beside Dodo's own parameters and
+        saved without them, and ``merge_and_unload`` of such a wrapper removes φ and θ: refuse all three."""
+        own = set(self.config.adapter_names)
+        found = [module for module in self.modules() if isinstance(module, BaseTunerLayer)]
+        foreign = sorted({
+            adapter for module in found for attribute in getattr(module, "adapter_layer_names", ())
+            for adapter in (getattr(module, attribute, None) or {}) if adapter not in own
+        })
+        expected = self._lora_layers()
+        if not foreign and len(found) == len(expected) and all(a is b for a, b in zip(found, expected)):
+            return
+        what = (f"adapters {foreign} were added to it" if foreign
+                else f"{len(expected)} LoRA layers holding {sorted(own)} were expected, {len(found)} are there "
+                     "(were they merged or unloaded?)")
+        raise ValueError(
+            f"This DodoLlamaForCausalLM's LoRA layers were changed from outside: {what}. Dodo runs its own adapters "
+            f"{sorted(own)} (φ compresses, θ decodes) and switches between them at every call, so PEFT adapters added "
+            "to it (`get_peft_model`, `add_adapter`) are not supported, and `merge_and_unload` would remove φ and θ. "
+            "To fine-tune Dodo, train its own adapters, scorer and soft prompt (examples/finetune_dodo.py); to use θ on "
+            "a plain Llama, see `export_peft_adapters`."
+        )
+
     def set_active_adapter(self, adapter_name: str | None) -> None:
         """Run the backbone with adapter ``adapter_name`` (φ or θ name), or with no adapter (``None``).
 
@@ -608,6 +632,23 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
     @property
     def config_fingerprint(self) -> str:
         return _config_fingerprint(self.config)
+
+    @staticmethod
+    def _check_nuggets_match_cache(nuggets: DodoNuggets, cache: DodoCache) -> None:
+        """Nuggets passed with a cache that already holds nuggets must be those (the cache's are the ones attended to):
+        the same slots, mask and scores, row for row (a cache from beam search holds each context's rows repeated)."""
+        mask, scores = cache.nugget_mask, cache.nugget_scores
+        same = (not cache.autoregressive and mask is not None and scores is not None and nuggets.scores is not None
+                and mask.shape[1] == nuggets.mask.shape[1] and mask.shape[0] % nuggets.batch_size == 0)
+        if same:
+            repeat = mask.shape[0] // nuggets.batch_size
+            same = (torch.equal(mask, nuggets.mask.repeat_interleave(repeat, dim=0).to(mask.device))
+                    and torch.equal(scores, nuggets.scores.repeat_interleave(repeat, dim=0).to(scores.device, scores.dtype)))
+        if not same:
+            raise ValueError(
+                "`nuggets` differ from the nuggets already in `past_key_values`, which are the ones the model would "
+                "attend to: pass the nuggets that cache was started with, or no `past_key_values` for another context."
+            )
 
     def _check_nuggets(self, nuggets, batch_size: int | None = None, allow_multiple: bool = False) -> None:
         if not isinstance(nuggets, DodoNuggets):
@@ -719,6 +760,7 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
                 ``generate`` pass ``context_input_ids`` / ``context_attention_mask``).
         """
         ids_name, mask_name = argument_names
+        self._check_own_adapters()
         check_token_ids(ids_name, input_ids, vocab_size=self.get_input_embeddings().num_embeddings)
         check_mask(mask_name, attention_mask, ids_name, input_ids)
         mask = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
@@ -941,8 +983,10 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
         soft = 0
         embeds, new_mask = token_embeds, token_mask
         if prepend_soft_prompt and self.soft_prompt is not None and cache.num_nugget_slots:
-            soft = self.soft_prompt.weight.shape[0]
-            soft_embeds = self.soft_prompt.weight[None].expand(batch, -1, -1).to(token_embeds.dtype)
+            soft = self.soft_prompt.num_embeddings
+            # called, not read through `.weight`: an offloaded module's weight is loaded by its hook when called
+            soft_embeds = self.soft_prompt(torch.arange(soft, device=token_embeds.device))
+            soft_embeds = soft_embeds.to(token_embeds.device, token_embeds.dtype)[None].expand(batch, -1, -1)
             embeds = torch.cat([soft_embeds, token_embeds], dim=1)
             new_mask = torch.cat([token_mask.new_ones(batch, soft), token_mask], dim=1)
             cache.soft_prompt_length = soft
@@ -1145,6 +1189,8 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
         use_cache = self.config.use_cache if use_cache is None else use_cache
 
         cache = past_key_values if isinstance(past_key_values, DodoCache) and past_key_values.started else None
+        if cache is None and context_input_ids is None:  # (compress() has just checked)
+            self._check_own_adapters()
         if cache is None and past_key_values is not None and past_key_values.get_seq_length() > 0:
             raise ValueError(
                 "`past_key_values` must be the DodoCache this model returned; got a "
@@ -1169,8 +1215,7 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
                 prepend_soft = True
         elif nuggets is not None:
             self._check_nuggets(nuggets, batch)
-            if cache.autoregressive or cache.num_nugget_slots != nuggets.mask.shape[1]:
-                raise ValueError("`nuggets` do not match the nuggets already in `past_key_values`.")
+            self._check_nuggets_match_cache(nuggets, cache)
 
         soft = 0
         # As LlamaModel does, the config's flags apply when the call does not say (from_pretrained(...,
@@ -1231,7 +1276,9 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
     @torch.no_grad()
     def generate(
         self,
-        input_ids: torch.LongTensor | None = None,
+        inputs: torch.LongTensor | None = None,
+        generation_config: GenerationConfig | None = None,
+        *,
         nuggets: DodoNuggets | None = None,
         context_input_ids: torch.LongTensor | None = None,
         context_attention_mask: torch.Tensor | None = None,
@@ -1239,9 +1286,17 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
     ):
         """``GenerationMixin.generate`` conditioned on nuggets (or on a context compressed here first).
 
-        Greedy, sampling and beam search work; the returned sequences start with `input_ids` (the prompt). Without
-        nuggets: the plain Llama with θ, or the autoregressive mode when ``config.recent_window`` is set.
+        ``inputs`` (or ``input_ids=``) is the prompt and ``generation_config`` the second positional argument, as for
+        any transformers model; the nuggets and the context are keyword arguments. Greedy, sampling and beam search
+        work; the returned sequences start with the prompt. Without nuggets: the plain Llama with θ, or the
+        autoregressive mode when ``config.recent_window`` is set.
         """
+        input_ids = kwargs.pop("input_ids", None)
+        if inputs is not None and input_ids is not None:
+            raise ValueError("Pass the prompt once: as `inputs` (the first argument) or as `input_ids`, not both.")
+        input_ids = inputs if inputs is not None else input_ids
+        if generation_config is not None:
+            kwargs["generation_config"] = generation_config
         requested = kwargs.get("cache_implementation",
                                getattr(kwargs.get("generation_config") or self.generation_config,
                                        "cache_implementation", None))
@@ -1269,6 +1324,16 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
             input_ids = torch.full((nuggets.mask.shape[0], 1), bos, dtype=torch.long, device=nuggets.mask.device)
         if nuggets is not None:
             self._check_nuggets(nuggets, input_ids.shape[0] if input_ids is not None else None)
+            cache = kwargs.get("cache") if kwargs.get("cache") is not None else kwargs.get("past_key_values")
+            if isinstance(cache, DodoCache) and cache.started:  # a later turn: its nuggets are those in the cache
+                self._check_nuggets_match_cache(nuggets, cache)
+            assistant = kwargs.get("assistant_model")
+            if assistant is not None and not isinstance(assistant, DodoLlamaForCausalLM):
+                raise ValueError(
+                    "`assistant_model` must be a DodoLlamaForCausalLM when generating from nuggets or a context: the "
+                    f"assistant drafts its tokens from the same nuggets, which a {type(assistant).__name__} cannot "
+                    "read. Use a smaller Dodo model, `prompt_lookup_num_tokens`, or no assistant."
+                )
             kwargs["nuggets"] = nuggets
         return super().generate(input_ids, **kwargs)
 
