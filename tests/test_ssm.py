@@ -107,6 +107,41 @@ def test_parameter_changes_and_training_invalidate(edit):
         assert conv._cacheable() is False
 
 
+@pytest.mark.parametrize("edit", ["data_copy", "ema"])
+def test_parameter_changes_through_data_invalidate(edit):
+    """``p.data`` shares the storage but not the version counter: such edits (``p.data.copy_``, EMA's
+    ``p.data.mul_(d).add_(q.data)``) are caught by comparing the parameters with the cache's copy of them."""
+    conv, calls = counting_conv()
+    other = BidirectionalS4DConvolution(8, 8).eval()
+    x = torch.randn(1, 10, 8)
+    with torch.no_grad():
+        conv(x)
+        for parameter, new in zip(conv.parameters(), other.parameters()):
+            if edit == "data_copy":
+                parameter.data.copy_(new.data)
+            else:
+                parameter.data.mul_(0.0).add_(new.data)
+        out = conv(x)
+        assert calls == [10, 10]
+        assert torch.equal(out, other(x))
+
+
+def test_channel_groups_compare_only_their_channels_with_the_cache():
+    conv, calls = counting_conv()
+    x = torch.randn(1, 10, 8)
+    with torch.no_grad():
+        conv(x)
+        conv.log_dt.data[5] += 0.1  # only channel 5's kernel changes
+        conv.kernel_spectrum(10, 20, slice(0, 4))
+        assert calls == [10]  # channels 0-3: still the cached rows
+        conv.kernel_spectrum(10, 20, slice(4, 8))
+        assert calls == [10, 10]  # channels 4-7: recomputed, for all channels
+        grouped = conv.convolve_in_channel_groups_(x.clone(), group=4)
+        assert calls == [10, 10]
+        conv.kernel_cache_lengths = 0  # off: the reference path
+        torch.testing.assert_close(grouped, conv(x), atol=1e-6, rtol=0)
+
+
 def direct_kernel(conv: BidirectionalS4DConvolution, length: int) -> torch.Tensor:
     """K_c[h, l] = 2·Re Σ_n Ĉ_chn exp(ΔA_hn·l), every power taken directly, in complex128."""
     dtA, C_hat = conv.discretized()
