@@ -348,3 +348,59 @@ def test_training_gradients_equal_transformers_t5():
     expected = dict(reference.named_parameters())
     for name, parameter in ours.named_parameters():
         torch.testing.assert_close(parameter.grad, expected[name].grad, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def _tiny_seq2seq(kind: str):
+    from test_modeling_vcc_t5 import tiny_model as tiny_vcc
+    from workflow_helpers import tiny_locost
+
+    torch.manual_seed(0)
+    return tiny_locost() if kind == "locost" else tiny_vcc()
+
+
+@pytest.mark.parametrize("kind", ["locost", "vcc"])
+def test_float16_loading_keeps_the_feed_forward_output_projections_in_float32(tmp_path, kind):
+    """As transformers' T5 (`_keep_in_fp32_modules = ["wo"]`): `wo` only, where T5 v1.0 feed-forwards overflow."""
+    model = _tiny_seq2seq(kind)
+    model.save_pretrained(tmp_path)
+    half = type(model).from_pretrained(tmp_path, dtype=torch.float16).eval()
+    names = [name for name, _ in half.named_parameters()]
+    float32 = {name for name, parameter in half.named_parameters() if parameter.dtype == torch.float32}
+    wo = {name for name in names if ".DenseReluDense.wo." in name}
+    ssm = {name for name in names if ".ssm.conv." in name}  # LOCOST's `_keep_in_fp32_modules_strict`
+    assert wo and float32 == wo | ssm
+    assert {half.get_parameter(name).dtype for name in set(names) - float32} == {torch.float16}
+    bfloat16 = type(model).from_pretrained(tmp_path, dtype=torch.bfloat16)  # float16 only, as T5
+    assert all(bfloat16.get_parameter(name).dtype == torch.bfloat16 for name in wo)
+    input_ids = torch.randint(3, 99, (2, 40))
+    with torch.no_grad():
+        logits = half(input_ids, decoder_input_ids=input_ids[:, :3]).logits
+        expected = model(input_ids, decoder_input_ids=input_ids[:, :3]).logits
+    torch.testing.assert_close(logits.float(), expected, atol=2e-2, rtol=0)
+
+
+def test_vcc_t5_in_float16_keeps_t5s_accuracy_where_the_feed_forward_overflows(tmp_path):
+    """A T5 v1.0-style checkpoint whose feed-forward products exceed float16 (as t5-base/large): VCC-T5 with
+    compression off, loaded with dtype=torch.float16, gives T5's float16 logits (it gave 1.09 off, T5 0.0025)."""
+    from longreach import VCCT5ForConditionalGeneration
+
+    torch.manual_seed(0)
+    t5 = T5ForConditionalGeneration(T5Config(vocab_size=200, d_model=32, d_kv=8, d_ff=64, num_layers=4,
+                                             num_decoder_layers=2, num_heads=4, decoder_start_token_id=0,
+                                             dropout_rate=0.0)).eval()
+    with torch.no_grad():
+        for block in t5.encoder.block:
+            block.layer[1].DenseReluDense.wi.weight.mul_(300)
+            block.layer[1].DenseReluDense.wo.weight.mul_(300)
+    t5.save_pretrained(tmp_path)
+    input_ids = torch.randint(3, 200, (1, 40))
+    with torch.no_grad():
+        reference = T5ForConditionalGeneration.from_pretrained(tmp_path, dtype=torch.float16).eval()
+        vcc = VCCT5ForConditionalGeneration.from_pretrained(tmp_path, num_vanilla_layers=4, segment_length=None,
+                                                            dtype=torch.float16).eval()
+        expected = reference(input_ids, decoder_input_ids=input_ids[:, :4]).logits
+        logits = vcc(input_ids, decoder_input_ids=input_ids[:, :4]).logits
+        exact = t5(input_ids, decoder_input_ids=input_ids[:, :4]).logits
+    torch.testing.assert_close(logits, expected, atol=1e-2, rtol=0)
+    torch.testing.assert_close(logits.float(), exact, atol=1e-2, rtol=0)
+

@@ -209,6 +209,9 @@ class LocostPreTrainedModel(HubReadyMixin, PreTrainedModel):
     _no_split_modules = ["LocostEncoderBlock", "T5Block"]
     # The SSM parameters are complex numbers stored as real pairs: keep them float32 when loading in half precision.
     _keep_in_fp32_modules_strict = ["ssm.conv"]
+    # As T5: the feed-forward output projections stay float32 when loading in float16, where their products can
+    # overflow ("wo" is searched in parameter names: only the `DenseReluDense.wo` weights have it)
+    _keep_in_fp32_modules = ["wo"]
     _supports_sdpa = True
     _supports_flash_attn = False
     _supports_flex_attn = False

@@ -652,6 +652,9 @@ class VCCT5PreTrainedModel(HubReadyMixin, PreTrainedModel):
     base_model_prefix = "transformer"
     supports_gradient_checkpointing = True
     _no_split_modules = ["VCCT5EncoderBlock", "T5Block"]
+    # As T5 (t5-base/large checkpoints): the feed-forward output projections stay float32 when loading in float16,
+    # where their products overflow ("wo" is searched in parameter names: only the `DenseReluDense.wo` weights have it)
+    _keep_in_fp32_modules = ["wo"]
     _supports_sdpa = True
     _supports_flash_attn = False
     _supports_flex_attn = False
