@@ -404,3 +404,16 @@ def test_vcc_t5_in_float16_keeps_t5s_accuracy_where_the_feed_forward_overflows(t
     torch.testing.assert_close(logits, expected, atol=1e-2, rtol=0)
     torch.testing.assert_close(logits.float(), exact, atol=1e-2, rtol=0)
 
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::UserWarning")
+@pytest.mark.parametrize("kind", ["locost", "vcc"])
+def test_dynamically_quantized_models_run_forward_and_generate(kind):
+    """`torch.ao.quantization.quantize_dynamic` replaces the linears by modules whose `weight` is a method (T5 runs)."""
+    model = _tiny_seq2seq(kind)
+    quantized = torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8)
+    input_ids = torch.randint(3, 99, (2, 40))
+    with torch.no_grad():
+        logits = quantized(input_ids, decoder_input_ids=input_ids[:, :3]).logits
+        expected = model(input_ids, decoder_input_ids=input_ids[:, :3]).logits
+        assert quantized.generate(input_ids, min_new_tokens=3, max_new_tokens=3).shape == (2, 4)
+    torch.testing.assert_close(logits, expected, atol=0.5, rtol=0)  # int8 weights: close, not equal

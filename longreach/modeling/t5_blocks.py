@@ -181,9 +181,11 @@ def ffn_activation(config) -> tuple[bool, str]:
 
 
 def _to_weight_dtype(hidden_states: torch.Tensor, linear: nn.Linear) -> torch.Tensor:
-    # `wo` may be kept in float32 (``_keep_in_fp32_modules``) while the rest runs in half precision.
-    if hidden_states.dtype != linear.weight.dtype and linear.weight.dtype.is_floating_point:
-        return hidden_states.to(linear.weight.dtype)
+    # `wo` may be kept in float32 (``_keep_in_fp32_modules``) while the rest runs in half precision. A quantized
+    # linear's `weight` may be a method (torch.ao dynamic quantization) or an integer tensor: input left as it is.
+    weight = linear.weight
+    if isinstance(weight, torch.Tensor) and hidden_states.dtype != weight.dtype and weight.dtype.is_floating_point:
+        return hidden_states.to(weight.dtype)
     return hidden_states
 
 
