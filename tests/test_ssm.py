@@ -269,3 +269,45 @@ def test_a_training_forward_keeps_only_the_input_and_the_kernel_spectrum():
         extra.add(sum(kept.values()) - (x.numel() * 4 + spectrum_bytes + 16 * 4))
     mode_tensor_bytes = 16 * 4 * 8  # one [H, N/2] complex64
     assert extra == {3 * mode_tensor_bytes}  # ΔA and the two directions of Ĉ, whatever the length and batch
+
+
+@pytest.mark.parametrize("bidirectional", [True, False])
+def test_double_makes_the_convolution_float64_and_gradcheck_passes(bidirectional):
+    """`.double()` is not blocked like `.half()`: parameters, kernel and FFT in float64 (the compiled CPU kernel is
+    complex64 only: torch ops), exact enough for `torch.autograd.gradcheck` of the input and the parameters."""
+    from torch.func import functional_call
+
+    torch.manual_seed(0)
+    conv = BidirectionalS4DConvolution(3, 4, bidirectional=bidirectional, kernel_chunk_size=2).double()
+    assert {p.dtype for p in conv.parameters()} == {torch.float64} and conv.compute_dtype == torch.float64
+    x = torch.randn(2, 7, 3, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(conv, (x,))
+    names = [name for name, _ in conv.named_parameters()]
+    values = tuple(p.detach().clone().requires_grad_(True) for p in conv.parameters())
+    assert torch.autograd.gradcheck(lambda *v: functional_call(conv, dict(zip(names, v)), (x.detach(),)), values)
+    conv.eval()
+    with torch.no_grad():  # the cached kernel and the channel groups of the long-input path
+        torch.testing.assert_close(conv.convolve_in_channel_groups_(x.detach().clone(), group=2), conv(x))
+
+
+def test_locost_runs_in_float64_and_float_returns_the_float32_model():
+    from workflow_helpers import tiny_locost
+
+    model = tiny_locost()
+    input_ids = torch.randint(3, 99, (2, 40))
+    decoder_input_ids = input_ids[:, :3]
+    with torch.no_grad():
+        expected = model(input_ids, decoder_input_ids=decoder_input_ids).logits
+        model.double()
+        assert {p.dtype for p in model.parameters()} == {torch.float64}
+        logits = model(input_ids, decoder_input_ids=decoder_input_ids).logits
+        assert logits.dtype == torch.float64
+        torch.testing.assert_close(logits, expected.double(), atol=1e-5, rtol=0)
+        model.encoder.chunk_length = 16  # the chunked encoder too
+        torch.testing.assert_close(model(input_ids, decoder_input_ids=decoder_input_ids).logits, logits)
+        model.encoder.chunk_length = None
+        model.float()
+        assert {p.dtype for p in model.parameters()} == {torch.float32}
+        assert torch.equal(model(input_ids, decoder_input_ids=decoder_input_ids).logits, expected)
+    model.double().half()  # from float64 too, half precision keeps the SSM parameters float32
+    assert {p.dtype for name, p in model.named_parameters() if ".ssm.conv." in name} == {torch.float32}

@@ -1,4 +1,5 @@
-"""Bidirectional S4D convolution (LOCOST encoder), computed exactly with an FFT of size 2L, in float32.
+"""Bidirectional S4D convolution (LOCOST encoder), computed exactly with an FFT of size 2L, in float32 (float64 after
+``.double()``).
 
 Notation (LOCOST paper eqs. 1-3, S4D of Gu et al. 2022): for each of the H channels h, N/2 stored complex modes n
 (their conjugates are implicit), step size Δ_h = exp(log_dt[h]), diagonal A_hn = -exp(inv_A_real[h, n]) + i·A_imag[h, n],
@@ -70,13 +71,13 @@ def _exp_complex128(exponent: torch.Tensor) -> torch.Tensor:
     return torch.complex(magnitude * torch.cos(imag), magnitude * torch.sin(imag))
 
 
-def _square_powers(base: torch.Tensor, count: int) -> torch.Tensor:
+def _square_powers(base: torch.Tensor, count: int, dtype: torch.dtype = torch.complex64) -> torch.Tensor:
     """``[base, base², base⁴, …]`` (count of them, stacked on a new first dim) by repeated squaring of a complex128
-    ``base`` (relative error about 2^i·2^-53 for the 2^i-th power), each rounded to complex64 as it is made."""
-    powers = [base.to(torch.complex64)]
+    ``base`` (relative error about 2^i·2^-53 for the 2^i-th power), each rounded to ``dtype`` as it is made."""
+    powers = [base.to(dtype)]
     for _ in range(count - 1):
         base = base * base
-        powers.append(base.to(torch.complex64))
+        powers.append(base.to(dtype))
     return torch.stack(powers)
 
 
@@ -123,15 +124,15 @@ def _lag_chunks(directions: int, length: int, max_chunk: int) -> tuple[int, int]
 
 
 def _doubling_ratios(z: torch.Tensor, dtA: torch.Tensor, chunk: int, num_chunks: int):
-    """``(z^(2^i) for i < log2(chunk), z^(chunk·2^i) for i < log2(num_chunks))`` of a block of channels, complex64
-    ``[count, h, N/2]`` each, from z = exp(ΔA) in complex128 by squaring (one chain when the chunk is a power of two,
-    else a second one from exp(ΔA·chunk))."""
+    """``(z^(2^i) for i < log2(chunk), z^(chunk·2^i) for i < log2(num_chunks))`` of a block of channels, in ΔA's
+    dtype (complex64, complex128 for a float64 module) ``[count, h, N/2]`` each, from z = exp(ΔA) in complex128 by
+    squaring (one chain when the chunk is a power of two, else a second one from exp(ΔA·chunk))."""
     step_count, stride_count = (chunk - 1).bit_length(), (num_chunks - 1).bit_length()
     if chunk & (chunk - 1) == 0:  # z^(chunk·2^i) = z^(2^(log2(chunk) + i)): one chain
-        chain = _square_powers(z, max(1, step_count + stride_count))
+        chain = _square_powers(z, max(1, step_count + stride_count), dtA.dtype)
         return chain[:step_count], chain[step_count:]
-    step = _square_powers(z, max(1, step_count))[:step_count]
-    return step, _square_powers(_exp_complex128(dtA * chunk), max(1, stride_count))
+    step = _square_powers(z, max(1, step_count), dtA.dtype)[:step_count]
+    return step, _square_powers(_exp_complex128(dtA * chunk), max(1, stride_count), dtA.dtype)
 
 
 def _channel_block(width: int, device: torch.device) -> int:
@@ -140,13 +141,13 @@ def _channel_block(width: int, device: torch.device) -> int:
 
 
 def _conjugate_powers_by_block(dtA: torch.Tensor, z: torch.Tensor, chunk: int, num_chunks: int):
-    """For each block of channels: ``(rows, P̄, stride)`` with P̄ = conj(z)^j [h, chunk, N/2] (complex64, built by
+    """For each block of channels: ``(rows, P̄, stride)`` with P̄ = conj(z)^j [h, chunk, N/2] (ΔA's dtype, built by
     doubling into one buffer reused by every block: use it before asking for the next) and the chunk-start ratios
     z^(chunk·2^i) [count, h, N/2] (``_doubling_ratios``). Shared by the kernel and its backward pass."""
     width, modes = z.shape
     block = _channel_block(width, z.device)
-    buffer = torch.empty(block, chunk, modes, dtype=torch.complex64, device=z.device)
-    ones = torch.ones(1, dtype=torch.complex64, device=z.device).expand(block, 1, modes)
+    buffer = torch.empty(block, chunk, modes, dtype=dtA.dtype, device=z.device)
+    ones = torch.ones(1, dtype=dtA.dtype, device=z.device).expand(block, 1, modes)
     for first in range(0, width, block):
         rows = slice(first, first + block)
         step, stride = _doubling_ratios(z[rows], dtA[rows], chunk, num_chunks)
@@ -163,11 +164,13 @@ def s4d_kernel(dtA: torch.Tensor, z: torch.Tensor, C_hat: torch.Tensor, length: 
     parts (2·Re(W·P) = Re W·Re P + Im W·Im P̄ twice). W and P are geometric sequences, built by doubling
     (``_geometric``) into buffers reused by every block: one complex multiplication per term and no transcendental
     beyond exp(ΔA) per mode. The work besides the matmul is O(H·N/2·√L) against its O(H·N·L) multiply-adds.
-    ``dtA`` [H, N/2] complex64, ``z = exp(dtA)`` complex128, ``C_hat`` [directions, H, N/2] complex64.
+    ``dtA`` [H, N/2] complex64, ``z = exp(dtA)`` complex128, ``C_hat`` [directions, H, N/2] complex64 (complex128
+    and a float64 kernel for a float64 module).
     """
     directions, width, _ = C_hat.shape
     chunk, num_chunks = _lag_chunks(directions, length, max_chunk)
-    if compiled_kernel_usable(num_chunks * chunk, dtA, z, C_hat):  # on CPU up to 8K lags: the same products in C
+    # on CPU up to 8K lags: the same products in C (complex64 only)
+    if C_hat.dtype == torch.complex64 and compiled_kernel_usable(num_chunks * chunk, dtA, z, C_hat):
         values = compiled_s4d_kernel_values(z, C_hat, chunk, num_chunks)
     else:
         values = _s4d_kernel_values(dtA, z, C_hat, chunk, num_chunks)
@@ -208,8 +211,9 @@ def s4d_kernel_vjp(grad: torch.Tensor, dtA: torch.Tensor, z: torch.Tensor, C_hat
     """
     directions, width, modes = C_hat.shape
     chunk, num_chunks = _lag_chunks(directions, length, max_chunk)
-    padded = nn.functional.pad(grad.float(), (0, num_chunks * chunk - length))  # [dirs, H, chunks·chunk]
-    lags = torch.arange(num_chunks * chunk, device=grad.device, dtype=torch.float32)
+    real_dtype = dtA.real.dtype  # float32 (float64 for a float64 module)
+    padded = nn.functional.pad(grad.to(real_dtype), (0, num_chunks * chunk - length))  # [dirs, H, chunks·chunk]
+    lags = torch.arange(num_chunks * chunk, device=grad.device, dtype=real_dtype)
     starts_buffer = C_hat.new_empty(_channel_block(width, dtA.device), num_chunks, modes)
     ones = torch.ones(1, dtype=C_hat.dtype, device=C_hat.device).expand(width, 1, modes)
     sums = []  # per block of channels: Σ_l G conj(z)^l and Σ_l l·G conj(z)^l per direction [h, directions·2, N/2]
@@ -313,22 +317,25 @@ class _FFTConvolution(torch.autograd.Function):
 class Float32ParametersModule(nn.Module):
     """A module whose floating-point parameters stay float32 under ``model.half()`` / ``model.to(torch.bfloat16)``.
 
-    Device moves still apply. The SSM parameters are complex numbers stored as real pairs; bf16/fp16 complex
-    arithmetic does not exist, and the kernel's exponentials need float32 anyway.
+    Device moves still apply, and so do ``.double()`` / ``.to(torch.float64)`` (float64 work such as gradcheck) and
+    ``.float()``. The SSM parameters are complex numbers stored as real pairs; bf16/fp16 complex arithmetic does not
+    exist, and the kernel's exponentials need float32 anyway.
     """
 
     def _apply(self, fn, recurse=True):
         def keep_float32(tensor):
             moved = fn(tensor)
-            if tensor.dtype == torch.float32 and moved.dtype != torch.float32 and moved.is_floating_point():
-                return tensor.to(device=moved.device)
+            if (tensor.is_floating_point() and moved.is_floating_point()
+                    and moved.dtype not in (torch.float32, torch.float64)):
+                return tensor.to(device=moved.device, dtype=torch.float32)
             return moved
 
         return super()._apply(keep_float32, recurse)
 
 
 class BidirectionalS4DConvolution(Float32ParametersModule):
-    """``y = BiSSMConv(x) + D ⊙ x`` over the length axis, per channel; all parameters and the math in float32.
+    """``y = BiSSMConv(x) + D ⊙ x`` over the length axis, per channel; all parameters and the math in float32 (in
+    float64 after ``.double()``: `compute_dtype`).
 
     Parameter layout (identical to the authors' checkpoints): ``C`` [directions, H, N/2, 2] and ``B`` [H, N/2, 2]
     hold complex numbers as (real, imaginary) pairs; ``inv_A_real``, ``A_imag`` [H, N/2]; ``log_dt``, ``D`` [H].
@@ -381,15 +388,21 @@ class BidirectionalS4DConvolution(Float32ParametersModule):
         return dtA, C_hat
 
     def _discretized(self, channels: slice = slice(None)) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """ΔA and Ĉ (complex64) and z = exp(ΔA) (complex128) of the given channels."""
-        dt = torch.exp(self.log_dt.float()[channels])
-        A = torch.complex(-torch.exp(self.inv_A_real.float()[channels]), self.A_imag.float()[channels])
-        B = torch.view_as_complex(self.B.float()[channels].contiguous())
-        C = torch.view_as_complex(self.C.float()[:, channels].contiguous())
+        """ΔA and Ĉ (complex64, complex128 in float64) and z = exp(ΔA) (complex128) of the given channels."""
+        real = self.compute_dtype
+        dt = torch.exp(self.log_dt.to(real)[channels])
+        A = torch.complex(-torch.exp(self.inv_A_real.to(real)[channels]), self.A_imag.to(real)[channels])
+        B = torch.view_as_complex(self.B.to(real)[channels].contiguous())
+        C = torch.view_as_complex(self.C.to(real)[:, channels].contiguous())
         dtA = dt[:, None] * A
         z = _exp_complex128(dtA)
-        C_hat = C * (B * (z.to(torch.complex64) - 1.0) / A)
+        C_hat = C * (B * (z.to(A.dtype) - 1.0) / A)
         return dtA, z, C_hat
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """float32, or float64 when the parameters are float64 (``.double()``)."""
+        return torch.float64 if self.log_dt.dtype == torch.float64 else torch.float32
 
     def _apply(self, fn, recurse=True):
         self.clear_kernel_cache()  # device or dtype moves
@@ -497,8 +510,8 @@ class BidirectionalS4DConvolution(Float32ParametersModule):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``x [B, L, H]`` (any float dtype) -> ``y [B, L, H]`` in x's dtype; FFT and kernel in float32."""
-        return self._convolve(x.float().transpose(1, 2)).transpose(1, 2).to(x.dtype)
+        """``x [B, L, H]`` (any float dtype) -> ``y [B, L, H]`` in x's dtype; FFT and kernel in `compute_dtype`."""
+        return self._convolve(x.to(self.compute_dtype).transpose(1, 2)).transpose(1, 2).to(x.dtype)
 
     @torch.no_grad()
     def convolve_in_channel_groups_(self, x: torch.Tensor, group: int) -> torch.Tensor:
@@ -508,12 +521,12 @@ class BidirectionalS4DConvolution(Float32ParametersModule):
         """
         for first in range(0, self.channels, group):
             channels = slice(first, first + group)
-            y = self._convolve(x[:, :, channels].float().transpose(1, 2), channels)
+            y = self._convolve(x[:, :, channels].to(self.compute_dtype).transpose(1, 2), channels)
             x[:, :, channels] = y.transpose(1, 2).to(x.dtype)
         return x
 
     def _convolve(self, signal: torch.Tensor, channels: slice = slice(None)) -> torch.Tensor:
-        """``signal [B, h, L]`` float32 of the given channels -> ``[B, h, L]``."""
+        """``signal [B, h, L]`` (`compute_dtype`) of the given channels -> ``[B, h, L]``."""
         length = signal.shape[-1]
         if self.authors_fft_size:
             # The authors' CUDA fftconv path (use_fast_fft_conv=True), for bit-compatibility only: an odd L is padded
@@ -524,7 +537,7 @@ class BidirectionalS4DConvolution(Float32ParametersModule):
             fft_size = max(2 * 2 ** math.ceil(math.log2(kernel_length)), 16)
         else:
             kernel_length, fft_size = length, 2 * length  # the period of the packed kernel: exact convolution
-        spectrum_bytes = self.channels * (fft_size // 2 + 1) * 8  # complex64
+        spectrum_bytes = self.channels * (fft_size // 2 + 1) * 2 * self.compute_dtype.itemsize  # complex
         if channels == slice(None) and self._records_kernel_graph():  # training: gradients flow into the kernel
             y = _FFTConvolution.apply(signal, self.circular_kernel(kernel_length), None, fft_size)
         else:
@@ -533,4 +546,4 @@ class BidirectionalS4DConvolution(Float32ParametersModule):
             else:  # a group of channels of a long input: computed for this group only
                 kernel_f = torch.fft.rfft(self.circular_kernel(kernel_length, channels), n=fft_size)
             y = _FFTConvolution.apply(signal, None, kernel_f, fft_size)
-        return y + signal * self.D.float()[channels, None]
+        return y + signal * self.D.to(self.compute_dtype)[channels, None]
