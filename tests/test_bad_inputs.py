@@ -232,3 +232,17 @@ def test_vcc_loads_a_t5_checkpoint_that_needs_the_overrides(tmp_path, feed_forwa
 
     config = VCCT5Config.from_pretrained(tmp_path, num_vanilla_layers=3, tie_word_embeddings=False)
     assert "scale_decoder_outputs" in t5.config.to_dict() and config.tie_word_embeddings is False
+
+
+def test_prepare_summarization_inputs_takes_one_document_as_a_string(seq2seq):
+    """A string is one document, as for Dodo (it was split into one document per character)."""
+    from workflow_helpers import word_tokenizer
+
+    tokenizer = word_tokenizer()
+    inputs, dropped = seq2seq.prepare_summarization_inputs(tokenizer, "w1 w2 w3 w4")
+    expected, expected_dropped = seq2seq.prepare_summarization_inputs(tokenizer, ["w1 w2 w3 w4"])
+    assert inputs.keys() == expected.keys() and inputs["input_ids"].shape[0] == 1
+    assert all(torch.equal(inputs[name], expected[name]) for name in inputs)
+    assert dropped == expected_dropped == [0]
+    with pytest.raises(ValueError, match="`documents` must hold at least one document, got an empty list"):
+        seq2seq.prepare_summarization_inputs(tokenizer, [])

@@ -54,6 +54,7 @@ from .t5_blocks import (
     last_dim_softmax,
     relative_position_bucket,
     returns_dict,
+    summarization_documents,
 )
 
 logger = logging.get_logger(__name__)
@@ -700,14 +701,15 @@ class _VCCT5Seq2Seq(T5Seq2SeqLMMixin, VCCT5PreTrainedModel):
         )
 
     def prepare_summarization_inputs(
-        self, tokenizer, documents: list[str], max_input_length: int | None = None
+        self, tokenizer, documents: str | list[str], max_input_length: int | None = None
     ) -> tuple[dict[str, torch.Tensor], list[int]]:
-        """`generate()` kwargs for plain summarization, the original's convention: `"summarize" + "\\n\\n\\n" +
-        document`, with the tokens of `"summarize"` (and its EOS count, spec §2) as VIP tokens. Returns the
-        kwargs (`input_ids`, `attention_mask`, `vip_mask`) and the number of tokens dropped per document because
-        of `max_input_length` (None: keep everything)."""
+        """`generate()` kwargs for plain summarization of `documents` (a list, or one document as a string), the
+        original's convention: `"summarize" + "\\n\\n\\n" + document`, with the tokens of `"summarize"` (and its
+        EOS count, spec §2) as VIP tokens. Returns the kwargs (`input_ids`, `attention_mask`, `vip_mask`) and the
+        number of tokens dropped per document because of `max_input_length` (None: keep everything)."""
+        documents = summarization_documents(documents)
         encoding, dropped = _encode_queries_and_contexts(
-            tokenizer, SUMMARIZATION_QUERY, list(documents), max_input_length, pad_token_id=self.config.pad_token_id
+            tokenizer, SUMMARIZATION_QUERY, documents, max_input_length, pad_token_id=self.config.pad_token_id
         )
         return {name: tensor.to(self.device) for name, tensor in encoding.items()}, dropped
 

@@ -1036,6 +1036,14 @@ def init_t5_module(module: nn.Module, config, init) -> bool:
     return True
 
 
+def summarization_documents(documents: str | list[str]) -> list[str]:
+    """``documents`` of ``prepare_summarization_inputs`` as a list: a string is one document (not its characters)."""
+    documents = [documents] if isinstance(documents, str) else list(documents)
+    if not documents:
+        raise ValueError("`documents` must hold at least one document, got an empty list.")
+    return documents
+
+
 class T5Seq2SeqLMMixin:
     """Everything LOCOST and VCC-T5 share above their encoders: the shared embedding, the T5 decoder, the LM head
     (tied: rescaled by ``d_model**-0.5``), the loss, and the helpers ``generate`` and ``DataCollatorForSeq2Seq`` use.
@@ -1073,15 +1081,17 @@ class T5Seq2SeqLMMixin:
         return self._shift_right(labels)
 
     def prepare_summarization_inputs(
-        self, tokenizer, documents: list[str], max_input_length: int | None = None
+        self, tokenizer, documents: str | list[str], max_input_length: int | None = None
     ) -> tuple[dict[str, torch.Tensor], list[int]]:
-        """Tokenize ``documents`` for ``generate()`` (the summarization pipeline calls this).
+        """Tokenize ``documents`` (a list, or one document as a string) for ``generate()`` (the summarization
+        pipeline calls this).
 
         Returns the ``generate`` keyword arguments (right-padded ``input_ids``, ``attention_mask``) and, per
         document, how many tokens were dropped to respect ``max_input_length`` (``None``: keep everything; the
         encoder handles any length). Truncation keeps the tokenizer's final special token (``</s>``).
         """
-        encoded = tokenizer(list(documents), add_special_tokens=True)["input_ids"]
+        documents = summarization_documents(documents)
+        encoded = tokenizer(documents, add_special_tokens=True)["input_ids"]
         rows, dropped = zip(*(cut_to_length(ids, max_input_length, tokenizer.eos_token_id) for ids in encoded))
         pad = self.config.pad_token_id if self.config.pad_token_id is not None else 0
         input_ids, attention_mask = pad_right(list(rows), pad)
