@@ -126,6 +126,21 @@ def test_parameter_changes_through_data_invalidate(edit):
         assert torch.equal(out, other(x))
 
 
+def test_off_the_cpu_the_cache_is_checked_without_reading_values_back():
+    """On an accelerator a value comparison would make the host wait for the device at every layer: there the cache is
+    checked against the parameters' storage and version counter (the meta device stands for one here)."""
+    conv = BidirectionalS4DConvolution(8, 8).to("meta")
+    snapshot = conv._kernel_snapshot()
+    assert all(isinstance(entry, tuple) for entry in snapshot)
+    conv._kernel_cache_parameters = snapshot
+    assert conv._kernel_cache_matches(slice(None))
+    with torch.no_grad():
+        conv.log_dt.add_(1.0)  # an in-place edit moves the version counter
+    assert not conv._kernel_cache_matches(slice(None))
+    cpu_conv = BidirectionalS4DConvolution(8, 8)
+    assert all(isinstance(entry, torch.Tensor) for entry in cpu_conv._kernel_snapshot())
+
+
 def test_channel_groups_compare_only_their_channels_with_the_cache():
     conv, calls = counting_conv()
     x = torch.randn(1, 10, 8)

@@ -83,8 +83,10 @@ class LocostConfig(PreTrainedConfig):
             Inference kernel cache of each encoder layer (eval mode, no gradient through the SSM parameters): the FFT
             of the SSM kernel of up to `ssm_kernel_cache_lengths` most recent input lengths, at most
             `ssm_kernel_cache_bytes` per layer (32 MiB: lengths up to about 5.4K tokens at d_model 768, 384 MiB over
-            the 12 released layers), plus a copy of the layer's SSM parameters (6 MiB) that it is checked against.
-            Any parameter change (also through `.data`) or `.train()` invalidates it. 0 turns it off.
+            the 12 released layers), plus, on the CPU, a copy of the layer's SSM parameters (6 MiB) that it is checked
+            against. Any parameter change or `.train()` / `.eval()` invalidates it; on an accelerator, where it is keyed
+            on the parameters' storage and version counter, an edit through `.data` needs `clear_kernel_cache()` or
+            `.eval()`. 0 turns it off.
         encoder_chunk_length (`int`, *optional*, defaults to 2048):
             Without autograd, inputs longer than this are encoded in pieces: projections, gate and feed-forward over
             chunks of this many positions and the FFT convolution over groups of channels, writing the residual stream

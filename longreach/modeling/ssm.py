@@ -19,9 +19,11 @@ last lengths used are kept per layer, so a batch of documents or repeated ``gene
 compute them once. The cache is a small LRU bounded by ``kernel_cache_lengths`` entries and ``kernel_cache_bytes``
 bytes (a spectrum larger than the byte cap is never kept). It keeps a copy of the kernel parameters its spectra were
 computed from and compares it with the parameters (``torch.equal``) before every use, so any parameter edit (in place,
-through ``.data`` as EMA code does, ``load_state_dict``, ``.to()``) misses it, and it is emptied by ``.train()``. The
-copy (6 MiB per layer at the released size, outside the byte cap) takes 0.75 ms to compare on one CPU thread, against
-9 ms for the cached convolution of one 1K-token input.
+through ``.data`` as EMA code does, ``load_state_dict``, ``.to()``) misses it, and it is emptied by ``.train()`` and
+``.eval()``. The copy (6 MiB per layer at the released size, outside the byte cap) takes 0.75 ms to compare on one CPU
+thread, against 9 ms for the cached convolution of one 1K-token input. On an accelerator the comparison would make the
+host wait for the device at every layer, so there the cache is keyed on the parameters' storage and version counter
+instead: an edit through ``.data`` there needs ``clear_kernel_cache()`` or ``.eval()``.
 
 Memory and time: the authors materialise exp(ΔA·l) as [H, N/2, L] (51 GB at the released size and 16K tokens, and
 L complex exponentials per mode). We split the lags into chunks l = l0 + j and use z^(l0 + j) = z^l0 · z^j with
@@ -355,7 +357,7 @@ class BidirectionalS4DConvolution(Float32ParametersModule):
         self.authors_fft_size = authors_fft_size
         self.kernel_cache_lengths, self.kernel_cache_bytes = kernel_cache_lengths, kernel_cache_bytes
         self._kernel_cache: OrderedDict[tuple, torch.Tensor] = OrderedDict()  # (length, FFT size) -> rfft
-        self._kernel_cache_parameters: tuple[torch.Tensor, ...] | None = None  # what the cached spectra come from
+        self._kernel_cache_parameters: tuple | None = None  # what the cached spectra come from (`_kernel_snapshot`)
         self.C = nn.Parameter(torch.empty(directions, channels, modes, 2))
         self.B = nn.Parameter(torch.empty(channels, modes, 2))
         self.inv_A_real = nn.Parameter(torch.empty(channels, modes))
@@ -448,7 +450,7 @@ class BidirectionalS4DConvolution(Float32ParametersModule):
         size = spectrum.numel() * spectrum.element_size()
         if size <= self.kernel_cache_bytes:
             if self._kernel_cache_parameters is None:
-                self._kernel_cache_parameters = tuple(p.detach().clone() for p in self._kernel_parameters())
+                self._kernel_cache_parameters = self._kernel_snapshot()
             self._kernel_cache[key] = spectrum
             while len(self._kernel_cache) > self.kernel_cache_lengths or self.kernel_cache_nbytes() > self.kernel_cache_bytes:
                 self._kernel_cache.popitem(last=False)
@@ -456,11 +458,23 @@ class BidirectionalS4DConvolution(Float32ParametersModule):
             self._kernel_cache_parameters = None
         return spectrum[channels]
 
+    def _kernel_snapshot(self) -> tuple:
+        """What the cached spectra are checked against. On the CPU, a copy of the kernel parameters, compared by value:
+        a change through ``.data`` (EMA, ``p.data.copy_``) moves neither the storage nor the version counter. On an
+        accelerator, where reading a comparison back would make the host wait for the device at every layer, their
+        storage, version counter, dtype and shape (so there, after an edit through ``.data``, call
+        ``clear_kernel_cache()`` or ``.eval()``, which empties the cache)."""
+        parameters = self._kernel_parameters()
+        if parameters[0].device.type == "cpu":
+            return tuple(p.detach().clone() for p in parameters)
+        return tuple((p.data_ptr(), p._version, p.dtype, p.device, p.shape) for p in parameters)
+
     def _kernel_cache_matches(self, channels: slice) -> bool:
-        """Whether the cached spectra's rows `channels` come from the current kernel parameters. Compared by value:
-        a change through ``.data`` (EMA, ``p.data.copy_``) moves neither the storage nor the version counter."""
+        """Whether the cached spectra's rows `channels` come from the current kernel parameters (`_kernel_snapshot`)."""
         if self._kernel_cache_parameters is None:
             return False
+        if not isinstance(self._kernel_cache_parameters[0], torch.Tensor):  # an accelerator's storage and versions
+            return self._kernel_snapshot() == self._kernel_cache_parameters
         for parameter, saved in zip(self._kernel_parameters(), self._kernel_cache_parameters):
             if (parameter.dtype, parameter.device, parameter.shape) != (saved.dtype, saved.device, saved.shape):
                 return False
