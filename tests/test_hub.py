@@ -24,8 +24,8 @@ import longreach  # noqa: F401
 from longreach import hub
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-CODE_FILES = {"configuration_locost.py", "modeling_locost.py", "input_checks.py", "remote_code.py", "ssm.py",
-              "ssm_cpu_kernel.py", "t5_blocks.py", "pipeline_summarization.py"}
+CODE_FILES = {"configuration_locost.py", "config_overrides.py", "modeling_locost.py", "input_checks.py", "remote_code.py",
+              "ssm.py", "ssm_cpu_kernel.py", "t5_blocks.py", "pipeline_summarization.py"}
 MODEL_FILES = {"config.json", "generation_config.json", "model.safetensors"} | CODE_FILES
 TOKENIZER_FILES = {"tokenizer.json", "tokenizer_config.json"}
 

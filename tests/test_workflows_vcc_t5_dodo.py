@@ -30,10 +30,10 @@ from longreach.cli import main as cli_main
 from longreach.modeling.modeling_dodo import SUMMARIZATION_CONTEXT_PREFIX, SUMMARIZATION_PROMPT
 
 NAMES = ("vcc_t5", "dodo_llama")
-VCC_CODE_FILES = {"configuration_vcc_t5.py", "modeling_vcc_t5.py", "input_checks.py", "remote_code.py", "t5_blocks.py",
-                  "pipeline_summarization.py"}
-DODO_CODE_FILES = {"configuration_dodo.py", "modeling_dodo.py", "input_checks.py", "remote_code.py",
-                   "pipeline_summarization.py"}
+VCC_CODE_FILES = {"configuration_vcc_t5.py", "config_overrides.py", "modeling_vcc_t5.py", "input_checks.py",
+                  "remote_code.py", "t5_blocks.py", "pipeline_summarization.py"}
+DODO_CODE_FILES = {"configuration_dodo.py", "config_overrides.py", "modeling_dodo.py", "input_checks.py",
+                   "remote_code.py", "pipeline_summarization.py"}
 CODE_FILES = {"vcc_t5": VCC_CODE_FILES, "dodo_llama": DODO_CODE_FILES}
 #: What a Hub user needs besides the code: config, generation config, weights, tokenizer, our card.
 OTHER_FILES = {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",

@@ -14,7 +14,7 @@ import re
 import torch
 from transformers import LlamaConfig
 
-from .configuration_locost import pop_field_overrides
+from .config_overrides import pop_field_overrides
 
 NUGGET_COUNT_ROUNDINGS = ("dodo", "ceil")
 SCORER_FEATURES = ("base_final_norm", "encoder_hidden")

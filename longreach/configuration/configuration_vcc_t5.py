@@ -7,7 +7,7 @@ import math
 
 from transformers import PreTrainedConfig
 
-from .configuration_locost import pop_field_overrides
+from .config_overrides import pop_field_overrides
 
 #: The original code's class paths in its ``encoder_layers`` list (one entry per encoder layer).
 ORIGINAL_VANILLA_LAYER = "src.t5.models.layers.T5Block"
