@@ -347,6 +347,40 @@ def test_device_map_auto_loads_the_same_model(tester, tmp_path):
     assert torch.equal(greedy(ModelTesterWith(tester, mapped)), greedy(tester))
 
 
+@pytest.mark.parametrize("kind", ["locost", "vcc"])
+def test_peft_lora_trains_saves_reloads_and_merges_as_on_t5(kind, tmp_path):
+    """PEFT's LoRA on the decoder's attention and, for LOCOST, the encoder's SSM projections: a training step, the
+    adapter saved and reloaded (`PeftModel`, `AutoPeftModelForSeq2SeqLM`), and `merge_and_unload` give one model."""
+    from peft import AutoPeftModelForSeq2SeqLM, LoraConfig, PeftModel, get_peft_model
+
+    tester = ModelTester(kind)
+    tester.model.save_pretrained(tmp_path / "base")
+    targets = ["q", "v"] + (["k_proj", "out_proj"] if kind == "locost" else [])
+    base = type(tester.model).from_pretrained(tmp_path / "base")  # (so the adapter names its base folder)
+    peft_model = get_peft_model(base.train(), LoraConfig(task_type="SEQ_2_SEQ_LM", r=4, target_modules=targets,
+                                                         lora_dropout=0.0))
+    inputs = tester.inputs()
+    labels = torch.randint(3, tester.vocab_size, (2, 5), generator=torch.Generator().manual_seed(2))
+    optimizer = torch.optim.AdamW([p for p in peft_model.parameters() if p.requires_grad], lr=1e-2)
+    peft_model(**inputs, labels=labels).loss.backward()
+    optimizer.step()
+    assert {n for n, p in peft_model.named_parameters() if p.requires_grad} == {
+        n for n in dict(peft_model.named_parameters()) if ".lora_" in n}
+    peft_model.eval()
+    peft_model.save_pretrained(tmp_path / "adapter")
+    with torch.no_grad():
+        expected = peft_model(**inputs, labels=labels).logits
+        base = type(tester.model).from_pretrained(tmp_path / "base").eval()
+        reloaded = PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
+        torch.testing.assert_close(reloaded(**inputs, labels=labels).logits, expected, rtol=0, atol=0)
+        auto = AutoPeftModelForSeq2SeqLM.from_pretrained(tmp_path / "adapter").eval()
+        torch.testing.assert_close(auto(**inputs, labels=labels).logits, expected, rtol=0, atol=0)
+        merged = reloaded.merge_and_unload()
+        torch.testing.assert_close(merged(**inputs, labels=labels).logits, expected, rtol=1e-5, atol=1e-5)
+        assert torch.equal(merged.generate(**inputs, max_new_tokens=4, num_beams=2),
+                           reloaded.generate(**inputs, max_new_tokens=4, num_beams=2))
+
+
 class ModelTesterWith(ModelTester):
     def __init__(self, tester: ModelTester, model):  # noqa: D107  same inputs, another model
         self.__dict__.update(tester.__dict__)
