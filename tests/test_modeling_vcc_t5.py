@@ -170,6 +170,30 @@ def test_compression_off_equals_transformers_t5(feed_forward_proj, tie):
             )
 
 
+@pytest.mark.parametrize("own_head", [False, True])
+def test_t5_folders_saved_by_transformers_v5_load_as_t5_loads_them(tmp_path, own_head):
+    """transformers v5's T5 saves `tie_word_embeddings: true` and the rescaling in `scale_decoder_outputs`: a T5 made
+    with `tie_word_embeddings=False` is saved tied, unscaled, with `shared.weight` alone (its head was random in VCC-T5,
+    read as untied); one whose checkpoint holds its own `lm_head.weight` keeps it. VCC-T5 loads both as T5 does."""
+    from safetensors.torch import load_file, save_file
+
+    t5_sizes = {**T5_SIZES, "feed_forward_proj": "gated-gelu"}
+    T5ForConditionalGeneration(T5Config(**t5_sizes, tie_word_embeddings=False)).save_pretrained(tmp_path)
+    if own_head:
+        weights = load_file(tmp_path / "model.safetensors")
+        save_file({**weights, "lm_head.weight": torch.randn_like(weights["shared.weight"])},
+                  tmp_path / "model.safetensors", metadata={"format": "pt"})
+    reference = T5ForConditionalGeneration.from_pretrained(tmp_path).eval()
+    model = VCCT5ForConditionalGeneration.from_pretrained(tmp_path, num_vanilla_layers=3, segment_length=None).eval()
+    assert model.config.scale_decoder_outputs is False
+    input_ids, attention_mask, _ = batch(length=37, lengths=(37, 20, 5))
+    decoder_input_ids = torch.randint(2, 200, (3, 6))
+    with torch.no_grad():
+        expected = reference(input_ids, attention_mask=attention_mask, decoder_input_ids=decoder_input_ids).logits
+        got = model(input_ids, attention_mask=attention_mask, decoder_input_ids=decoder_input_ids).logits
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # Encoder: internal padding, VIP handling, bad input
 # ---------------------------------------------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ def _pair(feed_forward_proj: str, tie_word_embeddings: bool):
     reference = T5ForConditionalGeneration(T5Config(**kwargs, tie_word_embeddings=tie_word_embeddings)).eval()
     config = T5Config(**kwargs)
     config.tie_word_embeddings = tie_word_embeddings  # transformers' T5Config forces True; ours honours the flag
+    config.scale_decoder_outputs = tie_word_embeddings  # (and rescales as T5 v1.0 or v1.1, as transformers' T5 here)
     ours = BlocksT5ForConditionalGeneration(config).eval()
     missing, unexpected = ours.load_state_dict(reference.state_dict(), strict=False)
     assert not missing and not unexpected

@@ -82,6 +82,10 @@ class VCCT5Config(PreTrainedConfig):
             defaults to 0): T5's special ids.
         tie_word_embeddings (`bool`, defaults to `True`): tie the LM head to the shared embedding and rescale the
             decoder output by `d_model**-0.5` (T5 v1.0: t5-base/large/3b). `False` for T5 v1.1-style checkpoints.
+        scale_decoder_outputs (`bool`, *optional*): as transformers v5's T5, whose configs say
+            `tie_word_embeddings: true` and keep the rescaling here; `None` (the default): rescale when tied. A T5
+            folder saved by transformers v5 loads as T5 loads it: head tied unless the checkpoint holds its own
+            `lm_head.weight`, rescaled as this says.
         use_cache (`bool`, defaults to `True`): cache decoder keys/values during generation.
 
     VCC fields (the original's name in brackets):
@@ -183,14 +187,10 @@ class VCCT5Config(PreTrainedConfig):
     eos_token_id: int | list[int] | None = 1
     decoder_start_token_id: int | None = 0
     tie_word_embeddings: bool = True
+    scale_decoder_outputs: bool | None = None
 
     def __post_init__(self, **kwargs):
         self._translate_original_fields(kwargs)
-        # transformers v5 T5 configs always say `tie_word_embeddings: true` and keep the v1.0/v1.1 distinction (scale
-        # the tied head or not) in `scale_decoder_outputs`; our flag means both, as in T5 v1.0/v1.1 checkpoints.
-        scale = kwargs.pop("scale_decoder_outputs", None)
-        if scale is not None:
-            self.tie_word_embeddings = bool(scale)
         for derived in ("dense_act_fn", "is_gated_act", "model_type"):  # T5Config's derived fields; the class's type
             kwargs.pop(derived, None)
         if self.num_decoder_layers is None:
@@ -201,7 +201,8 @@ class VCCT5Config(PreTrainedConfig):
     @classmethod
     def from_dict(cls, config_dict: dict, **kwargs):
         # field overrides are validated with the stored values (see `pop_field_overrides`); stored values that
-        # __post_init__ applies after the fields (original names, T5's `scale_decoder_outputs`) give way to them
+        # __post_init__ applies after the fields (the original code's names) give way to them, and so does a stored
+        # `scale_decoder_outputs` to `tie_word_embeddings`, which alone means both tying and rescaling
         shadowed = {"num_vanilla_layers": ["encoder_layers"], "tie_word_embeddings": ["scale_decoder_outputs"]}
         for original, name in ORIGINAL_FIELD_NAMES.items():
             if original != name:
