@@ -250,7 +250,8 @@ class ExampleEncoder:
 
     def __call__(self, batch: dict) -> dict:
         args = self.args
-        contexts, features = batch[args.context_column], {"context_input_ids": [], "input_ids": [], "prompt_length": []}
+        contexts = batch[args.context_column]
+        features = {"context_input_ids": [], "input_ids": [], "prompt_length": []}
         if args.task == "summarization":
             # the layout pipeline("summarization") uses at inference: BOS + "[INST]\n" + document, prompt of D.3
             inputs, dropped = self.model.prepare_summarization_inputs(
@@ -272,6 +273,10 @@ class ExampleEncoder:
             ids, prompt_length = self._decoder(prompt, target)
             features["input_ids"].append(ids)
             features["prompt_length"].append(prompt_length)
+        # what `--train_sampling_strategy group_by_length` groups by (the Trainer reads a "length" column): context and
+        # target tokens of each example, the context being most of a batch's padding
+        features["length"] = [len(context) + len(ids) for context, ids in zip(features["context_input_ids"],
+                                                                                 features["input_ids"])]
         return features
 
 

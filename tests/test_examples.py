@@ -114,6 +114,19 @@ def test_finetune_dodo_smoke_trains_adapters_scorer_and_soft_prompt_only(tmp_pat
     assert "Trained with `examples/finetune_dodo.py` (continuation)" in ModelCard.load(output_dir / "README.md").text
 
 
+def test_finetune_dodo_features_carry_their_length_for_group_by_length(monkeypatch):
+    """`--train_sampling_strategy group_by_length` groups by a "length" column: context and target tokens (without one
+    it grouped by the target alone, and autoencoding rows, without `input_ids`, crashed the sampler)."""
+    from tokenizer_helpers import word_level_tokenizer
+
+    example = _load_example("finetune_dodo", monkeypatch)
+    encoder = example.ExampleEncoder(None, word_level_tokenizer(vocab_size=64), example.DataArguments())
+    features = encoder({"context": ["w1 w2 w3 w4 w5", "w6 w7"], "target": ["w8 w9", "w10 w11 w12"]})
+    assert features["length"] == [len(context) + len(ids) for context, ids in
+                                  zip(features["context_input_ids"], features["input_ids"])]
+    assert features["length"][0] > features["length"][1]
+
+
 def test_finetune_dodo_uses_the_authors_optimizer_and_schedule(tmp_path, monkeypatch):
     from transformers import HfArgumentParser
 

@@ -1150,6 +1150,46 @@ def test_data_collator_takes_tensors_and_numpy_features():
         assert all(torch.equal(batch[key], as_lists[key]) for key in as_lists)
 
 
+def test_data_collator_keeps_a_features_labels_pads_to_a_multiple_and_masks_prompts():
+    collator = DodoDataCollator(pad_token_id=0, pad_to_multiple_of=8)
+    batch = collator([
+        {"context_input_ids": [1, 5, 6], "input_ids": [20, 21, 22, 23], "labels": [-100, -100, 22, 23]},
+        {"context_input_ids": [1, 7], "input_ids": [30, 31, 32], "labels": [-100, 31, 32]},
+    ])
+    assert batch["labels"].tolist() == [[-100, -100, 22, 23] + [-100] * 4, [-100, 31, 32] + [-100] * 5]
+    assert all(batch[key].shape[1] == 8 for key in batch)
+    # the prompt never counts, whatever pads the labels
+    padded_with_zero = DodoDataCollator(label_pad_token_id=0)([
+        {"context_input_ids": [1, 5], "input_ids": [9, 10, 11], "prompt_length": 1},
+        {"context_input_ids": [1, 8], "input_ids": [12, 13, 14, 15]},
+    ])
+    assert padded_with_zero["labels"].tolist() == [[-100, 10, 11, 0], [12, 13, 14, 15]]
+    with pytest.raises(ValueError, match="must align"):
+        collator([{"context_input_ids": [1, 5], "input_ids": [9, 10], "labels": [9]}])
+    with pytest.raises(ValueError, match="to every feature or to none"):
+        collator([{"context_input_ids": [1], "input_ids": [9], "labels": [9]}, {"context_input_ids": [1]}])
+    with pytest.raises(ValueError, match="pad_to_multiple_of"):
+        DodoDataCollator(pad_to_multiple_of=0)
+
+
+def test_trainer_label_smoothing_shifts_the_labels_as_for_llama(tmp_path, model):
+    """The Trainer's label smoother shifts labels only for the models in transformers' causal-LM table: Dodo is in it
+    (it trained every position towards its own token)."""
+    features = [{"context_input_ids": [1] + ids(1, 12)[0].tolist(), "input_ids": ids(1, 6)[0].tolist()}
+                for _ in range(2)]
+    batch = DodoDataCollator()(features)
+    trainer = Trainer(model=model, args=TrainingArguments(str(tmp_path), use_cpu=True, report_to="none",
+                                                          label_smoothing_factor=0.1, remove_unused_columns=False))
+    with torch.no_grad():
+        got = trainer.compute_loss(model, dict(batch)).item()
+        logits = model(**{k: v for k, v in batch.items() if k != "labels"}).logits[:, :-1]
+    labels = batch["labels"][:, 1:]
+    log_probs, real = logits.log_softmax(-1), labels != -100
+    nll = -log_probs.gather(-1, labels.clamp(min=0)[..., None])[..., 0][real]
+    expected = 0.9 * nll.mean() + 0.1 * (-log_probs.mean(-1))[real].mean()
+    assert abs(got - expected.item()) < 1e-5
+
+
 # --------------------------------------------------------------------------------------------------------------------
 # generate()'s signature, later turns, assistants, PEFT from outside, offloading
 # --------------------------------------------------------------------------------------------------------------------

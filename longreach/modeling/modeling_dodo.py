@@ -45,6 +45,7 @@ from transformers import initialization as init
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.generation import GenerationConfig, GenerationMixin
 from transformers.modeling_outputs import CausalLMOutputWithPast
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 from transformers.models.llama.modeling_llama import LlamaModel, LlamaPreTrainedModel
 from transformers.utils import ModelOutput
 
@@ -1505,38 +1506,74 @@ def _token_list(ids) -> list[int]:
     return [int(token) for token in ids]
 
 
+# Trainer's label smoothing shifts the labels (next-token targets) only for the model names in transformers'
+# causal-LM table, which `AutoModelForCausalLM.register` does not fill; done here, at import, so that it also holds
+# where this file is loaded as remote code.
+MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.setdefault(DodoLlamaConfig.model_type, DodoLlamaForCausalLM.__name__)
+
+
 class DodoDataCollator:
     """Batches (context, target) pairs for compressor-mode training with ``Trainer`` (paper §2.3, spec §3.7).
 
     Each feature is a dict with ``context_input_ids`` (list of ids, BOS first as the authors do) and, for text
     continuation, ``input_ids`` (the target). Without ``input_ids`` the target is the context itself (autoencoding).
-    An optional ``prompt_length`` (the authors' ``skip``) excludes the first target tokens from the loss. Both sides are
-    right-padded; ``labels`` are the targets with -100 at padding and prompt positions. With ``Trainer``, pass
-    ``TrainingArguments(remove_unused_columns=False)`` so that ``prompt_length`` reaches the collator.
+    The loss covers the target tokens, less an optional ``prompt_length`` (the authors' ``skip``) of first ones; a
+    feature may instead bring its own ``labels`` (as long as the target, -100 where no loss, the usual layout of
+    instruction tuning), which are kept. Both sides are right-padded, to a multiple of ``pad_to_multiple_of`` if set;
+    ``labels`` hold ``label_pad_token_id`` at padding and -100 at prompt positions.
+
+    With ``Trainer``, ``prompt_length`` is not an argument of the model, so the default
+    ``remove_unused_columns=True`` drops it before it reaches the collator: pass
+    ``TrainingArguments(remove_unused_columns=False)``, or put the prompt's -100 in ``labels``, which the Trainer keeps.
     """
 
-    def __init__(self, pad_token_id: int = 0, label_pad_token_id: int = -100):
+    def __init__(self, pad_token_id: int = 0, label_pad_token_id: int = -100, pad_to_multiple_of: int | None = None):
+        if pad_to_multiple_of is not None and (isinstance(pad_to_multiple_of, bool)
+                                               or not isinstance(pad_to_multiple_of, int) or pad_to_multiple_of < 1):
+            raise ValueError(f"`pad_to_multiple_of` must be a positive integer or None, got {pad_to_multiple_of!r}.")
         self.pad_token_id = pad_token_id
         self.label_pad_token_id = label_pad_token_id
+        self.pad_to_multiple_of = pad_to_multiple_of
+
+    def _pad(self, rows: list[list[int]], value: int) -> tuple[torch.Tensor, torch.Tensor]:
+        ids, mask = pad_right(rows, value)
+        extra = -ids.shape[1] % self.pad_to_multiple_of if self.pad_to_multiple_of else 0
+        if extra:
+            ids = nn.functional.pad(ids, (0, extra), value=value)
+            mask = nn.functional.pad(mask, (0, extra), value=0)
+        return ids, mask
 
     def __call__(self, features: list[dict]) -> dict[str, torch.Tensor]:
         if not features:
             raise ValueError("DodoDataCollator got an empty batch.")
-        contexts, targets, prompt_lengths = [], [], []
+        given_labels = [feature.get("labels") is not None for feature in features]
+        if any(given_labels) and not all(given_labels):
+            raise ValueError("Some features bring `labels` and others do not; give them to every feature or to none.")
+        contexts, targets, prompt_lengths, labels = [], [], [], []
         for index, feature in enumerate(features):
             # Lists, tensors or numpy arrays (a `datasets` dataset with a torch/numpy format): never tested for truth.
             context = _token_list(feature.get("context_input_ids"))
             target = _token_list(feature["input_ids"]) if feature.get("input_ids") is not None else context
             if not context or not target:
                 raise ValueError(f"Feature {index} needs a non-empty `context_input_ids` (and `input_ids` if given).")
+            if given_labels[0]:
+                labels.append(_token_list(feature["labels"]))
+                if len(labels[-1]) != len(target):
+                    raise ValueError(f"Feature {index}: `labels` has {len(labels[-1])} tokens, its target "
+                                     f"({'`input_ids`' if feature.get('input_ids') is not None else 'the context'}) "
+                                     f"{len(target)}; they must align, -100 where no loss.")
             contexts.append(context)
             targets.append(target)
             prompt_lengths.append(int(feature.get("prompt_length", 0)))
-        context_ids, context_mask = pad_right(contexts, self.pad_token_id)
-        input_ids, attention_mask = pad_right(targets, self.pad_token_id)
-        labels = input_ids.masked_fill(attention_mask == 0, self.label_pad_token_id)
+        context_ids, context_mask = self._pad(contexts, self.pad_token_id)
+        input_ids, attention_mask = self._pad(targets, self.pad_token_id)
+        if labels:
+            labels, _ = self._pad(labels, -100)
+            labels = labels.masked_fill(attention_mask == 0, self.label_pad_token_id)
+        else:
+            labels = input_ids.masked_fill(attention_mask == 0, self.label_pad_token_id)
         for row, skip in enumerate(prompt_lengths):
-            labels[row, :skip] = self.label_pad_token_id
+            labels[row, :skip] = -100  # prompt positions never count, whatever pads the labels
         return {
             "context_input_ids": context_ids,
             "context_attention_mask": context_mask,
