@@ -94,6 +94,12 @@ def _pipeline_module_for() -> str | None:
     return LongSummarizationPipeline.__module__
 
 
+def _own_class(model) -> type:
+    """The class that ``model`` was built from. FSDP2's ``fully_shard`` swaps an instance's class for a subclass
+    ``FSDP<Name>`` made inside torch (its ``__module__`` is torch's ``_fsdp_init``), whose module is not ours."""
+    return next(cls for cls in type(model).__mro__ if not cls.__module__.startswith("torch."))
+
+
 class HubReadyMixin:
     """Mixin for our ``PreTrainedModel`` classes: ``save_pretrained`` writes a folder that loads anywhere.
 
@@ -109,7 +115,7 @@ class HubReadyMixin:
 
     def hub_auto_map(self) -> dict[str, str]:
         config_module = type(self.config).__module__.rpartition(".")[2]
-        model_module = type(self).__module__.rpartition(".")[2]
+        model_module = _own_class(self).__module__.rpartition(".")[2]
         auto_map = {"AutoConfig": f"{config_module}.{type(self.config).__name__}"}
         auto_map.update({auto: f"{model_module}.{name}" for auto, name in self._hub_auto_classes.items()})
         return auto_map
@@ -122,7 +128,7 @@ class HubReadyMixin:
         """
         save_directory = Path(save_directory)
         save_directory.mkdir(parents=True, exist_ok=True)
-        roots = [type(self).__module__, type(self.config).__module__]
+        roots = [_own_class(self).__module__, type(self.config).__module__]
         pipeline_module = _pipeline_module_for() if self._hub_pipeline_auto_class else None
         if pipeline_module is not None:
             roots.append(pipeline_module)
