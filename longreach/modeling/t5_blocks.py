@@ -775,7 +775,15 @@ class T5Block(GradientCheckpointingLayer):
         past_key_values: Cache | None = None,
         output_attentions: bool = False,
         cross_attention_scale: torch.Tensor | None = None,
+        relative_positions: tuple[torch.Tensor, torch.Tensor] | None = None,
     ):
+        """Returns the new hidden states, the self- and cross-attention weights (or ``None``) and the self-attention
+        bias used. ``relative_positions`` (query and key positions; only for the block that owns the stack's relative
+        position table): the relative position bias is added to ``attention_bias`` here, inside this block's forward,
+        where FSDP has gathered the table, and the sum is returned for the following blocks."""
+        if relative_positions is not None:
+            bias = self.layer[0].SelfAttention.compute_bias(*relative_positions)
+            attention_bias = bias if attention_bias is None else bias + attention_bias
         hidden_states, self_weights = self.layer[0](
             hidden_states, attention_bias, past_key_values=past_key_values, output_attentions=output_attentions
         )
@@ -788,7 +796,7 @@ class T5Block(GradientCheckpointingLayer):
             )
             hidden_states = _clamp_fp16(hidden_states)
         hidden_states = _clamp_fp16(self.layer[-1](hidden_states))
-        return hidden_states, self_weights, cross_weights
+        return hidden_states, self_weights, cross_weights, attention_bias
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -869,7 +877,7 @@ class T5EncoderStack(nn.Module):
         for block in self.block:
             if all_hidden is not None:
                 all_hidden.append(hidden_states)
-            hidden_states, weights, _ = block(hidden_states, bias, output_attentions=output_attentions)
+            hidden_states, weights, _, _ = block(hidden_states, bias, output_attentions=output_attentions)
             if all_attentions is not None:
                 all_attentions.append(weights)
         hidden_states = self.dropout(self.final_layer_norm(hidden_states))
@@ -943,11 +951,14 @@ class T5DecoderStack(nn.Module):
         key_length = query_length if past_key_values is None else past_key_values.get_mask_sizes(query_length, 0)[0]
         device, dtype = inputs_embeds.device, inputs_embeds.dtype
 
-        # Relative position bias (block 0 owns the table), causal mask and optional padding, computed once.
+        # Causal mask and optional padding, computed once; block 0 adds the relative position bias from its table in
+        # its own forward (under FSDP the table is gathered only there) and returns the sum for the other blocks. The
+        # masks take the table's dtype, as the bias they are added to.
         query_positions = torch.arange(query_length, device=device) + past_length
         key_positions = torch.arange(key_length, device=device)
-        bias = self.block[0].layer[0].SelfAttention.compute_bias(query_positions, key_positions)
-        bias = bias + causal_bias(query_positions, key_positions, bias.dtype)
+        relative_positions = (query_positions, key_positions)
+        table_dtype = self.block[0].layer[0].SelfAttention.relative_attention_bias.weight.dtype
+        bias = causal_bias(query_positions, key_positions, table_dtype)
         if attention_mask is not None:
             if attention_mask.dim() != 2:
                 raise ValueError(
@@ -964,7 +975,7 @@ class T5DecoderStack(nn.Module):
                     f"`decoder_attention_mask` must cover the cached and the new decoder positions ({expected}), got "
                     f"shape {tuple(attention_mask.shape)}."
                 )
-            bias = bias + padding_bias(attention_mask, bias.dtype)
+            bias = bias + padding_bias(attention_mask, table_dtype)
         encoder_bias = padding_bias(encoder_attention_mask, dtype) if encoder_hidden_states is not None else None
         cross_attention_scale = None
         logn_length = getattr(self.config, "cross_attention_logn_length", None)
@@ -979,7 +990,7 @@ class T5DecoderStack(nn.Module):
         for block in self.block:
             if all_hidden is not None:
                 all_hidden.append(hidden_states)
-            hidden_states, self_weights, cross_weights = block(
+            hidden_states, self_weights, cross_weights, bias = block(
                 hidden_states,
                 bias,
                 encoder_hidden_states,
@@ -987,6 +998,7 @@ class T5DecoderStack(nn.Module):
                 past_key_values=past_key_values,
                 output_attentions=output_attentions,
                 cross_attention_scale=cross_attention_scale,
+                relative_positions=relative_positions if block is self.block[0] else None,
             )
             if all_self is not None:
                 all_self.append(self_weights)
