@@ -96,7 +96,13 @@ class LocostEncoderBlock(GradientCheckpointingLayer):
         super().__init__()
         self.layer = nn.ModuleList([LocostLayerSSM(config), T5LayerFF(config)])
 
-    def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor,
+                piece_length: int | None = None) -> torch.Tensor:
+        """With ``piece_length``: ``forward_in_pieces_`` (no autograd, in place), run through this call so that hooks
+        on the block see it (FSDP gathers the block's weights only around its ``forward``)."""
+        if piece_length is not None:
+            self.forward_in_pieces_(hidden_states, attention_mask, piece_length)
+            return hidden_states
         return self.layer[1](self.layer[0](hidden_states, attention_mask))
 
     @torch.no_grad()
@@ -183,7 +189,7 @@ class LocostEncoder(nn.Module):
             for block in self.block:
                 if all_hidden is not None:
                     all_hidden.append(hidden_states.clone())
-                block.forward_in_pieces_(hidden_states, attention_mask, piece_length)
+                hidden_states = block(hidden_states, attention_mask, piece_length=piece_length)
             for start in range(0, length, piece_length):
                 piece = slice(start, start + piece_length)
                 hidden_states[:, piece] = self.dropout(self.final_layer_norm(hidden_states[:, piece]))
