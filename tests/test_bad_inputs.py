@@ -55,6 +55,57 @@ def test_seq2seq_rows_without_a_real_token(seq2seq):
         seq2seq.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=2)
 
 
+@pytest.mark.parametrize("value", [2, 0.5])
+def test_seq2seq_masks_hold_zeros_and_ones(seq2seq, value):
+    """A mask value other than 0/1 changed the result silently (keys multiplied by it, a huge positive bias)."""
+    input_ids = torch.randint(3, vocab(seq2seq), (2, 12))
+    attention_mask = torch.ones(2, 12)
+    attention_mask[0, 5:8] = value
+    with pytest.raises(ValueError, match=(rf"`attention_mask` must hold 0 \(padding\) and 1 \(a "
+                                          rf"token\) only, got the value {value}")):
+        seq2seq(input_ids=input_ids, attention_mask=attention_mask, decoder_input_ids=input_ids[:, :3])
+
+
+def test_seq2seq_hidden_states_given_by_the_caller_are_checked(seq2seq):
+    """Embeddings and encoder outputs of another hidden size, and masks or decoder masks that do not fit them, are
+    named (they failed deep in a matmul or an attention kernel, or were broadcast over the rows)."""
+    d_model = seq2seq.config.d_model
+    input_ids = torch.randint(3, vocab(seq2seq), (2, 12))
+    decoder_input_ids = input_ids[:, :3]
+    with pytest.raises(ValueError, match=(rf"`inputs_embeds` must be a floating-point tensor of "
+                                          rf"shape \[batch, length, {d_model}\]")):
+        seq2seq(inputs_embeds=torch.randn(2, 12, d_model + 3), decoder_input_ids=decoder_input_ids)
+    with pytest.raises(ValueError, match=r"`inputs_embeds` must be a floating-point tensor"):
+        seq2seq(inputs_embeds=torch.ones(2, 12, d_model, dtype=torch.long), decoder_input_ids=decoder_input_ids)
+    with pytest.raises(ValueError, match=(rf"`encoder_outputs` must be a floating-point tensor of "
+                                          rf"shape \[batch, length, {d_model}\]")):
+        seq2seq(encoder_outputs=(torch.randn(2, 12, d_model + 3),), decoder_input_ids=decoder_input_ids)
+    with pytest.raises(ValueError, match=(r"`attention_mask` must have the shape \[batch, "
+                                          r"length\] = \(2, 12\) of `encoder_outputs`")):
+        seq2seq(encoder_outputs=(torch.randn(2, 12, d_model),), attention_mask=torch.ones(2, 9),
+                decoder_input_ids=decoder_input_ids)
+    with pytest.raises(ValueError, match=r"`decoder_inputs_embeds` must be a floating-point tensor"):
+        seq2seq(input_ids=input_ids, decoder_inputs_embeds=torch.randn(2, 3, d_model + 1))
+    with pytest.raises(ValueError, match=r"`decoder_attention_mask` has 1 rows but the decoder inputs have 2"):
+        seq2seq(input_ids=input_ids, decoder_input_ids=decoder_input_ids, decoder_attention_mask=torch.ones(1, 3))
+
+
+def test_dodo_generate_checks_the_prompt_and_its_mask_shapes():
+    """generate() drops an all-ones mask before forward() sees it: a mask of another shape was accepted; a prompt of
+    the wrong shape failed deep or with a message about nuggets."""
+    model = tiny_dodo()
+    prompt, context = torch.randint(3, vocab(model), (2, 6)), torch.randint(3, vocab(model), (2, 20))
+    with pytest.raises(ValueError, match=(r"`attention_mask` must have the shape \[batch, "
+                                          r"length\] = \(2, 6\) of `input_ids`")):
+        model.generate(prompt, attention_mask=torch.ones(2, 3), context_input_ids=context, max_new_tokens=2)
+    for bad in (prompt[0], prompt[..., None], prompt[:, :0]):
+        with pytest.raises(ValueError, match=r"`input_ids` must"):
+            model.generate(bad, context_input_ids=context, max_new_tokens=2)
+    with pytest.raises(ValueError, match=(rf"`inputs_embeds` must be a floating-point tensor of shape "
+                                          rf"\[batch, length, {model.config.hidden_size}\]")):
+        model(inputs_embeds=torch.randn(2, 6, model.config.hidden_size + 1))
+
+
 def test_dodo_token_ids_outside_the_vocabulary_and_empty_rows():
     model = tiny_dodo()
     size = vocab(model)

@@ -62,16 +62,37 @@ def check_mask(name: str, mask: torch.Tensor | None, like_name: str, like: torch
 
 
 def check_rows_not_empty(name: str, mask: torch.Tensor | None) -> None:
-    """Every row of an attention mask must keep at least one real token."""
+    """An attention mask holds 0 (padding) and 1 (token) only, and every row keeps at least one real token."""
     if mask is None or not values_readable(mask):  # data-dependent
         return
+    not_binary = (mask != 0) & (mask != 1)
     empty_rows = mask.sum(dim=-1) == 0
-    if bool(empty_rows.any()):  # one read-back; the rows are listed only for the error
+    if bool(not_binary.any() | empty_rows.any()):  # one read-back; the details only for the error
+        if bool(not_binary.any()):
+            raise ValueError(
+                f"`{name}` must hold 0 (padding) and 1 (a token) only, got the value {mask[not_binary][0].item()!r}: "
+                "a mask is not a weight."
+            )
         empty = empty_rows.nonzero().flatten().tolist()
         raise ValueError(
             f"`{name}` has rows with no real token (rows {empty} are all zeros); every sequence needs at least one "
             "token: drop those rows."
         )
+
+
+def check_hidden_states(name: str, states, hidden_size: int, rows_name: str | None = None,
+                        rows: int | None = None) -> None:
+    """``states`` (embeddings, or an encoder's output) must be a floating-point ``[batch, length, hidden_size]`` tensor,
+    with ``rows`` rows when given."""
+    if states is None:
+        return
+    if not isinstance(states, torch.Tensor) or not states.dtype.is_floating_point or states.dim() != 3 \
+            or states.shape[-1] != hidden_size:
+        shown = describe(states) if isinstance(states, torch.Tensor) else type(states).__name__
+        raise ValueError(f"`{name}` must be a floating-point tensor of shape [batch, length, {hidden_size}] (this "
+                         f"model's hidden size), got {shown}.")
+    if rows is not None and states.shape[0] != rows:
+        raise ValueError(f"`{name}` has {states.shape[0]} rows but `{rows_name}` has {rows}.")
 
 
 def cut_to_length(ids: list[int], max_length: int | None, eos_token_id: int | None) -> tuple[list[int], int]:

@@ -53,6 +53,7 @@ from ..configuration.configuration_dodo import DodoLlamaConfig
 from .input_checks import (
     cache_field,
     check_mask,
+    check_hidden_states,
     check_rows_not_empty,
     check_token_ids,
     describe,
@@ -1175,6 +1176,7 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
             raise ValueError(
                 f"`inputs_embeds` must have shape [batch, length > 0, hidden_size], got {describe(inputs_embeds)}."
             )
+        check_hidden_states("inputs_embeds", inputs_embeds, self.config.hidden_size)
         if labels is not None:
             check_token_ids("labels", labels, vocab_size=self.config.vocab_size, ignore_index=-100)
         reference = input_ids if input_ids is not None else inputs_embeds
@@ -1296,6 +1298,9 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
         if inputs is not None and input_ids is not None:
             raise ValueError("Pass the prompt once: as `inputs` (the first argument) or as `input_ids`, not both.")
         input_ids = inputs if inputs is not None else input_ids
+        # shapes only (no values read): generate() drops an all-ones mask before forward() could check it
+        check_token_ids("input_ids", input_ids)
+        check_mask("attention_mask", kwargs.get("attention_mask"), "input_ids", input_ids)
         if generation_config is not None:
             kwargs["generation_config"] = generation_config
         requested = kwargs.get("cache_implementation",

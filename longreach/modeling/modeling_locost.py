@@ -24,7 +24,7 @@ from transformers.modeling_outputs import BaseModelOutput, Seq2SeqLMOutput, Seq2
 from transformers.modeling_utils import PreTrainedModel
 
 from ..configuration.configuration_locost import LocostConfig
-from .input_checks import check_mask, check_rows_not_empty, check_token_ids, reject_head_masks, take_cache_argument
+from .input_checks import check_hidden_states, check_mask, check_rows_not_empty, check_token_ids, reject_head_masks, take_cache_argument
 from .remote_code import HubReadyMixin
 from .ssm import BidirectionalS4DConvolution
 from .t5_blocks import (
@@ -173,6 +173,8 @@ class LocostEncoder(nn.Module):
             raise ValueError(
                 f"`inputs_embeds` must have shape [batch, length > 0, d_model], got {tuple(inputs_embeds.shape)}."
             )
+        else:
+            check_hidden_states("inputs_embeds", inputs_embeds, self.embed_tokens.embedding_dim)
         check_mask("attention_mask", attention_mask, "input_ids", inputs_embeds)
         check_rows_not_empty("attention_mask", attention_mask)
         if attention_mask is None:

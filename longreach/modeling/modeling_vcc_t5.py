@@ -41,7 +41,7 @@ from transformers.modeling_utils import PreTrainedModel
 from transformers.utils import ModelOutput, logging
 
 from ..configuration.configuration_vcc_t5 import VCCT5Config
-from .input_checks import check_mask, check_rows_not_empty, check_token_ids, cut_to_length, describe, pad_right, reject_head_masks, take_cache_argument
+from .input_checks import check_hidden_states, check_mask, check_rows_not_empty, check_token_ids, cut_to_length, describe, pad_right, reject_head_masks, take_cache_argument
 from .remote_code import HubReadyMixin
 from .t5_blocks import (
     Dropout,
@@ -342,6 +342,7 @@ class VCCT5Encoder(nn.Module):
             raise ValueError(
                 f"`inputs_embeds` must have shape [batch, length > 0, d_model], got {tuple(inputs_embeds.shape)}."
             )
+        check_hidden_states("inputs_embeds", inputs_embeds, self.embed_tokens.embedding_dim)
         like = input_ids if input_ids is not None else inputs_embeds
         check_mask("attention_mask", attention_mask, "input_ids", like)
         check_rows_not_empty("attention_mask", attention_mask)

@@ -33,7 +33,7 @@ from transformers.modeling_outputs import (
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.utils import logging
 
-from .input_checks import cache_field, cache_of, check_token_ids, cut_to_length, pad_right
+from .input_checks import cache_field, cache_of, check_hidden_states, check_mask, check_token_ids, cut_to_length, pad_right
 
 logger = logging.get_logger(__name__)
 
@@ -965,6 +965,9 @@ class T5DecoderStack(nn.Module):
                     f"`decoder_attention_mask` must be a 2D [batch, decoder positions] mask of 1s and 0s (this decoder "
                     f"builds its causal mask itself), got shape {tuple(attention_mask.shape)}."
                 )
+            if attention_mask.shape[0] != inputs_embeds.shape[0]:  # (it was broadcast over the rows)
+                raise ValueError(f"`decoder_attention_mask` has {attention_mask.shape[0]} rows but the decoder inputs "
+                                 f"have {inputs_embeds.shape[0]}; pass one mask row per decoder row.")
             if static and attention_mask.shape[-1] <= key_length:
                 # It covers the cached and the new positions, the slots after them are hidden by the causal mask.
                 # (That it covers exactly those is not checked: the filled length would have to be read back.)
@@ -1129,6 +1132,9 @@ class T5Seq2SeqLMMixin:
     ) -> BaseModelOutputWithPastAndCrossAttentions:
         """The T5 decoder over ``encoder_outputs`` (cross-attention masked by the encoder's ``attention_mask``)."""
         decoder_inputs = decoder_input_ids if decoder_input_ids is not None else decoder_inputs_embeds
+        check_hidden_states("encoder_outputs", encoder_outputs.last_hidden_state, self.config.d_model)
+        check_mask("attention_mask", attention_mask, "encoder_outputs", encoder_outputs.last_hidden_state)
+        check_hidden_states("decoder_inputs_embeds", decoder_inputs_embeds, self.config.d_model)
         rows = encoder_outputs.last_hidden_state.shape[0]
         if decoder_inputs is not None and decoder_inputs.dim() >= 1 and decoder_inputs.shape[0] != rows:
             name = "decoder_input_ids" if decoder_input_ids is not None else "decoder_inputs_embeds"
