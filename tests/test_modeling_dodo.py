@@ -1172,6 +1172,24 @@ def test_data_collator_keeps_a_features_labels_pads_to_a_multiple_and_masks_prom
         DodoDataCollator(pad_to_multiple_of=0)
 
 
+@pytest.mark.parametrize("feature, message", [
+    ({"context_input_ids": [1, 5], "input_ids": [9, 10, 11], "prompt_length": -2},
+     "`prompt_length` must be an integer from 0 to 2"),
+    ({"context_input_ids": [1, 5], "input_ids": [9, 10, 11], "prompt_length": 3}, "at least one must be in the loss"),
+    ({"context_input_ids": [1, 5], "input_ids": [9, 10, 11], "prompt_length": None}, "`prompt_length` must be"),
+    ({"context_input_ids": [1, 5], "input_ids": [9.7, 10, 11]}, "`input_ids` must be a flat list of integer"),
+    ({"context_input_ids": [[1, 5], [2]], "input_ids": [9]}, "`context_input_ids` must be a flat list of integer"),
+    ([1, 5], "must be a dict of token lists"),
+])
+def test_data_collator_refuses_bad_features(feature, message):
+    """Such features were counted from the end (a negative prompt length), left no token in the loss, had their ids
+    truncated to integers (8.7 became 8) or failed deep."""
+    with pytest.raises(ValueError, match=message):
+        DodoDataCollator()([{"context_input_ids": [1, 2], "input_ids": [3, 4]}, feature])
+    with pytest.raises(ValueError, match="`pad_token_id` must be an integer token id"):
+        DodoDataCollator(pad_token_id=None)
+
+
 def test_trainer_label_smoothing_shifts_the_labels_as_for_llama(tmp_path, model):
     """The Trainer's label smoother shifts labels only for the models in transformers' causal-LM table: Dodo is in it
     (it trained every position towards its own token)."""

@@ -357,6 +357,16 @@ def test_seq2seq_trainer_step_with_the_vip_collator(tmp_path, tokenizer):
     assert collated["vip_mask"].shape == collated["input_ids"].shape
     assert torch.equal(collated["vip_mask"][1, : len(dataset[1]["vip_mask"])], torch.tensor(dataset[1]["vip_mask"]))
     assert collated["vip_mask"][1, len(dataset[1]["vip_mask"]) :].sum() == 0
+    # a mask must mark its own feature's tokens with 0/1, and be given to every feature or to none
+    short = {**dataset[1], "vip_mask": dataset[1]["vip_mask"][:-2]}
+    with pytest.raises(ValueError, match="`vip_mask` of feature 1 has .* values but its `input_ids` has"):
+        collator([dataset[0], short])
+    halves = {**dataset[1], "vip_mask": [0.5] * len(dataset[1]["vip_mask"])}
+    with pytest.raises(ValueError, match="`vip_mask` of feature 1 must hold 0 and 1 only"):
+        collator([dataset[0], halves])
+    without = {key: value for key, value in dataset[1].items() if key != "vip_mask"}
+    with pytest.raises(ValueError, match="to every feature or to none"):
+        collator([dataset[0], without])
 
     before = {name: parameter.detach().clone() for name, parameter in model.named_parameters()}
     args = Seq2SeqTrainingArguments(output_dir=str(tmp_path / "run"), per_device_train_batch_size=2, max_steps=2,

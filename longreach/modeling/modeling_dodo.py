@@ -29,7 +29,9 @@ import hashlib
 import inspect
 import json
 import math
+import numbers
 import os
+from collections.abc import Mapping
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from functools import partial
@@ -1502,12 +1504,16 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-def _token_list(ids) -> list[int]:
-    """Token ids given as a list, a tensor or a numpy array, as a list of ints (``None``: empty)."""
+def _token_list(ids, name: str = "input_ids", index: int = 0) -> list[int]:
+    """Token ids given as a flat list, a tensor or a numpy array, as a list of ints (``None``: empty)."""
     if ids is None:
         return []
     if hasattr(ids, "tolist"):
         ids = ids.tolist()
+    if isinstance(ids, (str, bytes)) or not all(
+            isinstance(token, numbers.Integral) and not isinstance(token, bool) for token in ids):
+        raise ValueError(f"Feature {index}: `{name}` must be a flat list of integer token ids, got "
+                         f"{str(ids)[:80]!r}.")
     return [int(token) for token in ids]
 
 
@@ -1536,6 +1542,9 @@ class DodoDataCollator:
         if pad_to_multiple_of is not None and (isinstance(pad_to_multiple_of, bool)
                                                or not isinstance(pad_to_multiple_of, int) or pad_to_multiple_of < 1):
             raise ValueError(f"`pad_to_multiple_of` must be a positive integer or None, got {pad_to_multiple_of!r}.")
+        for name, value in (("pad_token_id", pad_token_id), ("label_pad_token_id", label_pad_token_id)):
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"`{name}` must be an integer token id, got {value!r}.")
         self.pad_token_id = pad_token_id
         self.label_pad_token_id = label_pad_token_id
         self.pad_to_multiple_of = pad_to_multiple_of
@@ -1551,25 +1560,37 @@ class DodoDataCollator:
     def __call__(self, features: list[dict]) -> dict[str, torch.Tensor]:
         if not features:
             raise ValueError("DodoDataCollator got an empty batch.")
+        for index, feature in enumerate(features):
+            if not isinstance(feature, Mapping):
+                raise ValueError(f"Feature {index} must be a dict of token lists, got {type(feature).__name__}.")
         given_labels = [feature.get("labels") is not None for feature in features]
         if any(given_labels) and not all(given_labels):
             raise ValueError("Some features bring `labels` and others do not; give them to every feature or to none.")
         contexts, targets, prompt_lengths, labels = [], [], [], []
         for index, feature in enumerate(features):
             # Lists, tensors or numpy arrays (a `datasets` dataset with a torch/numpy format): never tested for truth.
-            context = _token_list(feature.get("context_input_ids"))
-            target = _token_list(feature["input_ids"]) if feature.get("input_ids") is not None else context
+            context = _token_list(feature.get("context_input_ids"), "context_input_ids", index)
+            target = (_token_list(feature["input_ids"], "input_ids", index) if feature.get("input_ids") is not None
+                      else context)
             if not context or not target:
                 raise ValueError(f"Feature {index} needs a non-empty `context_input_ids` (and `input_ids` if given).")
             if given_labels[0]:
-                labels.append(_token_list(feature["labels"]))
+                labels.append(_token_list(feature["labels"], "labels", index))
                 if len(labels[-1]) != len(target):
                     raise ValueError(f"Feature {index}: `labels` has {len(labels[-1])} tokens, its target "
                                      f"({'`input_ids`' if feature.get('input_ids') is not None else 'the context'}) "
                                      f"{len(target)}; they must align, -100 where no loss.")
             contexts.append(context)
             targets.append(target)
-            prompt_lengths.append(int(feature.get("prompt_length", 0)))
+            prompt_length = feature.get("prompt_length", 0)
+            if hasattr(prompt_length, "item"):
+                prompt_length = prompt_length.item()
+            if isinstance(prompt_length, bool) or not isinstance(prompt_length, int) \
+                    or not 0 <= prompt_length < len(target):
+                raise ValueError(f"Feature {index}: `prompt_length` must be an integer from 0 to {len(target) - 1} "
+                                 f"(its target has {len(target)} tokens, and at least one must be in the loss), "
+                                 f"got {prompt_length!r}.")
+            prompt_lengths.append(prompt_length)
         context_ids, context_mask = self._pad(contexts, self.pad_token_id)
         input_ids, attention_mask = self._pad(targets, self.pad_token_id)
         if labels:

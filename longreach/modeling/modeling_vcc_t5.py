@@ -624,16 +624,27 @@ class VCCT5DataCollator(DataCollatorForSeq2Seq):
     """
 
     def __call__(self, features, return_tensors=None):
-        if not features or "vip_mask" not in features[0]:
+        if not features:
+            raise ValueError("VCCT5DataCollator got an empty batch.")
+        given = ["vip_mask" in feature and feature["vip_mask"] is not None for feature in features]
+        if not any(given):
             return super().__call__(features, return_tensors)
-        vip_masks = [list(feature["vip_mask"]) for feature in features]
+        if not all(given):
+            raise ValueError("Some features have a `vip_mask` and others do not; give one to every feature or to none.")
+        vip_masks = []
+        for row, feature in enumerate(features):
+            values = [value.item() if hasattr(value, "item") else value for value in feature["vip_mask"]]
+            if len(values) != len(feature["input_ids"]):  # it marks that feature's own tokens, before padding
+                raise ValueError(f"`vip_mask` of feature {row} has {len(values)} values but its `input_ids` has "
+                                 f"{len(feature['input_ids'])} tokens; they must align.")
+            if any(value not in (0, 1) for value in values):
+                raise ValueError(f"`vip_mask` of feature {row} must hold 0 and 1 only, got {sorted(set(values))}.")
+            vip_masks.append([int(value) for value in values])
         batch = super().__call__([{k: v for k, v in feature.items() if k != "vip_mask"} for feature in features],
                                  return_tensors)
         width = len(batch["input_ids"][0])
         padded = torch.zeros(len(vip_masks), width, dtype=torch.long)
         for row, values in enumerate(vip_masks):
-            if len(values) > width:
-                raise ValueError(f"`vip_mask` of feature {row} is longer ({len(values)}) than its `input_ids` ({width}).")
             values = torch.tensor(values, dtype=torch.long)
             if self.tokenizer.padding_side == "left":
                 padded[row, width - len(values):] = values
