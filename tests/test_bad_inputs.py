@@ -297,3 +297,15 @@ def test_prepare_summarization_inputs_takes_one_document_as_a_string(seq2seq):
     assert dropped == expected_dropped == [0]
     with pytest.raises(ValueError, match="`documents` must hold at least one document, got an empty list"):
         seq2seq.prepare_summarization_inputs(tokenizer, [])
+
+
+@pytest.mark.parametrize("field, value", [("pad_token_id", "0"), ("decoder_start_token_id", "0"),
+                                          ("eos_token_id", [1, "2"]), ("eos_token_id", True)])
+def test_t5_style_configs_refuse_token_ids_that_are_not_integers(field, value):
+    """A string id in a config.json loaded, then crashed deep in generation or the loss; T5Config refuses it."""
+    from longreach import LocostConfig, VCCT5Config
+
+    for config_class in (LocostConfig, VCCT5Config):
+        with pytest.raises(ValueError, match=rf"`{field}` must be a token id"):
+            config_class(**{field: value})
+        config_class(eos_token_id=[1, 2], pad_token_id=None)  # lists of ids and None stay fine

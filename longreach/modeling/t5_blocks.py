@@ -159,6 +159,13 @@ def check_t5_config(config) -> None:
     rate = config.dropout_rate
     if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 <= rate < 1:
         raise ValueError(f"`dropout_rate` must be a number in [0, 1), got {rate!r}.")
+    for name in ("pad_token_id", "eos_token_id", "decoder_start_token_id"):  # (a string loaded, then crashed deep)
+        value = getattr(config, name, None)
+        ids = value if isinstance(value, list) and name == "eos_token_id" else [value]
+        if any(token is not None and (isinstance(token, bool) or not isinstance(token, int) or token < 0)
+               for token in ids):
+            either = " or a list of them" if name == "eos_token_id" else ""
+            raise ValueError(f"`{name}` must be a token id (an integer >= 0){either} or None, got {value!r}.")
     ffn_activation(config)
 
 
