@@ -82,15 +82,15 @@ def check_rows_not_empty(name: str, mask: torch.Tensor | None) -> None:
 
 def check_hidden_states(name: str, states, hidden_size: int, rows_name: str | None = None,
                         rows: int | None = None) -> None:
-    """``states`` (embeddings, or an encoder's output) must be a floating-point ``[batch, length, hidden_size]`` tensor,
-    with ``rows`` rows when given."""
+    """``states`` (embeddings, or an encoder's output) must be a floating-point ``[batch, length > 0, hidden_size]``
+    tensor, with ``rows`` rows when given."""
     if states is None:
         return
     if not isinstance(states, torch.Tensor) or not states.dtype.is_floating_point or states.dim() != 3 \
-            or states.shape[-1] != hidden_size:
+            or states.shape[1] == 0 or states.shape[-1] != hidden_size:
         shown = describe(states) if isinstance(states, torch.Tensor) else type(states).__name__
-        raise ValueError(f"`{name}` must be a floating-point tensor of shape [batch, length, {hidden_size}] (this "
-                         f"model's hidden size), got {shown}.")
+        raise ValueError(f"`{name}` must be a floating-point tensor of shape [batch, length, {hidden_size}] (length "
+                         f"> 0; {hidden_size}: this model's hidden size), got {shown}.")
     if rows is not None and states.shape[0] != rows:
         raise ValueError(f"`{name}` has {states.shape[0]} rows but `{rows_name}` has {rows}.")
 

@@ -1174,10 +1174,6 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Pass exactly one of `input_ids` and `inputs_embeds` (the decoder tokens).")
         check_token_ids("input_ids", input_ids)
-        if inputs_embeds is not None and (inputs_embeds.dim() != 3 or inputs_embeds.shape[1] == 0):
-            raise ValueError(
-                f"`inputs_embeds` must have shape [batch, length > 0, hidden_size], got {describe(inputs_embeds)}."
-            )
         check_hidden_states("inputs_embeds", inputs_embeds, self.config.hidden_size)
         if labels is not None:
             check_token_ids("labels", labels, vocab_size=self.config.vocab_size, ignore_index=-100)

@@ -169,10 +169,6 @@ class LocostEncoder(nn.Module):
         callers_embeddings = inputs_embeds is not None
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
-        elif inputs_embeds.dim() != 3 or inputs_embeds.shape[1] == 0:
-            raise ValueError(
-                f"`inputs_embeds` must have shape [batch, length > 0, d_model], got {tuple(inputs_embeds.shape)}."
-            )
         else:
             check_hidden_states("inputs_embeds", inputs_embeds, self.embed_tokens.embedding_dim)
         check_mask("attention_mask", attention_mask, "input_ids", inputs_embeds)

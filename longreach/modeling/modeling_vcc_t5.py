@@ -338,10 +338,6 @@ class VCCT5Encoder(nn.Module):
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Pass exactly one of `input_ids` and `inputs_embeds` to the VCC-T5 encoder.")
         check_token_ids("input_ids", input_ids, vocab_size=self.embed_tokens.num_embeddings)
-        if inputs_embeds is not None and (inputs_embeds.dim() != 3 or inputs_embeds.shape[1] == 0):
-            raise ValueError(
-                f"`inputs_embeds` must have shape [batch, length > 0, d_model], got {tuple(inputs_embeds.shape)}."
-            )
         check_hidden_states("inputs_embeds", inputs_embeds, self.embed_tokens.embedding_dim)
         like = input_ids if input_ids is not None else inputs_embeds
         check_mask("attention_mask", attention_mask, "input_ids", like)
