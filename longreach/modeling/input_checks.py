@@ -109,10 +109,13 @@ def cut_to_length(ids: list[int], max_length: int | None, eos_token_id: int | No
     return ids[:max_length], dropped
 
 
-def pad_right(rows: list[list[int]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(input_ids, attention_mask)`` of shape ``[len(rows), longest row]``: the rows (token lists or 1-D tensors)
-    padded on the right."""
+def pad_right(rows: list[list[int]], pad_token_id: int,
+              pad_to_multiple_of: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(input_ids, attention_mask)`` of shape ``[len(rows), longest row]`` (rounded up to a multiple of
+    ``pad_to_multiple_of`` if given): the rows (token lists or 1-D tensors) padded on the right."""
     width = max(len(ids) for ids in rows)
+    if pad_to_multiple_of:
+        width += -width % pad_to_multiple_of
     input_ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
     attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
     for row, ids in enumerate(rows):

@@ -1545,14 +1545,6 @@ class DodoDataCollator:
         self.label_pad_token_id = label_pad_token_id
         self.pad_to_multiple_of = pad_to_multiple_of
 
-    def _pad(self, rows: list[list[int]], value: int) -> tuple[torch.Tensor, torch.Tensor]:
-        ids, mask = pad_right(rows, value)
-        extra = -ids.shape[1] % self.pad_to_multiple_of if self.pad_to_multiple_of else 0
-        if extra:
-            ids = nn.functional.pad(ids, (0, extra), value=value)
-            mask = nn.functional.pad(mask, (0, extra), value=0)
-        return ids, mask
-
     def __call__(self, features: list[dict]) -> dict[str, torch.Tensor]:
         if not features:
             raise ValueError("DodoDataCollator got an empty batch.")
@@ -1587,10 +1579,10 @@ class DodoDataCollator:
                                  f"(its target has {len(target)} tokens, and at least one must be in the loss), "
                                  f"got {prompt_length!r}.")
             prompt_lengths.append(prompt_length)
-        context_ids, context_mask = self._pad(contexts, self.pad_token_id)
-        input_ids, attention_mask = self._pad(targets, self.pad_token_id)
+        context_ids, context_mask = pad_right(contexts, self.pad_token_id, self.pad_to_multiple_of)
+        input_ids, attention_mask = pad_right(targets, self.pad_token_id, self.pad_to_multiple_of)
         if labels:
-            labels, _ = self._pad(labels, -100)
+            labels, _ = pad_right(labels, -100, self.pad_to_multiple_of)
             labels = labels.masked_fill(attention_mask == 0, self.label_pad_token_id)
         else:
             labels = input_ids.masked_fill(attention_mask == 0, self.label_pad_token_id)
