@@ -37,7 +37,7 @@ from torch.autograd import DeviceType
 
 import run_all
 from profile_step import profile_table
-from longreach.modeling import t5_blocks
+from longreach.modeling import ssm, t5_blocks
 
 
 def time_steps(model_name: str, length: int, mode: str, args) -> dict:
@@ -47,6 +47,8 @@ def time_steps(model_name: str, length: int, mode: str, args) -> dict:
     if args.feed_forward_step_elements:  # LOCOST's memory-saving feed-forward function: elements per step
         name = "FEED_FORWARD_STEP_ELEMENTS" if device.type == "cpu" else "ACCELERATOR_FEED_FORWARD_STEP_ELEMENTS"
         setattr(t5_blocks, name, args.feed_forward_step_elements)
+    if args.fft_block_elements:  # LOCOST's FFT convolution: FFT elements per block of channels
+        ssm.FFT_BLOCK_ELEMENTS = args.fft_block_elements
     sizes = run_all.TINY if args.quick else run_all.RELEASED
     torch.manual_seed(0)
     with device:
@@ -87,15 +89,20 @@ def time_steps(model_name: str, length: int, mode: str, args) -> dict:
         run_all.synchronize(device)
         return time.perf_counter() - started, loss
 
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
     first, loss = timed()
     if not torch.isfinite(loss):
         raise RuntimeError(f"{model_name} ({mode}): non-finite loss")
     seconds = [timed()[0] for _ in range(args.repeats)]
+    peak = {"peak_memory_mib": torch.cuda.max_memory_allocated(device) / 2**20} if device.type == "cuda" else {}
     profile = profile_one_step(timed, device, args.profile, f"{model_name}, {length} tokens, {mode}") \
         if args.profile else {}
-    return {**profile, "model": model_name, "length": length, "mode": mode, "device": args.device, "dtype": args.dtype,
+    return {**profile, **peak, "model": model_name, "length": length, "mode": mode, "device": args.device,
+            "dtype": args.dtype,
             "backend": "eager" if mode == "eager" else args.backend, "first_step_seconds": first,
             "feed_forward_step_elements": args.feed_forward_step_elements or "default",
+            "fft_block_elements": args.fft_block_elements or ssm.FFT_BLOCK_ELEMENTS,
             "scope": "-" if mode == "eager" else args.scope, "compiled_modules": compiled_graphs,
             "unfused_feed_forward": args.unfused_feed_forward,
             "seconds": statistics.median(seconds), "seconds_all": seconds}
@@ -157,6 +164,9 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--feed_forward_step_elements", type=int, default=None,
                         help="Elements per step of LOCOST's memory-saving feed-forward function (default: the "
                              "library's for the device).")
+    parser.add_argument("--fft_block_elements", type=int, default=None,
+                        help="FFT elements per block of channels in LOCOST's FFT convolution "
+                             f"(default: the library's, {ssm.FFT_BLOCK_ELEMENTS}; 2**40: all channels at once).")
     parser.add_argument("--profile", type=int, default=0, metavar="ROWS",
                         help="After the timed steps, profile one more and print this many operators by device time.")
     parser.add_argument("--json", default=None, help="Also write the rows to this file.")
@@ -165,6 +175,8 @@ def main(argv=None) -> list[dict]:
         raise ValueError(f"`--repeats` and `--lengths` must be positive, got {args.repeats} and {args.lengths}.")
     if args.feed_forward_step_elements is not None and args.feed_forward_step_elements < 1:
         raise ValueError(f"`--feed_forward_step_elements` must be positive, got {args.feed_forward_step_elements}.")
+    if args.fft_block_elements is not None and args.fft_block_elements < 1:
+        raise ValueError(f"`--fft_block_elements` must be positive, got {args.fft_block_elements}.")
     if args.backend != "inductor" and any(mode not in ("eager", "default") for mode in args.modes):
         raise ValueError(f"`--modes` {args.modes}: modes other than eager and default need the inductor backend, "
                          f"got --backend {args.backend}.")

@@ -10,6 +10,12 @@ length: ``min_new_tokens`` = ``max_new_tokens``), once with ``summarize_corpus``
 ``cache_implementation="static"`` (``longreach summarize --cache_implementation static``; on a GPU ``generate()`` then
 compiles the decoding step, so every new batch shape may compile again, and that time is in the run). Prints one JSON
 line per run, whether the runs' summaries are the same, and the speed-ups. ``--quick``: 8 short documents (a smoke run).
+
+``bucketed_static_padded`` (an experiment, not a library option) pads each batch's inputs to a multiple of
+``--pad_to_multiple_of`` tokens, so that fewer batch shapes reach the compiled step. ``--rounds N`` runs the list N
+times in turn; a run's seconds are then the median of its rounds after the first, which holds the compiles (on an
+H200 the first pass of even the dynamic cache took three times as long as the later ones:
+``benchmarks/results/cuda.md``, fifth session).
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import argparse
 import json
 import math
 import random
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -45,7 +52,29 @@ def build(args):
 
 
 RUNS = {"bucketed": ({}, {}), "one_by_one": ({"max_batch_size": 1}, {}),
-        "bucketed_static": ({}, {"cache_implementation": "static"})}
+        "bucketed_static": ({}, {"cache_implementation": "static"}),
+        # an experiment, not a library option: each batch's inputs padded on the right to a multiple of
+        # --pad_to_multiple_of tokens, so that fewer batch shapes reach the compiled decoding step
+        "bucketed_static_padded": ({}, {"cache_implementation": "static"})}
+
+
+def pad_inputs_to_multiple(summarizer, multiple: int):
+    """Wraps ``summarizer._prepare_inputs`` so that its ``input_ids`` and ``attention_mask`` are right-padded (pad id,
+    mask 0) to a multiple of ``multiple`` tokens; returns a function that undoes it."""
+    original = summarizer._prepare_inputs
+
+    def padded(documents, max_input_length):
+        inputs, dropped = original(documents, max_input_length)
+        extra = -inputs["input_ids"].shape[1] % multiple
+        if extra:
+            pad_id = summarizer.model.config.pad_token_id
+            inputs = dict(inputs)
+            inputs["input_ids"] = torch.nn.functional.pad(inputs["input_ids"], (0, extra), value=pad_id)
+            inputs["attention_mask"] = torch.nn.functional.pad(inputs["attention_mask"], (0, extra), value=0)
+        return inputs, dropped
+
+    summarizer._prepare_inputs = padded
+    return lambda: setattr(summarizer, "_prepare_inputs", original)
 
 
 def main(argv=None) -> dict:
@@ -57,9 +86,18 @@ def main(argv=None) -> dict:
     parser.add_argument("--runs", nargs="+", default=["bucketed", "one_by_one"], choices=list(RUNS))
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--pad_to_multiple_of", type=int, default=512,
+                        help="Input padding of the bucketed_static_padded run, in tokens.")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="Times each run is repeated, in turn; with more than one, a run's seconds are the median "
+                             "of the rounds after the first (which holds the compiles).")
     parser.add_argument("--quick", action="store_true", help="8 documents of 16 to 128 tokens (a smoke run).")
     parser.add_argument("--json", default=None, help="Also write the runs to this file.")
     args = parser.parse_args(argv)
+    if args.rounds < 1:
+        raise ValueError(f"`--rounds` must be positive, got {args.rounds}.")
+    if args.pad_to_multiple_of < 1:
+        raise ValueError(f"`--pad_to_multiple_of` must be positive, got {args.pad_to_multiple_of}.")
     if args.quick:
         args.documents = min(args.documents, 8)
     if args.threads:
@@ -77,18 +115,38 @@ def main(argv=None) -> dict:
         warm_up.add("warm-up", texts[0])
         summarize_corpus(summarizer, warm_up, Path(folder) / "warm-up.jsonl", progress=False,
                          generate_kwargs=generate_kwargs)
-        for name in args.runs:
-            options, extra_generate_kwargs = RUNS[name]
-            options = {"max_batch_tokens": args.max_batch_tokens, **options}
-            start = time.perf_counter()
-            stats = summarize_corpus(summarizer, corpus, Path(folder) / f"{name}.jsonl", progress=False,
-                                     generate_kwargs={**generate_kwargs, **extra_generate_kwargs}, **options)
-            seconds = time.perf_counter() - start
-            summaries[name] = finished_records(Path(folder) / f"{name}.jsonl")
-            results[name] = {"run": name, "documents": stats["documents"], "input_tokens": stats["input_tokens"],
-                             "seconds": round(seconds, 3), "documents_per_second": round(stats["documents"] / seconds, 2),
-                             "device": args.device, "dtype": args.dtype, "threads": torch.get_num_threads()}
-            print(json.dumps(results[name]), flush=True)
+        for round_number in range(args.rounds):  # the runs in turn, so that a slow spell of the machine hits all
+            for name in args.runs:
+                options, extra_generate_kwargs = RUNS[name]
+                options = {"max_batch_tokens": args.max_batch_tokens, **options}
+                undo = pad_inputs_to_multiple(summarizer, args.pad_to_multiple_of) if name.endswith("_padded") \
+                    else None
+                torch._dynamo.utils.counters.clear()
+                path = Path(folder) / f"{name}-{round_number}.jsonl"
+                start = time.perf_counter()
+                stats = summarize_corpus(summarizer, corpus, path, progress=False,
+                                         generate_kwargs={**generate_kwargs, **extra_generate_kwargs}, **options)
+                seconds = time.perf_counter() - start
+                if undo:
+                    undo()
+                compiled_graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+                if round_number == 0:
+                    summaries[name] = finished_records(path)
+                    results[name] = {"run": name, "documents": stats["documents"],
+                                     "input_tokens": stats["input_tokens"], "device": args.device,
+                                     "dtype": args.dtype, "threads": torch.get_num_threads(),
+                                     "batches": len(run_plan(summarizer, corpus, options)), "seconds_all": [],
+                                     "graphs_compiled_all": []}
+                    if name.endswith("_padded"):
+                        results[name]["pad_to_multiple_of"] = args.pad_to_multiple_of
+                result = results[name]
+                result["seconds_all"].append(round(seconds, 3))
+                result["graphs_compiled_all"].append(compiled_graphs)
+                # one round: its time; more: the median of the rounds after the first (compiled graphs reused)
+                later = result["seconds_all"][1:] or result["seconds_all"]
+                result["seconds"] = round(statistics.median(later), 3)
+                result["documents_per_second"] = round(result["documents"] / result["seconds"], 2)
+                print(json.dumps(result), flush=True)
     first = args.runs[0]
     for name in args.runs[1:]:
         results[name]["same_summaries_as_" + first] = summaries[name] == summaries[first]
@@ -99,6 +157,14 @@ def main(argv=None) -> dict:
 
         write_json(args.json, list(results.values()))
     return results
+
+
+def run_plan(summarizer, corpus, options) -> list[list[int]]:
+    """The batches ``summarize_corpus`` makes of ``corpus`` with these options (all documents to do)."""
+    from longreach.corpus import plan_batches
+
+    lengths = sorted((len(ids) for ids in summarizer.tokenizer(corpus.texts)["input_ids"]), reverse=True)
+    return plan_batches(lengths, options["max_batch_tokens"], options.get("max_batch_size"))
 
 
 if __name__ == "__main__":

@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
 # What the fourth GPU session left (benchmarks/results/cuda.md, "Not measured"); that session ran this script as it was
-# at 57c45ee (git show 57c45ee:benchmarks/run_cuda_next.sh). Surest first; each phase appends what it finished; the
-# phases' time limits add up to 560 s:
+# at 57c45ee (git show 57c45ee:benchmarks/run_cuda_next.sh), and the fifth as it is now (its results: cuda.md, "Fifth
+# session"). Surest first; each phase appends what it finished; the phases' time limits add up to 560 s:
 #   1. the CUDA tests (tests/test_cuda.py) against the code as it is now;
 #   2. LOCOST's and LongT5-local's training steps at 16K tokens, bfloat16, eager and compiled block by block with CUDA
 #      graphs (mode reduce-overhead), on one machine: the fourth session timed LOCOST's after its fix (0.124 s against
 #      0.231 s eager) on another machine than LongT5-local's (0.062 s);
+#   2b. LOCOST's eager step at 16K with the FFT convolution over all channels at once (--fft_block_elements 2**40)
+#      against the library's blocks of about 2^22 FFT elements: 1,080 fewer operators (benchmarks/results/ops_16k.md),
+#      about 100 MB more per complex temporary; time and peak memory;
 #   3. decoding steps at 4K tokens, bfloat16, LOCOST, VCC-T5 and transformers' T5: dynamic cache, static cache, static
 #      cache compiled (CUDA graphs), as generate() does with cache_implementation="static";
 #   4. the corpus command (benchmark_corpus.py: a small random LOCOST, 64 documents of 64 to 4,096 tokens) with length
@@ -47,12 +50,16 @@ for model in locost longt5-local; do
     --json "$out/train-$model.json" >> "$log" 2>&1
 done
 
+phase "LOCOST's eager step at $length tokens: FFT convolution in blocks (the library's) against all channels at once"
+timeout 40 $step --models locost --modes eager --repeats 5 --fft_block_elements $((2**40)) \
+  --json "$out/train-locost-fft-one-block.json" >> "$log" 2>&1
+
 phase "decoding steps at $decode_length tokens, $dtype, LOCOST, VCC-T5, T5: dynamic, static, static compiled ($fast)"
-timeout 150 python3 benchmarks/benchmark_static_decode.py --device $device --dtype $dtype --lengths $decode_length \
+timeout 140 python3 benchmarks/benchmark_static_decode.py --device $device --dtype $dtype --lengths $decode_length \
   $size $backend --mode $fast --models locost vcc-t5 t5 --new_tokens 32 --repeats 2 \
   --json "$out/static-decode.json" >> "$log" 2>&1
 
 phase "the corpus command, length buckets: dynamic against static cache"
-timeout 150 python3 benchmarks/benchmark_corpus.py --device $device --dtype $dtype $documents \
+timeout 120 python3 benchmarks/benchmark_corpus.py --device $device --dtype $dtype $documents \
   --runs bucketed bucketed_static --json "$out/corpus.json" >> "$log" 2>&1
 phase done

@@ -3,11 +3,13 @@ timings)."""
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import json
 from pathlib import Path
 
 import pytest
+import torch
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 RUN_ALL = BENCHMARKS / "run_all.py"
@@ -218,6 +220,16 @@ def test_compiled_step_benchmark_times_eager_and_compiled_steps(monkeypatch, cap
     (row,) = module.main(["--quick", "--models", "locost", "--lengths", "32", "--repeats", "1", "--modes", "eager",
                           "--unfused_feed_forward"])  # eager: compiled steps run the modules anyway
     assert row["unfused_feed_forward"] and "error" not in row
+    from longreach.modeling import ssm
+
+    monkeypatch.setattr(ssm, "FFT_BLOCK_ELEMENTS", ssm.FFT_BLOCK_ELEMENTS)  # restored after
+    assert row["fft_block_elements"] == ssm.FFT_BLOCK_ELEMENTS  # the library's, recorded
+    (row,) = module.main(["--quick", "--models", "locost", "--lengths", "32", "--modes", "eager", "--repeats", "1",
+                          "--fft_block_elements", str(2**40)])  # all channels in one FFT block
+    assert ssm.FFT_BLOCK_ELEMENTS == 2**40 and row["fft_block_elements"] == 2**40 and "error" not in row
+    assert "peak_memory_mib" not in row  # the CUDA allocator's peak, on CUDA only
+    with pytest.raises(ValueError, match="--fft_block_elements"):
+        module.main(["--quick", "--fft_block_elements", "0"])
     import torch
     from transformers import T5Config
 
@@ -287,15 +299,40 @@ def test_dodo_compress_parts_time_both_passes_and_restore_the_model():
 def test_corpus_benchmark_runs_buckets_one_by_one_and_a_static_cache(monkeypatch, capsys, tmp_path):
     monkeypatch.syspath_prepend(str(BENCHMARKS))
     module = load_benchmark("benchmark_corpus")
-    results = module.main(["--quick", "--runs", "bucketed", "one_by_one", "bucketed_static", "--json",
-                           str(tmp_path / "corpus.json")])
+    results = module.main(["--quick", "--runs", "bucketed", "one_by_one", "bucketed_static", "bucketed_static_padded",
+                           "--pad_to_multiple_of", "96", "--rounds", "2", "--json", str(tmp_path / "corpus.json")])
     assert json.loads((tmp_path / "corpus.json").read_text()) == list(results.values())
     assert sorted(path.name for path in tmp_path.iterdir()) == ["corpus.json"]  # written under a temporary name
-    assert list(results) == ["bucketed", "one_by_one", "bucketed_static"]
+    assert list(results) == ["bucketed", "one_by_one", "bucketed_static", "bucketed_static_padded"]
     assert all(run["documents"] == 8 and run["seconds"] > 0 for run in results.values())
-    assert results["one_by_one"]["same_summaries_as_bucketed"] is True
-    assert results["bucketed_static"]["same_summaries_as_bucketed"] is True
+    # two rounds each; the run's seconds are the second round's (the median of the rounds after the first)
+    assert all(len(run["seconds_all"]) == 2 and run["seconds"] == run["seconds_all"][1] for run in results.values())
+    assert results["one_by_one"]["batches"] == 8 and results["bucketed"]["batches"] == 1
+    for name in ("one_by_one", "bucketed_static", "bucketed_static_padded"):
+        assert results[name]["same_summaries_as_bucketed"] is True
+    assert results["bucketed_static_padded"]["pad_to_multiple_of"] == 96
     assert "bucketed_static: " in capsys.readouterr().out
+
+
+def test_corpus_benchmark_pads_inputs_to_a_multiple_and_undoes_it(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    module = load_benchmark("benchmark_corpus")
+    args = argparse.Namespace(quick=True, documents=3, device="cpu", dtype="float32")
+    summarizer, texts = module.build(args)
+    plain, _ = summarizer._prepare_inputs(texts, None)
+    undo = module.pad_inputs_to_multiple(summarizer, 96)
+    padded, _ = summarizer._prepare_inputs(texts, None)
+    width = plain["input_ids"].shape[1]
+    assert width % 96 and padded["input_ids"].shape[1] == width + (-width % 96)  # the next multiple of 96
+    assert torch.equal(padded["input_ids"][:, :width], plain["input_ids"])
+    assert (padded["input_ids"][:, width:] == summarizer.model.config.pad_token_id).all()
+    assert torch.equal(padded["attention_mask"].sum(dim=1), plain["attention_mask"].sum(dim=1))
+    undo()
+    assert summarizer._prepare_inputs(texts, None)[0]["input_ids"].shape[1] == width
+    with pytest.raises(ValueError, match="--pad_to_multiple_of"):
+        module.main(["--quick", "--pad_to_multiple_of", "0"])
+    with pytest.raises(ValueError, match="--rounds"):
+        module.main(["--quick", "--rounds", "0"])
 
 
 def test_count_ops_counts_a_training_step_on_the_meta_device(tmp_path, capsys):
