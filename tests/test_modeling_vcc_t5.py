@@ -483,6 +483,13 @@ def test_prepare_vip_inputs_follows_the_original_collators(tokenizer):
     assert truncated["input_ids"].shape[1] == 12 and truncated["input_ids"][0, -1] == tokenizer.eos_token_id
     with pytest.raises(ValueError, match="one query per context"):
         prepare_vip_inputs(tokenizer, ["a", "b", "c"], contexts)
+    # a max_length that would cut a row to its query (or into it) leaves no context: refused, not silently emptied
+    shortest = prepare_vip_inputs(tokenizer, query, contexts, max_length=vip_count + 1)
+    assert shortest["input_ids"].shape[1] == vip_count + 1
+    for max_length in (vip_count, vip_count - 2):
+        with pytest.raises(ValueError, match=f"`max_length`={max_length} leaves no room for the context of row 0: "
+                                             f"its query takes {vip_count} tokens"):
+            prepare_vip_inputs(tokenizer, [query, "Who?"], contexts, max_length=max_length)
 
     model = tiny_model()
     with torch.no_grad():
@@ -498,6 +505,9 @@ def test_prepare_summarization_inputs_marks_the_summarize_query(tokenizer):
     assert dropped == [full_length - 40, 0] and kwargs["input_ids"].shape[1] == 40
     expected = tokenizer("summarize\n\n\n" + documents[1]).input_ids
     assert kwargs["input_ids"][1, : len(expected)].tolist() == expected
+    query_tokens = len(tokenizer("summarize").input_ids)
+    with pytest.raises(ValueError, match=f"`max_input_length`={query_tokens} leaves no room"):
+        model.prepare_summarization_inputs(tokenizer, documents, max_input_length=query_tokens)
     assert kwargs["vip_mask"].sum(dim=1).tolist() == [len(tokenizer("summarize").input_ids)] * 2
     assert model.prepare_summarization_inputs(tokenizer, documents)[1] == [0, 0]
     with torch.no_grad():

@@ -551,8 +551,10 @@ class VCCT5Encoder(nn.Module):
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-def _encode_queries_and_contexts(tokenizer, queries, contexts, max_length=None, separator=QUERY_SEPARATOR,
-                                 pad_token_id=None) -> tuple[dict[str, torch.Tensor], list[int]]:
+def _encode_queries_and_contexts(
+    tokenizer, queries, contexts, max_length=None, separator=QUERY_SEPARATOR, pad_token_id=None,
+    length_name="max_length",
+) -> tuple[dict[str, torch.Tensor], list[int]]:
     if isinstance(contexts, str):
         contexts = [contexts]
     contexts = list(contexts)
@@ -563,12 +565,20 @@ def _encode_queries_and_contexts(tokenizer, queries, contexts, max_length=None, 
             f"{len(contexts)} contexts."
         )
     if max_length is not None and (not isinstance(max_length, int) or max_length < 2):
-        raise ValueError(f"`max_length` must be an integer >= 2 or None, got {max_length!r}.")
+        raise ValueError(f"`{length_name}` must be an integer >= 2 or None, got {max_length!r}.")
     texts = [query + separator + context for query, context in zip(queries, contexts)]
     encoded = tokenizer(texts, add_special_tokens=True)["input_ids"]
     # The original marks the first len(tokenizer(query).input_ids) positions, i.e. the query's tokens including its
     # EOS: one context token beyond the query (spec §2). We keep that convention.
     vip_counts = [len(ids) for ids in tokenizer(queries, add_special_tokens=True)["input_ids"]]
+    if max_length is not None:
+        for row, vip_count in enumerate(vip_counts):
+            if vip_count >= max_length:  # the cut row would hold the query alone (or part of it): no context at all
+                raise ValueError(
+                    f"`{length_name}`={max_length} leaves no room for the context of row {row}: its query takes "
+                    f"{vip_count} tokens (its EOS included); give a `{length_name}` above {vip_count} or a shorter "
+                    "query."
+                )
     rows, dropped = zip(*(cut_to_length(ids, max_length, tokenizer.eos_token_id) for ids in encoded))
     if pad_token_id is None:
         pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
@@ -588,7 +598,8 @@ def prepare_vip_inputs(
     Each input is `query + separator + context` (separator `"\\n\\n\\n"`), right-padded to the longest row (the model
     pads internally to a valid length). The VIP tokens are the first `len(tokenizer(query).input_ids)` positions:
     the query's tokens, and because that count includes the query's EOS, one more token, as in the original. With
-    `max_length`, longer inputs lose the end of their context (the final EOS is kept).
+    `max_length`, longer inputs lose the end of their context (the final EOS is kept); a `max_length` that would
+    leave a row its query alone raises a `ValueError`.
 
     Args:
         tokenizer: a T5-style tokenizer (appends EOS).
@@ -717,7 +728,8 @@ class _VCCT5Seq2Seq(T5Seq2SeqLMMixin, VCCT5PreTrainedModel):
         number of tokens dropped per document because of `max_input_length` (None: keep everything)."""
         documents = summarization_documents(documents)
         encoding, dropped = _encode_queries_and_contexts(
-            tokenizer, SUMMARIZATION_QUERY, documents, max_input_length, pad_token_id=self.config.pad_token_id
+            tokenizer, SUMMARIZATION_QUERY, documents, max_input_length, pad_token_id=self.config.pad_token_id,
+            length_name="max_input_length",
         )
         return {name: tensor.to(self.device) for name, tensor in encoding.items()}, dropped
 
