@@ -309,3 +309,53 @@ def test_t5_style_configs_refuse_token_ids_that_are_not_integers(field, value):
         with pytest.raises(ValueError, match=rf"`{field}` must be a token id"):
             config_class(**{field: value})
         config_class(eos_token_id=[1, 2], pad_token_id=None)  # lists of ids and None stay fine
+
+
+_DODO_SIZES = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                   num_key_value_heads=2, nugget_layer=1)
+
+
+@pytest.mark.parametrize("config_class, field, value, expected", [
+    ("LocostConfig", "bidirectional", "false", "bool"),  # a truthy string would have switched it on
+    ("LocostConfig", "ssm_authors_fft_size", 0, "bool"),
+    ("LocostConfig", "encoder_chunk_length", True, "int | None"),  # True would have been a chunk of 1 token
+    ("LocostConfig", "ssm_kernel_cache_lengths", True, "int"),
+    ("LocostConfig", "ssm_dt_min", "0.001", "float"),  # was a TypeError from a comparison
+    ("LocostConfig", "use_cache", "yes", "bool"),
+    ("VCCT5Config", "scale_correction", "no", "bool"),
+    ("VCCT5Config", "scale_decoder_outputs", "yes", "bool | None"),
+    ("VCCT5Config", "exploration_probability", True, "float"),
+    ("VCCT5Config", "tie_word_embeddings", "x", "bool"),
+    ("DodoLlamaConfig", "force_last_nugget", "no", "bool"),
+    ("DodoLlamaConfig", "lora_r", True, "int"),
+    ("DodoLlamaConfig", "lora_dropout", "0.1", "float"),  # was a TypeError from a comparison
+    ("DodoLlamaConfig", "nugget_threshold", "0.5", "float | None"),
+    ("DodoLlamaConfig", "lora_target_modules", [1], "list[str] | None"),
+])
+def test_config_fields_have_their_annotated_types(tmp_path, config_class, field, value, expected):
+    """Each field our configs declare is checked against its annotation (huggingface_hub's `type_validator`, as
+    transformers' `@strict` T5Config and LlamaConfig are), at construction and when a config.json is loaded; a float
+    field takes an int and a list field a tuple, as before."""
+    import json
+
+    import longreach
+
+    cls = getattr(longreach, config_class)
+    sizes = _DODO_SIZES if config_class == "DodoLlamaConfig" else {}
+    message = f"`{field}` must be of type {expected}, got {value!r}."
+    with pytest.raises(ValueError, match=re.escape(message)):
+        cls(**sizes, **{field: value})
+    cls(**sizes).save_pretrained(tmp_path)
+    stored = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**stored, field: value}))
+    with pytest.raises(ValueError, match=re.escape(message)):
+        cls.from_pretrained(tmp_path)
+
+
+def test_config_float_fields_take_ints_and_list_fields_tuples():
+    from longreach import DodoLlamaConfig, LocostConfig, VCCT5Config
+
+    assert LocostConfig(dropout_rate=0, layer_norm_epsilon=1).dropout_rate == 0
+    assert VCCT5Config(exploration_probability=1).exploration_probability == 1
+    config = DodoLlamaConfig(**_DODO_SIZES, lora_alpha=16, lora_target_modules=("q_proj", "v_proj"))
+    assert config.lora_alpha == 16 and list(config.lora_target_modules) == ["q_proj", "v_proj"]

@@ -1,4 +1,5 @@
-"""What the three configurations share: ``from_pretrained(path, field=value)`` overrides checked with the stored values.
+"""What the three configurations share: ``from_pretrained(path, field=value)`` overrides checked with the stored values,
+and the fields' types checked against their annotations.
 
 Imported by each configuration file (and copied beside it into every Hub-ready folder).
 """
@@ -6,7 +7,11 @@ Imported by each configuration file (and copied beside it into every Hub-ready f
 from __future__ import annotations
 
 import dataclasses
+import sys
+import types
+import typing
 
+from huggingface_hub.dataclasses import type_validator
 from transformers import PreTrainedConfig
 
 
@@ -26,3 +31,28 @@ def pop_field_overrides(config_class: type[PreTrainedConfig], config_dict: dict,
                 config_dict.pop(alias, None)
         config_dict[name] = kwargs.pop(key)
     return config_dict
+
+
+def check_field_types(config: PreTrainedConfig, config_class: type[PreTrainedConfig]) -> None:
+    """Check the fields `config_class` declares itself against their annotations, with huggingface_hub's
+    `type_validator` (what transformers' `@strict` configs such as T5Config and LlamaConfig run), except that a float
+    field also takes an int, as T5Config's `float | int` fields do, and a list field a tuple. A `ValueError` names the field, the expected type
+    and the value: a flag stored as the string "false" would otherwise switch a feature on, and `True` would pass for
+    the integer 1."""
+    own = {name: annotation for name, annotation in vars(config_class).get("__annotations__", {}).items()
+           if name in {field.name for field in dataclasses.fields(config_class)}}
+    hints = typing.get_type_hints(types.SimpleNamespace(__annotations__=own),
+                                  globalns=vars(sys.modules[config_class.__module__]))
+    for name, expected in hints.items():
+        value = getattr(config, name)
+        union = typing.get_origin(expected) in (typing.Union, types.UnionType)
+        accepted = typing.get_args(expected) if union else (expected,)
+        if type(value) is int and float in accepted:
+            continue  # 1 for 1.0
+        if isinstance(value, tuple) and any(typing.get_origin(option) is list for option in accepted):
+            value = list(value)  # ("q_proj", "v_proj") for a list of names (saved as a JSON list all the same)
+        try:
+            type_validator(name, value, expected)
+        except TypeError as error:
+            shown = expected.__name__ if isinstance(expected, type) else str(expected)
+            raise ValueError(f"`{name}` must be of type {shown}, got {value!r}.") from error

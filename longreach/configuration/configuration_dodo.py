@@ -14,7 +14,7 @@ import re
 import torch
 from transformers import LlamaConfig
 
-from .config_overrides import pop_field_overrides
+from .config_overrides import check_field_types, pop_field_overrides
 
 NUGGET_COUNT_ROUNDINGS = ("dodo", "ceil")
 SCORER_FEATURES = ("base_final_norm", "encoder_hidden")
@@ -208,6 +208,7 @@ class DodoLlamaConfig(LlamaConfig):
 
     def validate_dodo(self) -> None:
         """Refuse settings the model cannot run, naming the field, the value and what is expected."""
+        check_field_types(self, DodoLlamaConfig)  # each Dodo field has its annotated type (Llama's: LlamaConfig's)
         if not isinstance(self.nugget_layer, int) or not 0 <= self.nugget_layer <= self.num_hidden_layers:
             raise ValueError(
                 f"`nugget_layer` (ι) must be an integer in [0, num_hidden_layers={self.num_hidden_layers}], "

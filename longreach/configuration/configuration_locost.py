@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from transformers import PreTrainedConfig
 
-from .config_overrides import pop_field_overrides
+from .config_overrides import check_field_types, pop_field_overrides
 
 
 class LocostConfig(PreTrainedConfig):
@@ -204,6 +204,7 @@ class LocostConfig(PreTrainedConfig):
                 "`cross_attention_logn_length` must be None or an integer >= 2 (the number of encoder tokens the model "
                 f"was trained on), got {logn_length!r}."
             )
+        check_field_types(self, LocostConfig)  # the fields not checked above have their annotated types too
         if not 0 < self.ssm_dt_min <= self.ssm_dt_max:
             raise ValueError(
                 f"`ssm_dt_min` and `ssm_dt_max` must satisfy 0 < min <= max, got {self.ssm_dt_min} and {self.ssm_dt_max}."

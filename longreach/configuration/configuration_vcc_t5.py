@@ -7,7 +7,7 @@ import math
 
 from transformers import PreTrainedConfig
 
-from .config_overrides import pop_field_overrides
+from .config_overrides import check_field_types, pop_field_overrides
 
 #: The original code's class paths in its ``encoder_layers`` list (one entry per encoder layer).
 ORIGINAL_VANILLA_LAYER = "src.t5.models.layers.T5Block"
@@ -265,7 +265,8 @@ class VCCT5Config(PreTrainedConfig):
                 "`cross_attention_logn_length` must be None or an integer >= 2 (the number of encoder tokens the model "
                 f"was trained on), got {logn_length!r}."
             )
-        if not 0.0 <= float(self.exploration_probability) <= 1.0:
+        check_field_types(self, VCCT5Config)  # the fields not checked above have their annotated types too
+        if not 0.0 <= self.exploration_probability <= 1.0:
             raise ValueError(
                 f"`exploration_probability` must lie in [0, 1], got {self.exploration_probability!r}."
             )
