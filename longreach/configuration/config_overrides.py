@@ -36,9 +36,9 @@ def pop_field_overrides(config_class: type[PreTrainedConfig], config_dict: dict,
 def check_field_types(config: PreTrainedConfig, config_class: type[PreTrainedConfig]) -> None:
     """Check the fields `config_class` declares itself against their annotations, with huggingface_hub's
     `type_validator` (what transformers' `@strict` configs such as T5Config and LlamaConfig run), except that a float
-    field also takes an int, as T5Config's `float | int` fields do, and a list field a tuple. A `ValueError` names the field, the expected type
-    and the value: a flag stored as the string "false" would otherwise switch a feature on, and `True` would pass for
-    the integer 1."""
+    field also takes an int, as T5Config's `float | int` fields do, and a list field a tuple. A `ValueError` names the
+    field, the expected type and the value: a flag stored as the string "false" would otherwise switch a feature on,
+    and `True` would pass for the integer 1."""
     own = {name: annotation for name, annotation in vars(config_class).get("__annotations__", {}).items()
            if name in {field.name for field in dataclasses.fields(config_class)}}
     hints = typing.get_type_hints(types.SimpleNamespace(__annotations__=own),
