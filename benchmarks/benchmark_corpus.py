@@ -11,8 +11,8 @@ length: ``min_new_tokens`` = ``max_new_tokens``), once with ``summarize_corpus``
 compiles the decoding step, so every new batch shape may compile again, and that time is in the run). Prints one JSON
 line per run, whether the runs' summaries are the same, and the speed-ups. ``--quick``: 8 short documents (a smoke run).
 
-``bucketed_static_padded`` (an experiment, not a library option) pads each batch's inputs to a multiple of
-``--pad_to_multiple_of`` tokens, so that fewer batch shapes reach the compiled step. ``--rounds N`` runs the list N
+``bucketed_padded`` and ``bucketed_static_padded`` (an experiment, not a library option) pad each batch's inputs to a
+multiple of ``--pad_to_multiple_of`` tokens, so that fewer batch shapes reach the compiled step and the FFTs. ``--rounds N`` runs the list N
 times in turn; a run's seconds are then the median of its rounds after the first, which holds the compiles (on an
 H200 the first pass of even the dynamic cache took three times as long as the later ones:
 ``benchmarks/results/cuda.md``, fifth session).
@@ -54,8 +54,8 @@ def build(args):
 RUNS = {"bucketed": ({}, {}), "one_by_one": ({"max_batch_size": 1}, {}),
         "bucketed_static": ({}, {"cache_implementation": "static"}),
         # an experiment, not a library option: each batch's inputs padded on the right to a multiple of
-        # --pad_to_multiple_of tokens, so that fewer batch shapes reach the compiled decoding step
-        "bucketed_static_padded": ({}, {"cache_implementation": "static"})}
+        # --pad_to_multiple_of tokens, so that fewer batch shapes reach the compiled decoding step (and the FFTs)
+        "bucketed_padded": ({}, {}), "bucketed_static_padded": ({}, {"cache_implementation": "static"})}
 
 
 def pad_inputs_to_multiple(summarizer, multiple: int):
@@ -87,7 +87,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--pad_to_multiple_of", type=int, default=512,
-                        help="Input padding of the bucketed_static_padded run, in tokens.")
+                        help="Input padding of the *_padded runs, in tokens.")
     parser.add_argument("--rounds", type=int, default=1,
                         help="Times each run is repeated, in turn; with more than one, a run's seconds are the median "
                              "of the rounds after the first (which holds the compiles).")
