@@ -95,6 +95,13 @@ def positive_float(text: str) -> float:
     return value
 
 
+def non_empty(text: str) -> str:
+    """A path, name or column: an empty string would fall back to a default (or the current folder) unnoticed."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"expected a non-empty value, got {text!r}")
+    return text
+
+
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 
 
@@ -349,6 +356,34 @@ def _run_settings(args: argparse.Namespace) -> dict:
                            if key != "cache_implementation"}}  # static or dynamic: the same summaries
 
 
+def _check_output_path(output: str) -> None:
+    """Before the corpus and the model are read: ``--output`` names a file that can be created where it is."""
+    path = Path(output).expanduser()
+    if path.is_dir():
+        raise UsageError(f"longreach summarize: --output {output} is a folder; give a file path ending in .jsonl")
+    ancestor = path.parent
+    while not ancestor.exists() and ancestor != ancestor.parent:
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise UsageError(f"longreach summarize: --output {output}: {ancestor} is a file, so no folder can hold the "
+                         "summaries there; choose another path")
+
+
+def _gather_run_statistics(stats: dict, world_size: int) -> dict:
+    """The statistics of every process summed (their peak memory: the largest), for the run's closing line."""
+    if world_size == 1:
+        return stats
+    import torch.distributed as dist
+
+    every = [None] * world_size
+    dist.all_gather_object(every, {key: stats[key] for key in
+                                   ("documents", "input_tokens", "seconds", "skipped_already_done", "peak_memory_bytes")})
+    return {"documents": sum(s["documents"] for s in every), "input_tokens": sum(s["input_tokens"] for s in every),
+            "seconds": max(s["seconds"] for s in every),
+            "skipped_already_done": sum(s["skipped_already_done"] for s in every),
+            "peak_memory_bytes": max(s["peak_memory_bytes"] for s in every)}
+
+
 def summarize_corpus_command(args: argparse.Namespace) -> int:
     """``longreach summarize --input SRC --output OUT.jsonl``: see :mod:`longreach.corpus`."""
     from . import corpus as corpus_module
@@ -368,6 +403,7 @@ def summarize_corpus_command(args: argparse.Namespace) -> int:
     if kind in ("table", "text") and Path(args.output).resolve() == Path(args.input).expanduser().resolve():
         raise UsageError(f"longreach summarize: --output {args.output} is the --input file; choose another file for "
                          "the summaries")
+    _check_output_path(args.output)
     rank, world_size = corpus_module.distributed_rank()
     device = args.device
     if device is None and world_size > 1:
@@ -401,12 +437,13 @@ def summarize_corpus_command(args: argparse.Namespace) -> int:
         if not dist.is_initialized():
             dist.init_process_group("gloo")
         dist.barrier()  # every part is complete before rank 0 merges
+    stats = _gather_run_statistics(stats, world_size)
     if rank == 0:
         total = corpus_module.merge_parts(args.output, corpus, world_size)
+        by = f"{world_size} processes (the slowest's time, the largest peak)" if world_size > 1 else "this process"
         _progress(f"{stats['documents']} documents ({stats['input_tokens']} input tokens) summarized in "
-                  f"{stats['seconds']:.1f}s by {'each of ' + str(world_size) + ' processes' if world_size > 1 else 'this process'}"
-                  f", {stats['skipped_already_done']} already done; peak memory {stats['peak_memory_bytes'] / 2**20:.0f} MiB; "
-                  f"{total} summaries in {args.output}")
+                  f"{stats['seconds']:.1f}s by {by}, {stats['skipped_already_done']} already done; peak memory "
+                  f"{stats['peak_memory_bytes'] / 2**20:.0f} MiB; {total} summaries in {args.output}")
         errors_file = corpus_module.errors_path_of(Path(args.output))
         if errors_file.exists():
             count = len(corpus_module.json_lines(errors_file))
@@ -415,6 +452,9 @@ def summarize_corpus_command(args: argparse.Namespace) -> int:
             metrics = corpus_module.corpus_rouge(args.output, corpus)
             if metrics:
                 print(json.dumps(metrics))
+            else:
+                _progress(f"no summarized document has a reference in --reference_column {args.reference_column!r}: "
+                          "no ROUGE")
     if world_size > 1:
         import torch.distributed as dist
 
@@ -498,18 +538,23 @@ def build_parser() -> argparse.ArgumentParser:
 
     summarize_parser = commands.add_parser(
         "summarize", help="Summarize a text file, or a whole corpus into a resumable JSONL file.")
-    summarize_parser.add_argument("--model", required=True, help="Model folder or Hub repository id.")
+    summarize_parser.add_argument("--model", required=True, type=non_empty,
+                                  help="Model folder or Hub repository id.")
     summarize_parser.add_argument("file", nargs="?", default=None, help="One text file to summarize ('-' reads stdin).")
-    summarize_parser.add_argument("--tokenizer", default=None, help="Tokenizer (default: the model's folder).")
+    summarize_parser.add_argument("--tokenizer", default=None, type=non_empty,
+                                  help="Tokenizer (default: the model's folder).")
     corpus_options = summarize_parser.add_argument_group(
         "corpus", "Many documents: --input SRC --output OUT.jsonl (resumable; under torchrun each process takes a share)")
-    corpus_options.add_argument("--input", default=None,
+    corpus_options.add_argument("--input", default=None, type=non_empty,
                                 help="A text file, a folder of .txt/.md, a .jsonl/.json/.csv/.parquet file or a Hub "
                                      "dataset name.")
-    corpus_options.add_argument("--split", default=None, help="Dataset split (Hub datasets; default: train).")
-    corpus_options.add_argument("--text_column", default=None, help="Column holding the documents (default: text).")
-    corpus_options.add_argument("--id_column", default=None, help="Column holding unique ids (default: row number).")
-    corpus_options.add_argument("--reference_column", default=None,
+    corpus_options.add_argument("--split", default=None, type=non_empty,
+                                help="Dataset split (Hub datasets; default: train).")
+    corpus_options.add_argument("--text_column", default=None, type=non_empty,
+                                help="Column holding the documents (default: text).")
+    corpus_options.add_argument("--id_column", default=None, type=non_empty,
+                                help="Column holding unique ids (default: row number).")
+    corpus_options.add_argument("--reference_column", default=None, type=non_empty,
                                 help="Column holding reference summaries: ROUGE is printed and written to "
                                      "OUT.metrics.json.")
     corpus_options.add_argument("--max_batch_tokens", type=positive_int, default=None,
@@ -531,7 +576,7 @@ def build_parser() -> argparse.ArgumentParser:
     summarize_parser.add_argument("--device", default=None, help="e.g. cpu, cuda, cuda:1 (default: cuda if present).")
     summarize_parser.add_argument("--dtype", default=None, choices=DTYPES,
                                   help="Weights' dtype (default: the checkpoint's).")
-    summarize_parser.add_argument("--output", default=None,
+    summarize_parser.add_argument("--output", default=None, type=non_empty,
                                   help="One document: write the summary to this file instead of stdout. A corpus: the "
                                        "JSONL file to append the summaries to.")
 

@@ -56,7 +56,7 @@ class Corpus:
             return
         self.ids.append(record_id)
         self.texts.append(text)
-        self.references.append(reference if isinstance(reference, str) else None)
+        self.references.append(reference if isinstance(reference, str) and reference.strip() else None)  # "" = none
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -123,21 +123,33 @@ def read_corpus(source: str, *, split: str = "train", text_column: str = "text",
             if builder == "csv":  # read again as text: ids such as 001 stay "001" (pandas' guess: 1, or 1.0 near a gap)
                 features = datasets.Features({name: datasets.Value("string") for name in table.column_names})
                 table = datasets.load_dataset(builder, features=features, **arguments)
+            elif kind == "table" and builder == "json" and _is_float_column(table, id_column):
+                # Arrow reads a column of JSON numbers with one float in it as floats: 1 becomes "1.0" (an id that
+                # changes when a 2.5 joins the file) and 2**53 + 1 becomes 2**53. The ids as Python reads them instead.
+                raw_ids = _json_values(path, id_column)
+                if len(raw_ids) == len(table):
+                    table = table.remove_columns(id_column).add_column(id_column, [
+                        None if value is None else str(value) for value in raw_ids])
         except Exception as error:  # noqa: BLE001  datasets raises many types; the user gets its first line
             if kind == "table" and path.suffix.lower() == ".jsonl":
                 table = _read_jsonl_lines(path, corpus)  # one bad line must not stop the run: read line by line
+            elif kind == "table" and _holds_no_records(path):
+                raise CorpusError(f"--input {source}: the file holds no records.") from None
             else:
                 raise CorpusError(f"--input {source}: cannot be read as a dataset: {_first_line(error)}") from None
         finally:
             json_log.setLevel(json_log_level)
         columns = table.column_names
         if not columns and kind == "table":
-            raise CorpusError(f"--input {source}: the file holds no records.")
+            reason = f" ({corpus.errors[0]['id']}: {corpus.errors[0]['error']})" if corpus.errors else ""
+            raise CorpusError(f"--input {source}: the file holds no records{reason}.")
         for name, option in ((text_column, "--text_column"), (id_column, "--id_column"),
                              (reference_column, "--reference_column")):
             if name is not None and name not in columns:
                 raise CorpusError(f"{option} {name!r} is not a column of {source}; its columns are {columns}.")
         for index, row in enumerate(table):
+            if row is None:  # a JSONL line that is not a JSON object (in the errors already): it keeps its row number
+                continue
             if id_column and (row[id_column] is None or str(row[id_column]).strip() == ""):
                 corpus.errors.append({"id": f"<row {index}>", "error": f"no id in --id_column {id_column!r}"})
                 continue
@@ -155,22 +167,25 @@ def read_corpus(source: str, *, split: str = "train", text_column: str = "text",
 
 
 class _Rows(list):
-    """The records of a JSONL file read line by line, with the ``column_names`` of a 🤗 dataset."""
+    """The records of a JSONL file read line by line, with the ``column_names`` of a 🤗 dataset; a line that is not a
+    JSON object is a ``None`` row, so that the rows after it keep the numbers (the default ids) they have once it is
+    fixed and 🤗 datasets reads the whole file."""
 
     @property
     def column_names(self) -> list[str]:
-        return list(dict.fromkeys(key for row in list.__iter__(self) for key in row))
+        return list(dict.fromkeys(key for row in list.__iter__(self) if row is not None for key in row))
 
     def __iter__(self):
         columns = self.column_names
-        return ({column: row.get(column) for column in columns} for row in list.__iter__(self))
+        return (None if row is None else {column: row.get(column) for column in columns}
+                for row in list.__iter__(self))
 
 
 def _read_jsonl_lines(path: Path, corpus: Corpus) -> _Rows:
     """The JSON objects of a JSONL file that 🤗 datasets could not read as a whole; each line that is not a JSON object
     goes to the corpus's errors (id ``<line N>``) and the rest is summarized."""
     rows = _Rows()
-    with open(path, encoding="utf-8", errors="replace", newline="") as handle:
+    with open(path, encoding="utf-8-sig", errors="replace", newline="") as handle:  # -sig: a BOM is not the record's
         text = handle.read()
     for number, line in enumerate(text.split("\n"), start=1):
         if not line.strip():
@@ -179,12 +194,45 @@ def _read_jsonl_lines(path: Path, corpus: Corpus) -> _Rows:
             record = json.loads(line)
         except json.JSONDecodeError as error:
             corpus.errors.append({"id": f"<line {number}>", "error": f"not JSON: {error.msg} (column {error.colno})"})
+            rows.append(None)
             continue
         if not isinstance(record, dict):
             corpus.errors.append({"id": f"<line {number}>", "error": f"not a JSON object: {type(record).__name__}"})
-            continue
+            record = None
         rows.append(record)
     return rows
+
+
+def _json_values(path: Path, column: str) -> list:
+    """``column``'s value in each record of a JSON (an array of objects) or JSON Lines file, as Python's json reads
+    them (integers stay integers); [] when the file is neither."""
+    text = path.read_text(encoding="utf-8-sig", errors="replace")
+    try:
+        records = json.loads(text)
+    except json.JSONDecodeError:
+        try:
+            records = [json.loads(line) for line in text.split("\n") if line.strip()]
+        except json.JSONDecodeError:
+            return []
+    if not isinstance(records, list) or not all(isinstance(record, dict) for record in records):
+        return []
+    return [record.get(column) for record in records]
+
+
+def _is_float_column(table, name: str | None) -> bool:
+    feature = table.features.get(name) if name is not None else None
+    return getattr(feature, "dtype", "").startswith("float")
+
+
+def _holds_no_records(path: Path) -> bool:
+    """Whether a table file is empty: no bytes, a CSV header alone, or a JSON ``[]`` (🤗 datasets' own message for
+    these is about its splits)."""
+    try:
+        text = path.read_text(encoding="utf-8-sig", errors="replace").strip()
+    except OSError:
+        return False
+    suffix = path.suffix.lower()
+    return not text or (suffix == ".csv" and "\n" not in text) or (suffix == ".json" and text in ("[]", "{}"))
 
 
 def _first_line(error: BaseException) -> str:
@@ -419,7 +467,8 @@ def summarize_corpus(
             tokens += sum(record["input_tokens"] for record in records)
             bar.update(len(batch))
             elapsed = max(time.perf_counter() - start, 1e-9)
-            bar.set_postfix(docs_per_s=f"{documents / elapsed:.2f}", tokens_per_s=f"{tokens / elapsed:.0f}")
+            bar.set_postfix(docs_per_s=f"{documents / elapsed:.2f}", tokens_per_s=f"{tokens / elapsed:.0f}",
+                            refresh=False)  # redrawn at tqdm's own rate, not once per batch
     bar.close()
     if errors:
         with open(errors_path, "a", encoding="utf-8") as handle:

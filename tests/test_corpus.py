@@ -188,6 +188,8 @@ def test_torchrun_shards_give_the_same_summaries(model_folder, tmp_path):
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert read_output(tmp_path / "two.jsonl") == read_output(tmp_path / "one.jsonl")
+    # the closing line counts every process's documents (it showed rank 0's as if each had done as many)
+    assert "10 documents (" in result.stderr and "by 2 processes" in result.stderr, result.stderr[-2000:]
     assert {"corpus.jsonl", "one.jsonl", "two.jsonl"} <= {path.name for path in tmp_path.iterdir()}
     assert not list(tmp_path.glob("two.jsonl.part-*"))  # the parts were merged and removed
 
@@ -323,3 +325,75 @@ def test_a_rerun_with_other_settings_is_refused_instead_of_mixing_runs(model_fol
     (tmp_path / "out.jsonl").unlink()  # nothing left to mix with: the new settings are recorded
     assert main(arguments + ["--max_input_length", "20"]) == 0
     assert json.loads((tmp_path / "out.settings.json").read_text())["max_input_length"] == 20
+
+
+def test_json_ids_stay_as_written_and_row_numbers_count_bad_lines(tmp_path):
+    """Arrow reads a column of JSON numbers with one float in it as floats: ids 1, 2 became "1.0", "2.0" (so a rerun
+    after a 2.5 joined the file redid and duplicated them) and 2**53 + 1 became 2**53 (a false duplicate)."""
+    read = corpus_module.read_corpus
+    source = tmp_path / "ids.jsonl"
+    source.write_text('{"id": 1, "text": "w1 w2"}\n{"id": 2, "text": "w3 w4"}\n')
+    assert read(str(source), id_column="id").ids == ["1", "2"]
+    with open(source, "a") as handle:
+        handle.write('{"id": 2.5, "text": "w5"}\n{"id": 9007199254740993, "text": "w6"}\n{"id": 9007199254740992, '
+                     '"text": "w7"}\n')
+    assert read(str(source), id_column="id").ids == ["1", "2", "2.5", "9007199254740993", "9007199254740992"]
+    (tmp_path / "ids.json").write_text('[{"id": 1, "text": "a"}, {"id": 3.0, "text": "b"}]')
+    assert read(str(tmp_path / "ids.json"), id_column="id").ids == ["1", "3.0"]
+
+    # without --id_column the ids are row numbers: a bad line keeps its number, so that once it is fixed the rows
+    # after it keep their ids (a resume would otherwise file the summaries under the wrong ids)
+    broken = tmp_path / "rows.jsonl"
+    broken.write_text('{"text": "w1 w2"}\n{"text": "w3 oops\n\n{"text": "w5 w6"}\nnull\n{"text": "w7"}\n')
+    corpus = read(str(broken))
+    assert corpus.ids == ["0", "2", "4"] and corpus.texts == ["w1 w2", "w5 w6", "w7"]
+    assert [error["id"] for error in corpus.errors] == ["<line 2>", "<line 5>"]
+    broken.write_text('{"text": "w1 w2"}\n{"text": "w3 fixed"}\n\n{"text": "w5 w6"}\n{"text": "w8"}\n{"text": "w7"}\n')
+    assert read(str(broken)).ids == ["0", "1", "2", "3", "4"]
+    # a byte-order mark does not cost the first record when another line is bad
+    (tmp_path / "bom.jsonl").write_bytes(b'\xef\xbb\xbf{"id": "a", "text": "w1"}\n{"id": "b", "te\n{"id": "c", "text": "w3"}\n')
+    assert read(str(tmp_path / "bom.jsonl"), id_column="id").ids == ["a", "c"]
+
+
+def test_empty_references_are_none_and_empty_tables_hold_no_records(tmp_path):
+    read = corpus_module.read_corpus
+    (tmp_path / "refs.jsonl").write_text('{"text": "a", "ref": ""}\n{"text": "b", "ref": "  "}\n{"text": "c", "ref": "x"}\n'
+                                         '{"text": "d"}\n')
+    assert read(str(tmp_path / "refs.jsonl"), reference_column="ref").references == [None, None, "x", None]
+    (tmp_path / "refs.csv").write_text('text,ref\na,\nb,"  "\nc,x\n')
+    assert read(str(tmp_path / "refs.csv"), reference_column="ref").references == [None, None, "x"]
+    for name, content in [("header.csv", "id,text\n"), ("empty.csv", ""), ("empty.json", "[]"), ("blank.jsonl", "\n")]:
+        (tmp_path / name).write_text(content)
+        with pytest.raises(corpus_module.CorpusError, match=f"--input {tmp_path / name}: the file holds no records"):
+            read(str(tmp_path / name))
+    (tmp_path / "bad.jsonl").write_text("nope\n{bad\n")
+    with pytest.raises(corpus_module.CorpusError,
+                       match=r"the file holds no records \(<line 1>: not JSON: Expecting value \(column 1\)\)"):
+        read(str(tmp_path / "bad.jsonl"))
+
+
+def test_output_paths_and_empty_values_are_refused_before_the_model_loads(model_folder, tmp_path, capsys, monkeypatch):
+    from longreach import cli
+
+    write_jsonl(tmp_path / "corpus.jsonl", 2)
+    monkeypatch.setattr(cli, "load_summarizer", lambda *a, **k: pytest.fail("the model was loaded"))
+    (tmp_path / "folder.jsonl").mkdir()
+    cases = [(["--output", str(tmp_path / "folder.jsonl")], "is a folder; give a file path ending in .jsonl"),
+             (["--output", str(tmp_path / "corpus.jsonl" / "out.jsonl")], "corpus.jsonl is a file, so no folder"),
+             (["--output", str(tmp_path / "o.jsonl"), "--text_column", ""], "--text_column: expected a non-empty value"),
+             (["--output", str(tmp_path / "o.jsonl"), "--tokenizer", " "], "--tokenizer: expected a non-empty value")]
+    for options, expected in cases:
+        assert main(["summarize", "--model", str(model_folder), "--input", str(tmp_path / "corpus.jsonl"),
+                     *options]) == 2
+        assert expected in capsys.readouterr().err
+    assert main(["summarize", "--model", str(model_folder), "--input", "", "--output", str(tmp_path / "o.jsonl")]) == 2
+    assert "--input: expected a non-empty value, got ''" in capsys.readouterr().err
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["corpus.jsonl", "folder.jsonl"]  # nothing written
+
+
+def test_a_reference_column_without_references_says_so(model_folder, tmp_path, capsys):
+    source = tmp_path / "c.jsonl"
+    source.write_text('{"text": "w1 w2 w3", "ref": null}\n{"text": "w4 w5", "ref": ""}\n')
+    assert main(summarize_args(model_folder, source, tmp_path / "o.jsonl", "--reference_column", "ref")) == 0
+    assert "no summarized document has a reference in --reference_column 'ref': no ROUGE" in capsys.readouterr().err
+    assert not (tmp_path / "o.metrics.json").exists()
