@@ -271,3 +271,38 @@ def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
     return mask
+
+
+def test_a_text_file_or_a_pickled_function_gets_a_clear_line(tmp_path, capsys):
+    import pickle
+
+    (tmp_path / "notes.ckpt").write_text("hello\n")
+
+    class System:  # pickled as a call of os.system, which weights_only=True refuses to load (never runs)
+        def __reduce__(self):
+            return (os.system, ("echo this must never run",))
+
+    with open(tmp_path / "system.ckpt", "wb") as handle:
+        pickle.dump({"state_dict": {}, "payload": System()}, handle, protocol=2)
+    for name, message in (("notes.ckpt", "notes.ckpt is not a PyTorch checkpoint (unpickling it failed: KeyError"),
+                          ("system.ckpt", f"system.ckpt holds a pickled {os.system.__module__}.system, which "
+                                          "torch.load(weights_only=True) does not load")):
+        code = main(["convert", "locost", "--checkpoint_path", str(tmp_path / name), "--pytorch_dump_folder_path",
+                     str(tmp_path / "out")])
+        error = capsys.readouterr().err.strip()
+        assert code == 1 and len(error.splitlines()) == 1 and message in error, error
+        assert "Check the documentation" not in error
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_unusable_tokenizer_is_named_with_the_whole_cause(fixtures_dir, tmp_path, capsys):
+    tokenizer = tmp_path / "tokenizer"
+    tokenizer.mkdir()
+    (tokenizer / "tokenizer_config.json").write_text("{}")  # no vocabulary to build a tokenizer from
+    code = main(["convert", "locost", "--checkpoint_path", str(fixtures_dir / "locost" / "hf_checkpoint"),
+                 "--pytorch_dump_folder_path", str(tmp_path / "out"), "--tokenizer_name_or_path", str(tokenizer)])
+    error = capsys.readouterr().err.strip()
+    assert code == 1 and len(error.splitlines()) == 1, error
+    assert error.startswith(f"error: --tokenizer_name_or_path {tokenizer}: Couldn't instantiate the backend tokenizer")
+    assert "(1) a `tokenizers` library serialization file" in error  # not cut after the first line
+    assert not (tmp_path / "out").exists()

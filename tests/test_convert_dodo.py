@@ -459,3 +459,114 @@ def test_ind_scorer_false_and_freeze_decoder_checkpoints(dodo_fixtures, tmp_path
             3,
             128,
         )
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Bad inputs: clear errors naming the file or option
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def test_export_peft_from_refuses_a_folder_that_is_not_a_dodo_model(fixtures_dir, tmp_path, capsys):
+    """A LOCOST folder's config would otherwise build a default (7B-parameter) Llama; a missing folder would go to
+    the Hub."""
+    from longreach.conversion import convert_locost_original_checkpoint as locost_converter
+
+    locost = locost_converter.convert_locost_checkpoint(fixtures_dir / "locost" / "hf_checkpoint", tmp_path / "locost")
+    for source, message in (
+        (locost, f"--export_peft_from {locost} holds a model_type 'locost' model; expected a longreach Dodo folder"),
+        (tmp_path / "absent", f"--export_peft_from {tmp_path / 'absent'} is not a folder"),
+    ):
+        with pytest.raises(ConversionError, match=message):
+            converter.export_peft_adapters(source, tmp_path / "out")
+        arguments = ["--export_peft_from", str(source), "--pytorch_dump_folder_path", str(tmp_path / "out")]
+        assert converter.main(arguments) == 1
+        assert message in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("hparams, message", [
+    ({"ratio": "ten percent"}, r"hyper-parameter ratio='ten percent': expected a number"),
+    ({"soft": "one"}, r"hyper-parameter soft='one': expected an integer"),
+    ({"new_tokens": 0}, r"hyper-parameter new_tokens=0: expected a positive integer"),
+    ({"ratio": 5.0}, r"give an invalid Dodo configuration: `nugget_ratio` must be in \(0, 1\]"),
+])
+def test_bad_hyper_parameters_are_named(dodo_fixtures, tmp_path, hparams, message):
+    checkpoint = copy_checkpoint(dodo_fixtures, tmp_path / "copy", hparams=lambda hp: {**hp, **hparams})
+    with pytest.raises(ConversionError, match=rf"the hyper-parameters of {checkpoint}.*{message}"):
+        converter.convert_dodo_checkpoint(checkpoint, tmp_path / "out")
+
+
+def test_unreadable_yaml_and_base_config_are_named(dodo_fixtures, tmp_path):
+    checkpoint = copy_checkpoint(dodo_fixtures, tmp_path / "copy")
+    (tmp_path / "hparams.yaml").write_text("ratio: [0.1\nlora: 32\n")
+    with pytest.raises(ConversionError, match=r"hparams\.yaml cannot be read as YAML: while parsing"):
+        converter.convert_dodo_checkpoint(checkpoint, tmp_path / "out", hparams_path=tmp_path / "hparams.yaml")
+    shutil.copytree(dodo_fixtures / "base", tmp_path / "base")
+    (tmp_path / "base" / "config.json").write_text('{"model_type": "llama", ')
+    with pytest.raises(ConversionError, match=rf"The base model's {tmp_path / 'base' / 'config.json'} cannot be read"):
+        converter.convert_dodo_checkpoint(checkpoint, tmp_path / "out", base_model_path=tmp_path / "base")
+
+
+def test_truncated_file_with_unsafe_loading_is_a_conversion_error(dodo_fixtures, tmp_path):
+    checkpoint = copy_checkpoint(dodo_fixtures, tmp_path / "copy")
+    checkpoint.write_bytes(checkpoint.read_bytes()[:1000])
+    with pytest.raises(ConversionError, match="cannot be loaded even with --unsafe_allow_pickle_code_execution"):
+        converter.convert_dodo_checkpoint(checkpoint, tmp_path / "out", allow_pickle_code_execution=True)
+
+
+def _peft_route(dodo_fixtures: Path, output: Path, encoder: Path | None = None, scorer: Path | None = None):
+    return converter.convert_dodo_peft_folders(
+        encoder or dodo_fixtures / "adapters" / "encoder", dodo_fixtures / "adapters" / "decoder",
+        scorer or dodo_fixtures / "scorer.pt", dodo_fixtures / "base", output, soft_prompt_length=0,
+    )
+
+
+def test_integer_and_non_tensor_values_are_named(dodo_fixtures, tmp_path):
+    scorer = torch.load(dodo_fixtures / "scorer.pt", weights_only=True)
+    torch.save({**scorer, "0.weight": scorer["0.weight"].long()}, tmp_path / "long.pt")
+    with pytest.raises(ConversionError, match=r"nugget_scorer\.0\.weight: checkpoint torch\.int64, expected a float"):
+        _peft_route(dodo_fixtures, tmp_path / "out", scorer=tmp_path / "long.pt")
+    torch.save({**scorer, "0.bias": 2}, tmp_path / "int.pt")
+    with pytest.raises(ConversionError, match=r"int\.pt \(scorer\): '0\.bias' holds a value of type int"):
+        _peft_route(dodo_fixtures, tmp_path / "out", scorer=tmp_path / "int.pt")
+    shutil.copytree(dodo_fixtures / "adapters" / "encoder", tmp_path / "encoder")
+    torch.save([1, 2, 3], tmp_path / "encoder" / "adapter_model.bin")
+    with pytest.raises(ConversionError, match=r"adapter_model\.bin: expected a state dict .*got list"):
+        _peft_route(dodo_fixtures, tmp_path / "out", encoder=tmp_path / "encoder")
+    key = "nugget.encoder.scorer.0.bias"
+    checkpoint = copy_checkpoint(dodo_fixtures, tmp_path / "copy", state_dict=lambda sd: {**sd, key: 3})
+    with pytest.raises(ConversionError, match=rf"weights\.ckpt \('state_dict'\): '{key}' holds a value of type int"):
+        converter.convert_dodo_checkpoint(checkpoint, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("r", "32", "r='32', expected an integer"),
+    ("lora_alpha", "abc", "lora_alpha='abc', expected a number"),
+    ("target_modules", "(unclosed", "target_modules '(unclosed' is not a valid regular expression"),
+    ("target_modules", 5, "target_modules 5: expected a regular expression or a list of module names"),
+])
+def test_bad_adapter_config_values_name_the_file(dodo_fixtures, tmp_path, field, value, message):
+    shutil.copytree(dodo_fixtures / "adapters" / "encoder", tmp_path / "encoder")
+    config_file = tmp_path / "encoder" / "adapter_config.json"
+    config_file.write_text(json.dumps({**json.loads(config_file.read_text()), field: value}))
+    with pytest.raises(ConversionError) as error:
+        _peft_route(dodo_fixtures, tmp_path / "out", encoder=tmp_path / "encoder")
+    assert str(error.value).startswith(f"{config_file}: {message}")
+
+
+@pytest.mark.parametrize("flag, value, message", [
+    ("--nugget_ratio", "nan", "--nugget_ratio nan: expected a number in (0, 1]"),
+    ("--nugget_ratio", "0", "--nugget_ratio 0.0: expected a number in (0, 1]"),
+    ("--nugget_layer", "-1", "--nugget_layer -1: expected a layer index >= 0"),
+    ("--max_new_tokens", "0", "--max_new_tokens 0: expected a positive integer"),
+    ("--max_new_tokens", "-5", "--max_new_tokens -5: expected a positive integer"),
+])
+def test_peft_route_numeric_flags_are_checked(dodo_fixtures, tmp_path, capsys, flag, value, message):
+    adapters = dodo_fixtures / "adapters"
+    with pytest.raises(SystemExit):
+        converter.main(["--encoder_adapter_path", str(adapters / "encoder"), "--scorer_path",
+                        str(dodo_fixtures / "scorer.pt"), "--base_model_path", str(dodo_fixtures / "base"),
+                        "--soft_prompt_length", "0", "--pytorch_dump_folder_path", str(tmp_path / "out"), flag, value])
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()

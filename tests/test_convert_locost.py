@@ -297,3 +297,96 @@ def test_pickle_with_other_globals_is_refused(tmp_path):
     torch.save({"state_dict": {}, "payload": Evil()}, path)
     with pytest.raises(ConversionError, match="weights_only=True"):
         converter.convert_locost_checkpoint(path, tmp_path / "out")
+
+
+def test_mixed_float16_and_bfloat16_convert_in_float32(fixtures_dir, tmp_path):
+    """Neither half dtype holds the other's values: 2**17 is inf in float16, 1.0009765625 is no bfloat16."""
+    def mix(state_dict):
+        for key in state_dict:
+            state_dict[key] = state_dict[key].half()
+        norm = state_dict["encoder.final_layer_norm.weight"].bfloat16()
+        norm[0] = 2.0**17
+        state_dict["encoder.final_layer_norm.weight"] = norm
+        state_dict["decoder.final_layer_norm.weight"][0] = 1.0009765625
+
+    source = _copy_with_state_dict(fixtures_dir, tmp_path, mix)
+    converter.convert_locost_checkpoint(source, tmp_path / "out")
+    model = LocostForConditionalGeneration.from_pretrained(tmp_path / "out", dtype="auto")
+    assert model.dtype == torch.float32
+    assert model.encoder.final_layer_norm.weight[0].item() == 2.0**17
+    assert model.decoder.final_layer_norm.weight[0].item() == 1.0009765625
+
+
+def test_a_float64_checkpoint_converts_in_float64(fixtures_dir, tmp_path):
+    def to_float64(state_dict):
+        for key in state_dict:
+            state_dict[key] = state_dict[key].double()
+
+    source = _copy_with_state_dict(fixtures_dir, tmp_path, to_float64)
+    converter.convert_locost_checkpoint(source, tmp_path / "out")
+    model = LocostForConditionalGeneration.from_pretrained(tmp_path / "out", dtype="auto")
+    original = torch.load(source / "pytorch_model.bin", weights_only=True)
+    ssm = model.encoder.block[0].layer[0].ssm.conv
+    assert model.dtype == torch.float64 and ssm.log_dt.dtype == torch.float64  # the SSM is not cut to float32
+    assert torch.equal(ssm.log_dt, original["encoder.block.0.layer.0.ssm_layer.kernel.log_dt"])
+
+
+def test_an_integer_tensor_for_a_floating_weight_is_named(fixtures_dir, tmp_path):
+    key = "encoder.final_layer_norm.weight"
+    source = _copy_with_state_dict(fixtures_dir, tmp_path, lambda sd: sd.__setitem__(key, sd[key].long()))
+    with pytest.raises(ConversionError, match=rf"{key}: checkpoint torch\.int64, expected a floating dtype"):
+        converter.convert_locost_checkpoint(source, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda sd: sd.__setitem__("encoder.final_layer_norm.weight", 5),
+     r"pytorch_model\.bin: 'encoder\.final_layer_norm\.weight' holds a value of type int; expected .*tensor"),
+    (lambda sd: sd.__setitem__(7, torch.zeros(1)), r"pytorch_model\.bin: key 7; expected string keys"),
+])
+def test_a_value_that_is_no_tensor_is_named(fixtures_dir, tmp_path, edit, message):
+    source = _copy_with_state_dict(fixtures_dir, tmp_path, edit)
+    with pytest.raises(ConversionError, match=message):
+        converter.convert_locost_checkpoint(source, tmp_path / "out")
+
+
+def _lightning_copy(fixtures_dir, tmp_path, edit) -> Path:
+    """The Lightning fixture re-saved with ``edit(checkpoint)`` applied (its pickled config read as a dict)."""
+    checkpoint_path = fixtures_dir / "locost" / "lightning" / "epoch=0-step=1.ckpt"
+    state_dict, config = converter.read_original_checkpoint(checkpoint_path)
+    checkpoint = {"state_dict": {f"model.{key}": value for key, value in state_dict.items()},
+                  "hyper_parameters": {"config": config}}
+    edit(checkpoint)
+    path = tmp_path / "edited.ckpt"
+    torch.save(checkpoint, path)
+    return path
+
+
+def test_lightning_checkpoint_with_a_config_dict_or_other_value(fixtures_dir, tmp_path, converted):
+    source = _lightning_copy(fixtures_dir, tmp_path, lambda checkpoint: None)  # the config as a plain dict
+    converter.convert_locost_checkpoint(source, tmp_path / "out")
+    assert load_file(str(tmp_path / "out" / "model.safetensors")).keys() == load_file(
+        str(converted["hf_checkpoint"] / "model.safetensors")).keys()
+    source = _lightning_copy(fixtures_dir, tmp_path, lambda checkpoint: checkpoint["hyper_parameters"].update(
+        config="d_model=64"))
+    with pytest.raises(ConversionError, match=r"hyper_parameters\['config'\] is a str.*--config_path"):
+        converter.convert_locost_checkpoint(source, tmp_path / "out2")
+    source = _lightning_copy(fixtures_dir, tmp_path, lambda checkpoint: checkpoint.update(state_dict=[1, 2]))
+    with pytest.raises(ConversionError, match=r"edited\.ckpt \('state_dict'\): expected a state dict.*got list"):
+        converter.convert_locost_checkpoint(source, tmp_path / "out3")
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("d_model", "64", r"`d_model` must be a positive integer, got '64'"),
+    ("num_heads", [4], r"`num_heads` must be a positive integer, got \[4\]"),
+])
+def test_bad_config_values_name_the_file(fixtures_dir, tmp_path, capsys, field, value, message):
+    source = tmp_path / "edited"
+    shutil.copytree(fixtures_dir / "locost" / "hf_checkpoint", source)
+    config = json.loads((source / "config.json").read_text())
+    config[field] = value
+    (source / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConversionError, match=rf"edited/config\.json: invalid LOCOST configuration: {message}"):
+        converter.convert_locost_checkpoint(source, tmp_path / "out")
+    assert converter.main(["--checkpoint_path", str(source), "--pytorch_dump_folder_path", str(tmp_path / "out")]) == 1
+    assert "config.json: invalid LOCOST configuration" in capsys.readouterr().err

@@ -241,3 +241,47 @@ def test_converter_is_loud_about_mismatching_weights(fixtures_dir, tmp_path, cha
     source = _tampered_copy(fixtures_dir, tmp_path / "tampered", change)
     with pytest.raises(ConversionError, match=message):
         converter.convert_vcc_checkpoint(source, tmp_path / "out")
+
+
+def _copy_with_config(fixtures_dir, folder: Path, **changes) -> Path:
+    source = _tampered_copy(fixtures_dir, folder, lambda sd: None)
+    config = json.loads((source / "config.json").read_text())
+    config.update(changes)
+    (source / "config.json").write_text(json.dumps(config))
+    return source
+
+
+@pytest.mark.parametrize("field", ["scale_decoder_outputs", "tie_word_embeddings"])
+def test_boolean_config_fields_must_be_json_booleans(fixtures_dir, tmp_path, field):
+    source = _copy_with_config(fixtures_dir, tmp_path / "edited", **{field: "false"})  # bool("false") is True
+    with pytest.raises(ConversionError, match=rf"edited/config\.json: {field} is 'false'; expected true or false"):
+        converter.convert_vcc_checkpoint(source, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("value", [0, 1, "eleven", 11.5])
+def test_max_decoder_length_is_checked_up_front(fixtures_dir, tmp_path, capsys, value):
+    source = _copy_with_config(fixtures_dir, tmp_path / "edited", max_decoder_length=value)
+    assert converter.main(["--checkpoint_path", str(source), "--pytorch_dump_folder_path", str(tmp_path / "out")]) == 1
+    error = capsys.readouterr().err
+    assert f"config.json: max_decoder_length is {value!r}; expected an integer >= 2" in error
+    assert "max_new_tokens" not in error and not (tmp_path / "out").exists()
+
+
+def test_bad_config_values_name_the_file(fixtures_dir, tmp_path):
+    source = _copy_with_config(fixtures_dir, tmp_path / "edited", encoder_layers="src.t5.models.layers.T5Block")
+    with pytest.raises(ConversionError, match=r"edited/config\.json: unsupported original VCC configuration"):
+        converter.convert_vcc_checkpoint(source, tmp_path / "out")
+    source = _copy_with_config(fixtures_dir, tmp_path / "edited2", d_model="64")
+    with pytest.raises(ConversionError, match=r"edited2/config\.json: invalid VCC-T5 configuration: `d_model`"):
+        converter.convert_vcc_checkpoint(source, tmp_path / "out")
+
+
+@pytest.mark.parametrize("value, message", [
+    (7, r"pytorch_model\.bin: 'shared\.weight' holds a value of type int; expected .*tensor"),
+    (torch.zeros(128), r"'shared\.weight' \(the token embedding\) is a 1-D tensor; expected a \[vocab_size, d_model\]"),
+])
+def test_a_token_embedding_that_is_no_matrix_is_named(fixtures_dir, tmp_path, value, message):
+    source = _tampered_copy(fixtures_dir, tmp_path / "tampered", lambda sd: sd.__setitem__("shared.weight", value))
+    with pytest.raises(ConversionError, match=message):
+        converter.convert_vcc_checkpoint(source, tmp_path / "out")

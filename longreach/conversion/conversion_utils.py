@@ -21,7 +21,7 @@ import os
 import re
 import shutil
 import tempfile
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -66,21 +66,51 @@ def safe_torch_load(path: str | os.PathLike, allowed_classes: Iterable[type] = (
         try:
             return torch.load(path, map_location="cpu", weights_only=True)
         except pickle.UnpicklingError as error:
-            unsupported = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(error))
+            # torch words it "Unsupported global: GLOBAL x.y" or "unsupported GLOBAL x.y whose module x is blocked"
+            unsupported = re.search(r"unsupported (?:global:? )?GLOBAL (\S+)", str(error), flags=re.IGNORECASE)
             if unsupported:
                 raise ConversionError(
                     f"{path} holds a pickled {unsupported.group(1)}, which torch.load(weights_only=True) does not load: "
                     "it is not on our allow-list of tensors and containers (unpickling arbitrary objects can run code)."
                 ) from None
-            detail = next((line for line in reversed(str(error).splitlines()) if line.strip()), type(error).__name__)
-            raise ConversionError(f"{path} is not a PyTorch checkpoint, or it is corrupt: {detail[:200]}") from None
+            detail = _error_detail(error)
+            raise ConversionError(f"{path} is not a PyTorch checkpoint, or it is corrupt: {detail}") from None
         except (OSError, RuntimeError, EOFError) as error:
             with open(path, "rb") as handle:
                 zip_archive = handle.read(2) == b"PK"  # torch.save's format; truncated, it is no valid zip any more
             kind = ("truncated or corrupt (its zip archive cannot be read)" if zip_archive
                     else "truncated, corrupt or not a PyTorch checkpoint")
-            detail = next((line for line in str(error).splitlines() if line.strip()), type(error).__name__)
-            raise ConversionError(f"{path} is {kind}: {detail[:200]}") from None
+            raise ConversionError(f"{path} is {kind}: {_error_detail(error)}") from None
+        except MemoryError:
+            raise
+        except Exception as error:  # the unpickler on bytes that are no pickle: KeyError, IndexError, ValueError, ...
+            raise ConversionError(
+                f"{path} is not a PyTorch checkpoint (unpickling it failed: {_error_detail(error)})."
+            ) from None
+
+
+#: Lines of torch.load's errors that only give generic advice (about weights_only, the docs, filing issues).
+_BOILERPLATE = re.compile(
+    r"^(?:Weights only load failed|\(\d\)|In PyTorch 2\.6|Please file an issue|Check the documentation)", re.IGNORECASE
+)
+
+
+def _error_detail(error: BaseException, limit: int = 200) -> str:
+    """The informative line of an exception's message (torch.load wraps it in generic advice), shortened."""
+    text = str(error)
+    unpickler = re.search(r"WeightsUnpickler error:\s*(\S[^\n]*)", text)
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    informative = [line for line in lines if not _BOILERPLATE.match(line)]
+    detail = unpickler.group(1).strip() if unpickler else (informative or lines or [""])[0]
+    if len(detail) < 8:  # KeyError: 101 and the like
+        detail = f"{type(error).__name__}: {detail}".rstrip(": ")
+    return detail if len(detail) <= limit else detail[: limit - 3] + "..."
+
+
+def one_line(error: BaseException, limit: int = 300) -> str:
+    """An exception's whole message on one line (its lines joined), shortened to ``limit`` characters."""
+    message = " ".join(line.strip() for line in str(error).splitlines() if line.strip()) or type(error).__name__
+    return message if len(message) <= limit else message[: limit - 3] + "..."
 
 
 def _check_is_file(path: str | os.PathLike) -> None:
@@ -116,6 +146,7 @@ def load_weights_file(path: Path) -> dict[str, torch.Tensor]:
     state_dict = safe_torch_load(path)
     if not isinstance(state_dict, dict):
         raise ConversionError(f"{path} does not hold a state dict (got {type(state_dict).__name__}).")
+    check_state_dict(state_dict, str(path))
     return state_dict
 
 
@@ -151,6 +182,7 @@ def load_folder_checkpoint(folder: Path, config_path: Path | None = None) -> tup
 
 def strip_prefix(state_dict: dict[str, torch.Tensor], prefix: str, source: str) -> dict[str, torch.Tensor]:
     """Keys of a Lightning ``state_dict`` without the LightningModule attribute prefix (e.g. ``model.``)."""
+    check_state_dict(state_dict, f"{source} ('state_dict')")
     other = [key for key in state_dict if not key.startswith(prefix)]
     if other:
         raise ConversionError(f"{source}: expected every state_dict key to start with {prefix!r}; these do not: {other}")
@@ -174,6 +206,7 @@ class KeyMap:
     tied: dict[str, str] = field(default_factory=dict)
 
     def apply(self, state_dict: dict[str, torch.Tensor], expected_keys: Iterable[str], source: str) -> dict[str, torch.Tensor]:
+        check_state_dict(state_dict, source)
         converted: dict[str, torch.Tensor] = {}
         unexpected: list[str] = []
         for key, tensor in state_dict.items():
@@ -219,10 +252,28 @@ class KeyMap:
         return None
 
 
+def check_state_dict(state_dict: object, source: str) -> None:
+    """``state_dict`` must be a mapping of string keys to tensors; anything else is a :class:`ConversionError` naming
+    ``source`` and the first offending key."""
+    if not isinstance(state_dict, Mapping):
+        raise ConversionError(f"{source}: expected a state dict (a mapping of names to tensors), got "
+                              f"{type(state_dict).__name__}.")
+    for key, value in state_dict.items():
+        if not isinstance(key, str) or not isinstance(value, torch.Tensor):
+            what = f"{key!r} holds a value of type {type(value).__name__}" if isinstance(key, str) else f"key {key!r}"
+            raise ConversionError(f"{source}: {what}; expected string keys and tensor values (is this a state dict?).")
+
+
 def widest_floating_dtype(tensors: Iterable[torch.Tensor]) -> torch.dtype:
-    """The widest floating dtype among ``tensors`` (float32 if none): converting to it loses nothing."""
+    """The widest floating dtype among ``tensors`` (float32 if none): converting to it loses nothing. float16 and
+    bfloat16 together give float32 (neither holds the other's values)."""
     dtypes = {tensor.dtype for tensor in tensors if tensor.is_floating_point()}
-    return max(dtypes, key=lambda dtype: torch.finfo(dtype).bits) if dtypes else torch.float32
+    if not dtypes:
+        return torch.float32
+    widest = max(dtypes, key=lambda dtype: torch.finfo(dtype).bits)
+    if torch.finfo(widest).bits == 16 and {torch.float16, torch.bfloat16} <= dtypes:
+        return torch.float32
+    return widest
 
 
 def load_converted(model: torch.nn.Module, converted: dict[str, torch.Tensor], tied: set[str],
@@ -238,12 +289,14 @@ def load_converted(model: torch.nn.Module, converted: dict[str, torch.Tensor], t
         lines = [f"{key}: checkpoint {list(have)}, model {list(need)}" for key, (have, need) in sorted(wrong.items())]
         raise ConversionError(f"{source}: tensor shapes differ from the model's (is the config the checkpoint's?):\n"
                               + "\n".join(lines))
+    check_floating_dtypes(model, converted, source)
     dtype = widest_floating_dtype(converted.values())
     # Modules the model keeps in float32 in half precision (as from_pretrained does: LOCOST's SSM parameters)
     kept = list(getattr(model, "_keep_in_fp32_modules_strict", None) or [])
     if dtype == torch.float16:
         kept += list(getattr(model, "_keep_in_fp32_modules", None) or [])
-    float32_kept = re.compile("|".join(map(re.escape, kept))) if kept and dtype != torch.float32 else None
+    half = torch.finfo(dtype).bits == 16  # float64 stays float64 everywhere
+    float32_kept = re.compile("|".join(map(re.escape, kept))) if kept and half else None
 
     def target_dtype(key: str) -> torch.dtype:
         return torch.float32 if float32_kept is not None and float32_kept.search(key) else dtype
@@ -260,6 +313,20 @@ def load_converted(model: torch.nn.Module, converted: dict[str, torch.Tensor], t
         raise ConversionError(f"{source}: loading into the model failed: missing {sorted(set(missing) - tied)}, "
                               f"unexpected {sorted(unexpected)}")
     return converted, dtype
+
+
+def check_floating_dtypes(model: torch.nn.Module, tensors: dict[str, torch.Tensor], source: str) -> None:
+    """A floating model tensor must come from a floating tensor (``load_state_dict`` would silently cast an integer
+    one); names every key, the dtype given and the one expected."""
+    model_tensors = model.state_dict()
+    wrong = [
+        f"{key}: checkpoint {tensor.dtype}, expected a floating dtype (the model's is {model_tensors[key].dtype})"
+        for key, tensor in sorted(tensors.items())
+        if key in model_tensors and model_tensors[key].is_floating_point() and not tensor.is_floating_point()
+    ]
+    if wrong:
+        raise ConversionError(f"{source}: tensors of a non-floating dtype where the model has floating weights:\n"
+                              + "\n".join(wrong))
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -420,7 +487,10 @@ def finish_conversion(
             location = pretrained_location(tokenizer_name_or_path, "--tokenizer_name_or_path")
             tokenizer = AutoTokenizer.from_pretrained(tokenizer_name_or_path, **location)
         except (OSError, ValueError) as error:
-            raise ConversionError(str(error).strip().splitlines()[0]) from error
+            message = one_line(error, limit=500)
+            if not message.startswith("--tokenizer_name_or_path"):  # pretrained_location's errors name it already
+                message = f"--tokenizer_name_or_path {tokenizer_name_or_path}: {message}"
+            raise ConversionError(message) from error
     else:
         logger.warning("No tokenizer given or found beside the checkpoint: the folder holds no tokenizer, so the "
                        "pipeline and `longreach summarize` will need one (--tokenizer).")

@@ -44,6 +44,7 @@ import argparse
 import logging
 import re
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -54,10 +55,13 @@ from .conversion_utils import (
     ConversionError,
     KeyMap,
     find_local_tokenizer,
+    check_floating_dtypes,
     check_push_target,
+    check_state_dict,
     finish_conversion,
     load_state_dict_from_folder,
     load_weights_file,
+    one_line,
     read_json,
     widest_floating_dtype,
     prepare_output_folder,
@@ -122,7 +126,14 @@ def load_pickle(path: Path, allow_code_execution: bool = False) -> object:
             "unpickling can execute arbitrary code; only do this for files you trust.",
             path,
         )
-        return torch.load(path, map_location="cpu", weights_only=False)
+        try:
+            return torch.load(path, map_location="cpu", weights_only=False)
+        except MemoryError:
+            raise
+        except Exception as error:  # truncated or not a pickle at all: no better with weights_only=False
+            raise ConversionError(
+                f"{path} cannot be loaded even with --unsafe_allow_pickle_code_execution: {one_line(error, 200)}"
+            ) from None
 
 
 def read_lightning_checkpoint(
@@ -140,7 +151,12 @@ def read_lightning_checkpoint(
     checkpoint = load_pickle(checkpoint_path, allow_code_execution)
     if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint:
         raise ConversionError(f"{checkpoint_path} is not a Lightning checkpoint (no 'state_dict' entry).")
-    from_checkpoint = dict(checkpoint.get("hyper_parameters") or {})
+    check_state_dict(checkpoint["state_dict"], f"{checkpoint_path} ('state_dict')")
+    from_checkpoint = checkpoint.get("hyper_parameters") or {}
+    if not isinstance(from_checkpoint, Mapping):
+        raise ConversionError(f"{checkpoint_path}: 'hyper_parameters' is a {type(from_checkpoint).__name__}, expected "
+                              "a mapping; pass --hparams_path.")
+    from_checkpoint = dict(from_checkpoint)
     yaml_path = hparams_path or (checkpoint_path.parent / "hparams.yaml")
     from_yaml = None
     if hparams_path is not None or yaml_path.is_file():
@@ -148,7 +164,10 @@ def read_lightning_checkpoint(
             raise ConversionError(f"--hparams_path {yaml_path} does not exist.")
         import yaml
 
-        from_yaml = yaml.safe_load(yaml_path.read_text(encoding="utf-8")) or {}
+        try:
+            from_yaml = yaml.safe_load(yaml_path.read_text(encoding="utf-8")) or {}
+        except (OSError, UnicodeDecodeError, yaml.YAMLError) as error:
+            raise ConversionError(f"{yaml_path} cannot be read as YAML: {one_line(error, 200)}") from None
         if not isinstance(from_yaml, dict):
             raise ConversionError(f"{yaml_path} does not hold a mapping of hyper-parameters.")
     if from_yaml is not None and from_checkpoint:
@@ -191,7 +210,12 @@ def resolve_base_model(pretrained: str | None, checkpoint_path: Path | None, bas
 def read_base_config(base_path: Path) -> dict:
     from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(base_path)
+    try:
+        config = AutoConfig.from_pretrained(base_path)
+    except (OSError, ValueError, TypeError, KeyError) as error:
+        raise ConversionError(
+            f"The base model's {base_path / 'config.json'} cannot be read: {one_line(error)}"
+        ) from None
     if config.model_type != "llama":
         raise ConversionError(f"The base model at {base_path} is a {config.model_type!r} model; Dodo needs a Llama.")
     fields = {key: value for key, value in config.to_dict().items() if key not in ("model_type", "architectures")}
@@ -203,6 +227,23 @@ def read_base_config(base_path: Path) -> dict:
             rope.get("rope_theta"),
         )
     return fields
+
+
+def _hparam(hparams: dict, key: str, default, kind: type):
+    """``hparams[key]`` as ``kind`` (``default`` when absent); any other value (null included) is a ConversionError."""
+    if key not in hparams:
+        return default
+    value = hparams[key]
+    expected = "an integer" if kind is int else "a number"
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise ConversionError(f"hyper-parameter {key}={value!r}: expected {expected}.")
+    try:
+        converted = kind(value)
+        if kind is int and converted != float(value):  # 3.5 is no layer index
+            raise ValueError
+    except (ValueError, TypeError, OverflowError):
+        raise ConversionError(f"hyper-parameter {key}={value!r}: expected {expected}.") from None
+    return converted
 
 
 def dodo_fields_from_hparams(hparams: dict, num_hidden_layers: int) -> dict:
@@ -218,18 +259,18 @@ def dodo_fields_from_hparams(hparams: dict, num_hidden_layers: int) -> dict:
     for key in ("new_line_stop", "extractive"):
         if hparams.get(key):
             logger.warning("%s=True is a LLaMA-2-specific generation option of the original; it is not converted.", key)
-    nugget_layer = int(hparams.get("nugget_layer", 3))
+    nugget_layer = _hparam(hparams, "nugget_layer", 3, int)
     ind_scorer = bool(hparams.get("ind_scorer", True))
     fields = {
         "nugget_layer": nugget_layer,
-        "nugget_ratio": float(hparams.get("ratio", 0.1)),
+        "nugget_ratio": _hparam(hparams, "ratio", 0.1, float),
         "nugget_count_rounding": "dodo",
         "force_last_nugget": True,
         "scorer_features": "base_final_norm" if ind_scorer else "encoder_hidden",
         "nugget_encoding": "reencode" if hparams.get("auto") else "encoder_pass",
         "score_in_forward": True,
-        "soft_prompt_length": int(hparams.get("soft") or 0),
-        "lora_r": int(hparams.get("lora", 32)),
+        "soft_prompt_length": _hparam(hparams, "soft", 0, int) if hparams.get("soft") else 0,  # null/false: none
+        "lora_r": _hparam(hparams, "lora", 32, int),
         "lora_alpha": 32.0,  # hard-coded by the authors
         "lora_dropout": 0.1,
         "lora_target_modules": ["q_proj", "v_proj", "o_proj"],
@@ -308,8 +349,19 @@ def read_peft_adapter(folder: Path, allow_code_execution: bool = False) -> tuple
                 weights = load_weights_file(folder / name)
             else:
                 weights = load_pickle(folder / name, allow_code_execution)
+            check_state_dict(weights, str(folder / name))
             return adapter_config, weights
     raise ConversionError(f"No adapter_model.safetensors or adapter_model.bin in {folder}.")
+
+
+def _adapter_number(adapter_config: dict, key: str, default, kind: type, config_file: Path):
+    """``adapter_config[key]`` as ``kind``; a missing ``r`` or a non-number is a ConversionError naming the file."""
+    value = adapter_config.get(key)
+    value = default if value is None else value
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and (kind is float or float(value).is_integer()):
+        return kind(value)
+    expected = "an integer" if kind is int else "a number"
+    raise ConversionError(f"{config_file}: {key}={value!r}, expected {expected}.")
 
 
 def lora_targets_from_adapter_config(
@@ -318,6 +370,19 @@ def lora_targets_from_adapter_config(
     """``(target modules, layers or None for all)`` of a LoRA config, found by matching its ``target_modules`` (regex
     string or list) against the Llama module names as PEFT does."""
     targets = adapter_config.get("target_modules")
+    if isinstance(targets, str):
+        try:
+            re.compile(targets)
+        except re.error as error:
+            raise ConversionError(f"target_modules {targets!r} is not a valid regular expression ({error}).") from None
+    elif not isinstance(targets, (list, tuple)) or not all(isinstance(target, str) for target in targets):
+        raise ConversionError(f"target_modules {targets!r}: expected a regular expression or a list of module names.")
+    layers_to_transform = adapter_config.get("layers_to_transform")
+    if layers_to_transform is not None and not (
+        isinstance(layers_to_transform, int) or (isinstance(layers_to_transform, (list, tuple))
+                                                 and all(isinstance(layer, int) for layer in layers_to_transform))
+    ):
+        raise ConversionError(f"layers_to_transform {layers_to_transform!r}: expected a layer index or a list of them.")
     modules = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
     matched: set[tuple[int, str]] = set()
     for layer in range(num_hidden_layers):
@@ -327,8 +392,7 @@ def lora_targets_from_adapter_config(
             if isinstance(targets, str):
                 hit = re.fullmatch(targets, name) is not None
             else:
-                hit = any(name == target or name.endswith("." + target) for target in targets or [])
-                layers_to_transform = adapter_config.get("layers_to_transform")
+                hit = any(name == target or name.endswith("." + target) for target in targets)
                 if hit and layers_to_transform is not None:
                     allowed = [layers_to_transform] if isinstance(layers_to_transform, int) else layers_to_transform
                     hit = layer in allowed
@@ -370,6 +434,7 @@ def read_scorer(path: Path, allow_code_execution: bool = False) -> dict[str, tor
             raise ConversionError(f"{path}: 'scorer_states' has no 'non_linear' entry.")
     elif "non_linear" in payload:
         payload = payload["non_linear"]
+    check_state_dict(payload, f"{path} (scorer)")
     keys = set(payload)
     if keys != set(SCORER_KEYS):
         raise ConversionError(
@@ -442,6 +507,7 @@ def _build_and_save(
     }
     if wrong:
         raise ConversionError(f"{source}: tensor shapes differ from the model's (checkpoint, model): {wrong}")
+    check_floating_dtypes(model, converted, source)
     # One dtype for the whole model: by default the widest of the sources (lossless: the authors keep float32 adapters)
     target_dtype = getattr(torch, dtype) if dtype else widest_floating_dtype(converted.values())
     converted = {
@@ -455,8 +521,10 @@ def _build_and_save(
         from transformers import GenerationConfig
 
         model.generation_config = GenerationConfig.from_pretrained(base_path)
-    if max_new_tokens:
-        model.generation_config.max_new_tokens = int(max_new_tokens)  # the authors generate greedily (paper §5)
+    if max_new_tokens is not None:
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise ConversionError(f"--max_new_tokens {max_new_tokens!r}: expected a positive integer.")
+        model.generation_config.max_new_tokens = max_new_tokens  # the authors generate greedily (paper §5)
     tokenizer_source = tokenizer_name_or_path or find_local_tokenizer(base_path)
 
     def base_stays_frozen(reloaded: DodoLlamaForCausalLM) -> None:
@@ -494,8 +562,19 @@ def convert_dodo_checkpoint(
     output = prepare_output_folder(pytorch_dump_folder_path, [checkpoint_path, hparams_path, base_path])
     check_push_target(push_to_hub)
     base_fields = read_base_config(base_path)
-    dodo_fields = dodo_fields_from_hparams(hparams, base_fields["num_hidden_layers"])
-    config = DodoLlamaConfig(**base_fields, **dodo_fields, legacy_decoder_mask_order=legacy_decoder_mask_order)
+    hparams_source = hparams_path or f"the hyper-parameters of {checkpoint_path}"
+    try:
+        dodo_fields = dodo_fields_from_hparams(hparams, base_fields["num_hidden_layers"])
+        new_tokens = _hparam(hparams, "new_tokens", None, int) if hparams.get("new_tokens") is not None else None
+        if new_tokens is not None and new_tokens < 1:
+            raise ConversionError(f"hyper-parameter new_tokens={new_tokens!r}: expected a positive integer.")
+        config = DodoLlamaConfig(**base_fields, **dodo_fields, legacy_decoder_mask_order=legacy_decoder_mask_order)
+    except ConversionError as error:
+        raise ConversionError(f"{hparams_source}: {error}") from None
+    except (ValueError, TypeError) as error:
+        raise ConversionError(
+            f"{hparams_source} (with the base model {base_path}) give an invalid Dodo configuration: {one_line(error)}"
+        ) from None
 
     for key, reason in DROPPED_LIGHTNING_KEYS.items():
         if key in state_dict:
@@ -510,7 +589,7 @@ def convert_dodo_checkpoint(
         base_path,
         output,
         str(checkpoint_path),
-        hparams.get("new_tokens"),
+        new_tokens,
         tokenizer_name_or_path,
         push_to_hub,
         dtype,
@@ -555,11 +634,16 @@ def convert_dodo_peft_folders(
     if decoder_adapter_path is not None:
         adapters["decoder"] = read_peft_adapter(decoder_adapter_path, allow_pickle_code_execution)
     settings = {}
+    adapter_folders = {"encoder": encoder_adapter_path, "decoder": decoder_adapter_path}
     for name, (adapter_config, _) in adapters.items():
-        modules, lora_layers = lora_targets_from_adapter_config(adapter_config, layers)
+        config_file = adapter_folders[name] / "adapter_config.json"
+        try:
+            modules, lora_layers = lora_targets_from_adapter_config(adapter_config, layers)
+        except ConversionError as error:
+            raise ConversionError(f"{config_file}: {error}") from None
         settings[name] = (
-            adapter_config.get("r"),
-            float(adapter_config.get("lora_alpha", 8)),
+            _adapter_number(adapter_config, "r", None, int, config_file),
+            _adapter_number(adapter_config, "lora_alpha", 8, float, config_file),
             tuple(modules),
             None if lora_layers is None else tuple(lora_layers),
         )
@@ -569,7 +653,8 @@ def convert_dodo_peft_folders(
         )
     r, alpha, modules, lora_layers = settings["encoder"]
     modules, lora_layers = list(modules), (None if lora_layers is None else list(lora_layers))
-    dropout = float(adapters["encoder"][0].get("lora_dropout", 0.0))
+    dropout = _adapter_number(adapters["encoder"][0], "lora_dropout", 0.0, float,
+                              encoder_adapter_path / "adapter_config.json")
 
     tensors: dict[str, torch.Tensor] = {}
     for name, (_, weights) in adapters.items():
@@ -596,24 +681,30 @@ def convert_dodo_peft_folders(
             "authors' weights.ckpt) or --soft_prompt_length 0 for a model without one."
         )
 
-    config = DodoLlamaConfig(
-        **base_fields,
-        nugget_layer=nugget_layer,
-        nugget_ratio=nugget_ratio,
-        nugget_count_rounding=nugget_count_rounding,
-        scorer_features=scorer_features,
-        nugget_encoding=nugget_encoding,
-        score_in_forward=score_in_forward,
-        soft_prompt_length=soft_prompt_length,
-        lora_r=int(r),
-        lora_alpha=alpha,
-        lora_dropout=dropout,
-        lora_target_modules=modules,
-        lora_layers=lora_layers,
-        encoder_adapter_name="encoder",
-        decoder_adapter_name="decoder" if decoder_adapter_path is not None else "encoder",
-        legacy_decoder_mask_order=legacy_decoder_mask_order,
-    )
+    try:
+        config = DodoLlamaConfig(
+            **base_fields,
+            nugget_layer=nugget_layer,
+            nugget_ratio=nugget_ratio,
+            nugget_count_rounding=nugget_count_rounding,
+            scorer_features=scorer_features,
+            nugget_encoding=nugget_encoding,
+            score_in_forward=score_in_forward,
+            soft_prompt_length=soft_prompt_length,
+            lora_r=r,
+            lora_alpha=alpha,
+            lora_dropout=dropout,
+            lora_target_modules=modules,
+            lora_layers=lora_layers,
+            encoder_adapter_name="encoder",
+            decoder_adapter_name="decoder" if decoder_adapter_path is not None else "encoder",
+            legacy_decoder_mask_order=legacy_decoder_mask_order,
+        )
+    except (ValueError, TypeError) as error:
+        raise ConversionError(
+            f"The options and adapter configs ({encoder_adapter_path}/adapter_config.json) with the base model "
+            f"{base_path} give an invalid Dodo configuration: {one_line(error)}"
+        ) from None
     source = f"{encoder_adapter_path} + {decoder_adapter_path} + {scorer_path}"
     model = DodoLlamaForCausalLM(config)
     return _build_and_save(
@@ -626,7 +717,25 @@ def export_peft_adapters(dodo_model_path: str | Path, pytorch_dump_folder_path: 
     then read everything back and compare with the model's tensors."""
     dodo_model_path = Path(dodo_model_path)
     output = prepare_output_folder(pytorch_dump_folder_path, [dodo_model_path])
-    model = DodoLlamaForCausalLM.from_pretrained(dodo_model_path)
+    # Checked before from_pretrained: a missing folder would be looked up on the Hub, and another model's config
+    # would build a default (7B-parameter) Llama.
+    if not dodo_model_path.is_dir():
+        raise ConversionError(f"--export_peft_from {dodo_model_path} is not a folder; expected a longreach Dodo folder "
+                              "(config.json with model_type 'dodo_llama').")
+    config_file = dodo_model_path / "config.json"
+    if not config_file.is_file():
+        raise ConversionError(f"--export_peft_from {dodo_model_path} has no config.json; expected a longreach Dodo "
+                              "folder.")
+    model_type = read_json(config_file).get("model_type")
+    if model_type != DodoLlamaConfig.model_type:
+        raise ConversionError(
+            f"--export_peft_from {dodo_model_path} holds a model_type {model_type!r} model; expected a longreach Dodo "
+            f"folder (model_type {DodoLlamaConfig.model_type!r})."
+        )
+    try:
+        model = DodoLlamaForCausalLM.from_pretrained(dodo_model_path)
+    except (OSError, ValueError, TypeError, KeyError, RuntimeError) as error:
+        raise ConversionError(f"--export_peft_from {dodo_model_path} cannot be loaded: {one_line(error)}") from error
     state_dict = model.state_dict()
     with staged_output(output) as staging:  # renamed to `output` only once everything read back equal
         model.export_peft_adapters(staging, base_model_name_or_path=None)
@@ -711,6 +820,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("pass exactly one of --checkpoint_path, --encoder_adapter_path and --export_peft_from")
     if args.encoder_adapter_path and not (args.scorer_path and args.base_model_path):
         parser.error("--encoder_adapter_path needs --scorer_path and --base_model_path")
+    if args.nugget_layer < 0:
+        parser.error(f"--nugget_layer {args.nugget_layer}: expected a layer index >= 0")
+    if not 0 < args.nugget_ratio <= 1:  # also refuses nan
+        parser.error(f"--nugget_ratio {args.nugget_ratio}: expected a number in (0, 1] (nuggets per token)")
+    if args.max_new_tokens is not None and args.max_new_tokens < 1:
+        parser.error(f"--max_new_tokens {args.max_new_tokens}: expected a positive integer")
+    if args.soft_prompt_length is not None and args.soft_prompt_length < 0:
+        parser.error(f"--soft_prompt_length {args.soft_prompt_length}: expected an integer >= 0")
     return args
 
 

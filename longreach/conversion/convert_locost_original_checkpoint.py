@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 
 
@@ -39,6 +40,7 @@ from .conversion_utils import (
     finish_conversion,
     load_converted,
     load_folder_checkpoint,
+    one_line,
     pickled_class_stand_in,
     read_json,
     prepare_output_folder,
@@ -98,7 +100,8 @@ def is_original_locost_config(config: dict) -> bool:
     return "LOCOSTForConditionalGeneration" in architectures or {"d_state", "num_ssm_heads"} <= set(config)
 
 
-def locost_config_from_original(original: dict) -> LocostConfig:
+def locost_config_from_original(original: dict, source: str = "the original config") -> LocostConfig:
+    """A `LocostConfig` from the original config dict; ``source`` (the file it came from) names it in errors."""
     if not is_original_locost_config(original):
         raise ConversionError(
             "The config does not look like an original LOCOST config (no 'LOCOSTForConditionalGeneration' "
@@ -112,7 +115,10 @@ def locost_config_from_original(original: dict) -> LocostConfig:
         )
     fields = {name: original[name] for name in COPIED_FIELDS if original.get(name) is not None}
     fields.setdefault("tie_word_embeddings", True)  # transformers 4.x default, not written to config.json
-    return LocostConfig(**fields)
+    try:
+        return LocostConfig(**fields)
+    except (ValueError, TypeError) as error:
+        raise ConversionError(f"{source}: invalid LOCOST configuration: {one_line(error)}") from None
 
 
 def read_original_checkpoint(checkpoint_path: Path, config_path: Path | None = None) -> tuple[dict, dict]:
@@ -128,10 +134,18 @@ def read_original_checkpoint(checkpoint_path: Path, config_path: Path | None = N
     state_dict = strip_prefix(checkpoint["state_dict"], "model.", str(checkpoint_path))
     if config_path is not None:
         return state_dict, read_json(config_path)
-    pickled = (checkpoint.get("hyper_parameters") or {}).get("config")
+    hyper_parameters = checkpoint.get("hyper_parameters") or {}
+    pickled = hyper_parameters.get("config") if isinstance(hyper_parameters, Mapping) else None
     if pickled is None:
         raise ConversionError(f"{checkpoint_path} holds no pickled config; pass --config_path CONFIG_JSON.")
-    return state_dict, dict(vars(pickled))
+    if isinstance(pickled, Mapping):  # a config saved as a plain dict
+        return state_dict, dict(pickled)
+    if isinstance(pickled, stand_in):
+        return state_dict, dict(vars(pickled))
+    raise ConversionError(
+        f"{checkpoint_path}: hyper_parameters['config'] is a {type(pickled).__name__}, not a config object or mapping; "
+        "pass --config_path CONFIG_JSON."
+    )
 
 
 def convert_locost_checkpoint(
@@ -146,7 +160,13 @@ def convert_locost_checkpoint(
     output = prepare_output_folder(pytorch_dump_folder_path, [checkpoint_path, config_path])
     check_push_target(push_to_hub)
     original_state_dict, original_config = read_original_checkpoint(checkpoint_path, Path(config_path) if config_path else None)
-    config = locost_config_from_original(original_config)
+    if config_path is not None:
+        config_source = str(config_path)
+    elif checkpoint_path.is_dir():
+        config_source = str(checkpoint_path / "config.json")
+    else:
+        config_source = f"the config pickled in {checkpoint_path}"
+    config = locost_config_from_original(original_config, config_source)
 
     model = LocostForConditionalGeneration(config)
     tied = set(model._tied_weights_keys) if config.tie_word_embeddings else set(model._tied_weights_keys) - {"lm_head.weight"}

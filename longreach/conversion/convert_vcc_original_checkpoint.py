@@ -33,6 +33,7 @@ import logging
 import sys
 from pathlib import Path
 
+import torch
 
 from ..configuration.configuration_vcc_t5 import VCC_FIELDS, VCC_T5_PRESETS, VCCT5Config, pop_original_vcc_fields
 from ..modeling.modeling_vcc_t5 import VCCT5ForConditionalGeneration
@@ -103,23 +104,34 @@ REQUIRED_VCC_OPTIONS = ("num_vanilla_layers", "segment_length", "num_vip_slots",
 
 
 def vcc_config_from_sources(
-    source_config: dict, vocab_size: int, preset: str | None = None, vcc_options: dict | None = None
+    source_config: dict,
+    vocab_size: int,
+    preset: str | None = None,
+    vcc_options: dict | None = None,
+    source: str = "the config",
 ) -> tuple[VCCT5Config, dict]:
     """``(VCCT5Config, generation defaults)`` from a T5 / original VCC config dict, a preset and explicit options.
 
     Priority of the VCC fields: explicit options > the source's own VCC fields > the preset. A plain T5 config needs a
-    preset or the five structural options (`REQUIRED_VCC_OPTIONS`).
+    preset or the five structural options (`REQUIRED_VCC_OPTIONS`). ``source`` (the config file) names it in errors.
     """
     model_type = source_config.get("model_type", "t5")
     if model_type not in ("t5", VCCT5Config.model_type):
-        raise ConversionError(f"Expected a T5 or VCC-T5 config (model_type 't5'), got model_type {model_type!r}.")
+        raise ConversionError(
+            f"{source}: expected a T5 or VCC-T5 config (model_type 't5'), got model_type {model_type!r}."
+        )
     fields = {name: source_config[name] for name in T5_FIELDS if source_config.get(name) is not None}
     # Tied head + d_model**-0.5 rescaling (T5 v1.0) or not (v1.1). transformers v5 T5 configs always say
     # tie_word_embeddings=true and store the distinction in scale_decoder_outputs.
+    for name in ("scale_decoder_outputs", "tie_word_embeddings"):
+        if name in source_config and not isinstance(source_config[name], bool):
+            raise ConversionError(
+                f"{source}: {name} is {source_config[name]!r}; expected true or false (a JSON boolean)."
+            )
     if "scale_decoder_outputs" in source_config:
-        fields["tie_word_embeddings"] = bool(source_config["scale_decoder_outputs"])
+        fields["tie_word_embeddings"] = source_config["scale_decoder_outputs"]
     else:
-        fields["tie_word_embeddings"] = bool(source_config.get("tie_word_embeddings", True))
+        fields["tie_word_embeddings"] = source_config.get("tie_word_embeddings", True)
     fields["vocab_size"] = vocab_size
     vcc_options = {name: value for name, value in (vcc_options or {}).items() if value is not None}
 
@@ -130,8 +142,8 @@ def vcc_config_from_sources(
             vcc_fields = pop_original_vcc_fields(dict(source_config), fields.get("num_layers"))
         else:
             vcc_fields = {}
-    except ValueError as error:
-        raise ConversionError(f"Unsupported original VCC configuration: {error}") from error
+    except (ValueError, TypeError) as error:
+        raise ConversionError(f"{source}: unsupported original VCC configuration: {error}") from error
 
     if vcc_fields and preset is not None:
         logger.warning("--vcc_preset %r ignored: the checkpoint's config has its own VCC fields.", preset)
@@ -156,14 +168,21 @@ def vcc_config_from_sources(
             vcc_fields = {name: preset_values[name] for name in VCC_FIELDS}
 
     generation = {}
-    if source_config.get("max_decoder_length") is not None:
+    max_decoder_length = source_config.get("max_decoder_length")
+    if max_decoder_length is not None:
+        if isinstance(max_decoder_length, bool) or not isinstance(max_decoder_length, int) or max_decoder_length < 2:
+            raise ConversionError(
+                f"{source}: max_decoder_length is {max_decoder_length!r}; expected an integer >= 2 (it counts the "
+                "decoder start token)."
+            )
         # the original's generate(max_length=...) counts the decoder start token: that many tokens minus one, as
         # max_new_tokens (a max_length in the generation config would make every call with max_new_tokens warn)
-        generation["max_new_tokens"] = int(source_config["max_decoder_length"]) - 1
+        generation["max_new_tokens"] = max_decoder_length - 1
     try:
         config = VCCT5Config(**fields, **{**vcc_fields, **vcc_options})
     except (ValueError, TypeError) as error:
-        raise ConversionError(f"Invalid VCC-T5 configuration: {error}") from error
+        given = f" with the options {vcc_options}" if vcc_options else ""
+        raise ConversionError(f"{source}{given}: invalid VCC-T5 configuration: {error}") from error
     return config, generation
 
 
@@ -203,8 +222,20 @@ def convert_vcc_checkpoint(
     source_state_dict, source_config = read_checkpoint(checkpoint_path, config_path)
     if "shared.weight" not in source_state_dict:
         raise ConversionError(f"{checkpoint_path}: no 'shared.weight' (the token embedding); is this a T5 checkpoint?")
-    vocab_size = source_state_dict["shared.weight"].shape[0]
-    config, generation = vcc_config_from_sources(source_config, vocab_size, vcc_preset, vcc_options)
+    shared = source_state_dict["shared.weight"]
+    if not isinstance(shared, torch.Tensor) or shared.dim() != 2:
+        got = f"a {shared.dim()}-D tensor" if isinstance(shared, torch.Tensor) else f"a {type(shared).__name__}"
+        raise ConversionError(f"{checkpoint_path}: 'shared.weight' (the token embedding) is {got}; expected a "
+                              "[vocab_size, d_model] tensor.")
+    if config_path is not None:
+        config_source = str(config_path)
+    elif Path(checkpoint_path).is_dir():
+        config_source = str(Path(checkpoint_path) / "config.json")
+    else:
+        config_source = f"the config of {checkpoint_path}"
+    config, generation = vcc_config_from_sources(
+        source_config, shared.shape[0], vcc_preset, vcc_options, source=config_source
+    )
 
     model = VCCT5ForConditionalGeneration(config)
     tied_targets = set(model._tied_weights_keys) - (set() if config.tie_word_embeddings else {"lm_head.weight"})
