@@ -77,7 +77,18 @@ from transformers.trainer_utils import SchedulerType
 
 import longreach  # noqa: F401  (registers Dodo with the Auto classes)
 from longreach import DodoDataCollator, DodoLlamaForCausalLM
-from longreach.finetuning import check_output_dir, decide_what_to_run, load_data_files, resume_checkpoint
+from longreach.finetuning import (
+    check_not_the_model_folder,
+    check_output_dir,
+    check_text_columns,
+    check_training_arguments,
+    decide_what_to_run,
+    exit_with_one_line_errors,
+    first_text,
+    json_option,
+    load_data_files,
+    resume_checkpoint,
+)
 from longreach.hub import push_folder_to_hub, write_model_card
 
 TASKS = ("continuation", "summarization", "autoencoding")
@@ -191,6 +202,8 @@ class DodoTrainer(Trainer):
 
 
 def load_model_and_tokenizer(model_args: ModelArguments):
+    from longreach.hub import pretrained_location
+
     if (model_args.model_name_or_path is None) == (model_args.base_model_name_or_path is None):
         raise ValueError(
             "Pass exactly one of --model_name_or_path (a Dodo checkpoint) and --base_model_name_or_path (a plain "
@@ -200,10 +213,15 @@ def load_model_and_tokenizer(model_args: ModelArguments):
         if model_args.dodo_config:
             raise ValueError("--dodo_config only applies to --base_model_name_or_path (a Dodo checkpoint has its own).")
         source = model_args.model_name_or_path
+        pretrained_location(source, "--model_name_or_path")
         model = DodoLlamaForCausalLM.from_pretrained(source)
     else:
         source = model_args.base_model_name_or_path
-        model = DodoLlamaForCausalLM.from_base_model(source, dodo_config=json.loads(model_args.dodo_config or "{}"))
+        pretrained_location(source, "--base_model_name_or_path")
+        model = DodoLlamaForCausalLM.from_base_model(source, dodo_config=json_option(model_args.dodo_config,
+                                                                                     "--dodo_config"))
+    if model_args.tokenizer_name is not None:
+        pretrained_location(model_args.tokenizer_name, "--tokenizer_name")
     tokenizer = AutoTokenizer.from_pretrained(model_args.tokenizer_name or source)
     base_trainable = [name for name, param in model.named_parameters()
                       if param.requires_grad and not is_lora_parameter(name)
@@ -289,10 +307,11 @@ def generation_inputs(tokenizer, model, data_args: DataArguments, row: dict) -> 
     encoder = ExampleEncoder(model, tokenizer, data_args)
     context = encoder._context(encoder._tokens([row[data_args.context_column]])[0])
     if data_args.task == "continuation" and data_args.prompt_column:
-        prompt = encoder._tokens([row[data_args.prompt_column]])[0]
+        prompt = encoder._tokens([row[data_args.prompt_column]])[0] or list(encoder.bos)  # an empty prompt: BOS
     else:
         prompt = list(encoder.bos)
-    return {"input_ids": torch.tensor([prompt]), "context_input_ids": torch.tensor([context])}
+    return {"input_ids": torch.tensor([prompt], dtype=torch.long),
+            "context_input_ids": torch.tensor([context], dtype=torch.long)}
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -327,6 +346,13 @@ def run(model_args: ModelArguments, data_args: DataArguments, training_args: Dod
         raise ValueError(f"--task must be one of {TASKS}, got {data_args.task!r}.")
     if training_args.remove_unused_columns:
         raise ValueError("--remove_unused_columns must stay False: DodoDataCollator needs `prompt_length`.")
+    # the optimizer checks only the default learning rate, not a parameter group's
+    if training_args.scorer_learning_rate is not None and training_args.scorer_learning_rate < 0:
+        raise ValueError(f"--scorer_learning_rate must be >= 0, got {training_args.scorer_learning_rate}.")
+    if training_args.schedule_horizon_steps is not None and training_args.schedule_horizon_steps < 1:
+        raise ValueError(f"--schedule_horizon_steps must be >= 1, got {training_args.schedule_horizon_steps}.")
+    for option in ("model_name_or_path", "base_model_name_or_path"):
+        check_not_the_model_folder(training_args.output_dir, f"--{option}", getattr(model_args, option))
     set_seed(training_args.seed)
     model, tokenizer = load_model_and_tokenizer(model_args)
     raw = load_raw_datasets(data_args)
@@ -334,6 +360,7 @@ def run(model_args: ModelArguments, data_args: DataArguments, training_args: Dod
         decide_what_to_run(training_args, raw, argv)
     elif not (training_args.do_train or training_args.do_eval):  # neither asked for: do what the data allows
         training_args.do_train, training_args.do_eval = "train" in raw, "validation" in raw
+    check_training_arguments(training_args, data_args.max_train_samples, data_args.max_eval_samples)
     if training_args.do_train:
         check_output_dir(training_args.output_dir)  # before training: the card written after it keeps what is there
 
@@ -352,6 +379,7 @@ def run(model_args: ModelArguments, data_args: DataArguments, training_args: Dod
                              "--context_column / --target_column / --prompt_column.")
         if limit is not None:
             dataset = dataset.select(range(min(limit, len(dataset))))
+        check_text_columns(dataset, needed, split)
         encoder = ExampleEncoder(model, tokenizer, data_args)
         # `new_fingerprint` spares datasets from hashing the model the encoder holds.
         mapped = dataset.map(encoder, batched=True, batch_size=64, remove_columns=dataset.column_names,
@@ -359,8 +387,8 @@ def run(model_args: ModelArguments, data_args: DataArguments, training_args: Dod
         for count, what, option in ((encoder.cut_contexts, "contexts", "max_context_length"),
                                     (encoder.cut_targets, "targets", "max_target_length")):
             if count:
-                print(f"{count} of {len(dataset)} {split} {what} are longer than --{option} tokens and were cut to it.",
-                      file=sys.stderr)
+                print(f"{count} of {len(dataset)} {split} {what} are longer than --{option}="
+                      f"{getattr(data_args, option)} tokens and were cut to it.", file=sys.stderr)
         return mapped
 
     train_dataset = features("train", data_args.max_train_samples) if training_args.do_train else None
@@ -485,11 +513,14 @@ def main(argv: list[str] | None = None) -> dict:
         tokenizer = AutoTokenizer.from_pretrained(training_args.output_dir)
         raw = load_raw_datasets(data_args)
         split = next(name for name in ("validation", "test", "train") if name in raw)
-        inputs = generation_inputs(tokenizer, reloaded, data_args, raw[split][0])
-        with torch.no_grad():
-            output = reloaded.generate(**inputs, max_new_tokens=16, do_sample=False)
-        print(f"generated for the first {split} example:",
-              repr(tokenizer.decode(output[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)))
+        row = first_text(raw[split], data_args.context_column)  # an empty context has nothing to compress
+        if row is not None:
+            inputs = generation_inputs(tokenizer, reloaded, data_args, raw[split][row])
+            with torch.no_grad():
+                output = reloaded.generate(**inputs, max_new_tokens=16, do_sample=False)
+            which = "the first" if row == 0 else f"the first non-empty (row {row})"
+            print(f"generated for {which} {split} example:",
+                  repr(tokenizer.decode(output[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)))
     if smoke_inputs is not None:
         metrics["smoke_inputs"] = str(smoke_inputs)
     print(json.dumps({key: value for key, value in metrics.items() if isinstance(value, (int, float, str, dict))}))
@@ -497,4 +528,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    exit_with_one_line_errors(main)

@@ -47,7 +47,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import longreach  # noqa: F401  (registers LOCOST / VCC-T5 with the Auto classes)
-from longreach.finetuning import check_output_dir, decide_what_to_run, load_data_files, resume_checkpoint
+from longreach.finetuning import (
+    check_config_fields,
+    check_not_the_model_folder,
+    check_output_dir,
+    check_text_columns,
+    check_training_arguments,
+    decide_what_to_run,
+    exit_with_one_line_errors,
+    first_text,
+    json_option,
+    load_data_files,
+    resume_checkpoint,
+)
 from longreach.hub import push_folder_to_hub, write_model_card
 from longreach.metrics import rouge_scores
 from transformers import (
@@ -167,8 +179,15 @@ def build_compute_metrics(tokenizer, references: list[str] | None = None):
 
 
 def load_model_and_tokenizer(model_args: ModelArguments):
-    overrides = json.loads(model_args.config_overrides or "{}")
+    from longreach.hub import pretrained_location
+
+    overrides = json_option(model_args.config_overrides, "--config_overrides")
+    if model_args.tokenizer_name is not None:
+        pretrained_location(model_args.tokenizer_name, "--tokenizer_name")
     if model_args.model_name_or_path is not None:
+        pretrained_location(model_args.model_name_or_path, "--model_name_or_path")
+        config = AutoConfig.from_pretrained(model_args.model_name_or_path, trust_remote_code=True)
+        check_config_fields(type(config), overrides, "--config_overrides")
         tokenizer = AutoTokenizer.from_pretrained(model_args.tokenizer_name or model_args.model_name_or_path)
         model = AutoModelForSeq2SeqLM.from_pretrained(model_args.model_name_or_path, trust_remote_code=True,
                                                       **overrides)
@@ -179,6 +198,7 @@ def load_model_and_tokenizer(model_args: ModelArguments):
             f"{MODEL_TYPES}) with --tokenizer_name to train from scratch; got model_type={model_args.model_type!r}, "
             f"tokenizer_name={model_args.tokenizer_name!r}."
         )
+    check_config_fields(type(AutoConfig.for_model(model_args.model_type)), overrides, "--config_overrides")
     tokenizer = AutoTokenizer.from_pretrained(model_args.tokenizer_name)
     config = AutoConfig.for_model(
         model_args.model_type, vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
@@ -201,6 +221,7 @@ def run(model_args: ModelArguments, data_args: DataArguments, training_args: Seq
     for option in ("max_source_length", "max_target_length"):
         if getattr(data_args, option) < 1:
             raise ValueError(f"--{option} must be a positive number of tokens, got {getattr(data_args, option)}.")
+    check_not_the_model_folder(training_args.output_dir, "--model_name_or_path", model_args.model_name_or_path)
     set_seed(training_args.seed)
     training_args.predict_with_generate = True
     if training_args.generation_max_length is None:  # counts the decoder start token: max_target_length new tokens
@@ -211,6 +232,7 @@ def run(model_args: ModelArguments, data_args: DataArguments, training_args: Seq
         decide_what_to_run(training_args, raw, argv)
     elif not (training_args.do_train or training_args.do_eval):  # neither asked for: do what the data allows
         training_args.do_train, training_args.do_eval = "train" in raw, "validation" in raw
+    check_training_arguments(training_args, data_args.max_train_samples, data_args.max_eval_samples)
     if training_args.do_train:
         check_output_dir(training_args.output_dir)  # before training: the card written after it keeps what is there
 
@@ -224,6 +246,7 @@ def run(model_args: ModelArguments, data_args: DataArguments, training_args: Seq
                                  "set --text_column / --summary_column.")
         if limit is not None:
             dataset = dataset.select(range(min(limit, len(dataset))))
+        check_text_columns(dataset, [data_args.text_column, data_args.summary_column], split)
         cut, cut_summaries = [0], [0]
 
         def preprocess(batch):
@@ -346,12 +369,15 @@ def main(argv: list[str] | None = None) -> dict:
         summarizer = pipeline("summarization", model=training_args.output_dir, trust_remote_code=True)
         raw = load_raw_datasets(data_args)
         split = next(name for name in ("validation", "test", "train") if name in raw)
-        document = raw[split][0][data_args.text_column]
-        print(f"summary of the first {split} document:",
-              summarizer(document, max_new_tokens=data_args.max_target_length)[0]["summary_text"])
+        row = first_text(raw[split], data_args.text_column)  # an empty document has no summary to show
+        if row is not None:
+            document = raw[split][row][data_args.text_column]
+            which = "the first" if row == 0 else f"the first non-empty (row {row})"
+            print(f"summary of {which} {split} document:",
+                  summarizer(document, max_new_tokens=data_args.max_target_length)[0]["summary_text"])
     print(json.dumps({key: value for key, value in metrics.items() if isinstance(value, (int, float))}))
     return metrics
 
 
 if __name__ == "__main__":
-    main()
+    exit_with_one_line_errors(main)

@@ -87,3 +87,80 @@ def check_output_dir(output_dir: str | Path) -> None:
     if readme.is_file() and read_card_state(readme) is None:
         raise ValueError(f"--output_dir {output_dir} holds a README.md that is not a longreach model card, which the "
                          "model card written after training would replace; move it away or pass another folder.")
+
+
+def check_not_the_model_folder(output_dir: str | Path, option: str, model_path: str | None) -> None:
+    """``--output_dir`` must not be the folder the model is read from: saving there would replace its weights."""
+    if model_path is not None and Path(model_path).expanduser().exists() and \
+            Path(output_dir).expanduser().resolve() == Path(model_path).expanduser().resolve():
+        raise ValueError(f"--output_dir {output_dir} is the {option} folder: training would overwrite the model it "
+                         "starts from; pass another --output_dir.")
+
+
+def check_training_arguments(training_args, max_train_samples: int | None, max_eval_samples: int | None) -> None:
+    """What ``Trainer`` would take without a word (a run of no step, which still saves the model as fine-tuned) or
+    fail on deep inside (a division by ``gradient_accumulation_steps`` 0), named by its option."""
+    if training_args.gradient_accumulation_steps < 1:
+        raise ValueError(
+            f"--gradient_accumulation_steps must be >= 1, got {training_args.gradient_accumulation_steps}."
+        )
+    for option, value in (("--max_train_samples", max_train_samples), ("--max_eval_samples", max_eval_samples)):
+        if value is not None and value < 1:
+            raise ValueError(f"{option} must be >= 1 (or left out for all), got {value}.")
+    if training_args.do_train and training_args.max_steps <= 0 and training_args.num_train_epochs <= 0:
+        raise ValueError(f"--num_train_epochs {training_args.num_train_epochs} with --max_steps "
+                         f"{training_args.max_steps}: the run would train no step; give a positive value to one.")
+
+
+def json_option(text: str | None, option: str) -> dict:
+    """A JSON object given on the command line (``--config_overrides``, ``--dodo_config``); ``{}`` when not given."""
+    import json
+
+    try:
+        value = json.loads(text or "{}")
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{option} is not valid JSON ({error.msg} at character {error.pos}): {text!r}; write e.g. "
+                         '\'{"d_model": 256}\'.') from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{option} must be a JSON object of config fields, got {text!r}.")
+    return value
+
+
+def check_config_fields(config_class, fields: dict, option: str) -> None:
+    """Every key of ``fields`` is a field of ``config_class`` (or one of its aliases): a misspelt one would otherwise
+    be stored in config.json and change nothing."""
+    import dataclasses
+
+    known = {field.name for field in dataclasses.fields(config_class)} | set(config_class.attribute_map)
+    unknown = sorted(set(fields) - known)
+    if unknown:
+        raise ValueError(f"{option}: {unknown} {'is not a field' if len(unknown) == 1 else 'are not fields'} of "
+                         f"{config_class.__name__}.")
+
+
+def check_text_columns(dataset, columns: list[str], split: str) -> None:
+    """Each value of ``columns`` is a string (an empty one included): a null, a number or a missing cell would
+    otherwise fail in the tokenizer with a message that names neither the column nor the row."""
+    for column in columns:
+        for row, value in enumerate(dataset[column]):
+            if not isinstance(value, str):
+                raise ValueError(f"The {split} data: row {row} of column {column!r} is {value!r}, expected text.")
+
+
+def first_text(dataset, column: str) -> int | None:
+    """The index of the first row whose ``column`` holds non-blank text, or None."""
+    return next((row for row, value in enumerate(dataset[column]) if isinstance(value, str) and value.strip()), None)
+
+
+def exit_with_one_line_errors(main) -> None:
+    """Run an example's ``main()``; a ``ValueError`` or ``OSError`` (a bad argument or file) ends it with
+    ``error: MESSAGE`` and exit status 1 instead of a traceback (``--debug`` keeps the traceback)."""
+    if "--debug" in sys.argv:
+        sys.argv.remove("--debug")
+        main()
+        return
+    try:
+        main()
+    except (ValueError, OSError) as error:
+        message = " ".join(line.strip() for line in str(error).splitlines() if line.strip()) or type(error).__name__
+        sys.exit(f"error: {message} (run again with --debug for the traceback)")

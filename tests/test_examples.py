@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -225,3 +226,89 @@ def test_finetuning_helpers_keep_what_the_user_has(tmp_path):
         load_data_files(str(tmp_path / "train.csv"), str(tmp_path / "empty.csv"))
     with pytest.raises(ValueError, match=r"--train_file .*notes.txt: expected a \.json / \.jsonl / \.csv / \.parquet"):
         load_data_files(str(tmp_path / "notes.txt"), None)
+
+
+def test_finetune_summarization_refuses_what_would_lose_work_or_train_nothing(tmp_path, monkeypatch):
+    """From an audit: --output_dir equal to the model folder overwrote the model, a run of no step saved the untrained
+    model as fine-tuned, a misspelt --config_overrides field was stored and ignored, and bad values failed deep in
+    the Trainer or the tokenizer without naming their option, column or row."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    example = _load_example("finetune_summarization", monkeypatch)
+    inputs = tmp_path / "ft-smoke-inputs"
+    example.smoke_arguments(str(tmp_path / "ft"))  # the tiny checkpoint and data files
+    model = inputs / "tiny-locost"
+    weights = (model / "model.safetensors").read_bytes()
+    common = ["--train_file", str(inputs / "train.jsonl"), "--report_to", "none", "--use_cpu", "--save_strategy", "no",
+              "--max_source_length", "64", "--max_target_length", "8"]
+    cases = [
+        (["--model_name_or_path", str(model), "--output_dir", str(model), "--max_steps", "1"],
+         "is the --model_name_or_path folder: training would overwrite the model"),
+        (["--model_name_or_path", str(model), "--output_dir", str(tmp_path / "o"), "--num_train_epochs", "-1"],
+         "the run would train no step"),
+        (["--model_name_or_path", str(model), "--output_dir", str(tmp_path / "o"), "--gradient_accumulation_steps",
+          "0"], "--gradient_accumulation_steps must be >= 1, got 0"),
+        (["--model_name_or_path", str(model), "--output_dir", str(tmp_path / "o"), "--max_train_samples", "0"],
+         "--max_train_samples must be >= 1"),
+        (["--model_name_or_path", str(model), "--output_dir", str(tmp_path / "o"), "--config_overrides", "{d_model:3"],
+         "--config_overrides is not valid JSON"),
+        (["--model_name_or_path", str(model), "--output_dir", str(tmp_path / "o"), "--config_overrides",
+          '{"d_modle": 3}'], "--config_overrides: ['d_modle'] is not a field of LocostConfig"),
+        (["--model_type", "locost", "--tokenizer_name", str(model), "--output_dir", str(tmp_path / "o"),
+          "--config_overrides", '{"d_modle": 3}'], "--config_overrides: ['d_modle'] is not a field of LocostConfig"),
+        (["--model_name_or_path", str(tmp_path / "nowhere"), "--output_dir", str(tmp_path / "o")],
+         "--model_name_or_path"),
+    ]
+    for arguments, message in cases:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            example.main(arguments + common)
+    assert (model / "model.safetensors").read_bytes() == weights and not (tmp_path / "o").exists()
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"document": "a b c", "summary": "a"}\n{"document": null, "summary": "b"}\n')
+    with pytest.raises(ValueError, match=re.escape("The train data: row 1 of column 'document' is None, expected text")):
+        example.main(["--model_name_or_path", str(model), "--output_dir", str(tmp_path / "o"), "--max_steps", "1",
+                      *common, "--train_file", str(bad)])
+    # run as a script, a bad argument is one line, not a traceback
+    result = subprocess.run(
+        [sys.executable, str(EXAMPLES / "finetune_summarization.py"), "--model_name_or_path", str(model),
+         "--output_dir", str(tmp_path / "o"), "--gradient_accumulation_steps", "0", *common],
+        capture_output=True, text=True, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines()[-1].startswith("error: --gradient_accumulation_steps must be >= 1")
+
+
+def test_finetune_summarization_shows_the_first_non_empty_document(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    example = _load_example("finetune_summarization", monkeypatch)
+    arguments = example.smoke_arguments(str(tmp_path / "ft"))
+    inputs = tmp_path / "ft-smoke-inputs"
+    rows = [json.loads(line) for line in (inputs / "validation.jsonl").read_text().splitlines()]
+    (inputs / "validation.jsonl").write_text("".join(json.dumps(row) + "\n" for row in
+                                                     [{"document": "", "summary": "none"}, *rows]))
+    metrics = example.main(arguments + ["--max_steps", "1"])
+    assert "eval_rouge1" in metrics  # the run ends with its metrics (it failed on the empty document before)
+    assert "summary of the first non-empty (row 1) validation document:" in capsys.readouterr().out
+
+
+def test_finetune_dodo_refuses_bad_settings_by_name(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    example = _load_example("finetune_dodo", monkeypatch)
+    smoke_argv, inputs = example.smoke_arguments(str(tmp_path / "d"))
+    base = smoke_argv[smoke_argv.index("--base_model_name_or_path") + 1]
+    config_json = (Path(base) / "config.json").read_bytes()
+    common = ["--base_model_name_or_path", base, "--dodo_config", '{"nugget_layer": 2, "lora_r": 4}', "--train_file",
+              smoke_argv[smoke_argv.index("--train_file") + 1], "--report_to", "none", "--use_cpu",
+              "--save_strategy", "no", "--max_steps", "1"]
+    cases = [
+        (["--output_dir", base], "is the --base_model_name_or_path folder: training would overwrite the model"),
+        (["--output_dir", str(tmp_path / "o"), "--scorer_learning_rate", "-1"], "--scorer_learning_rate must be >= 0"),
+        (["--output_dir", str(tmp_path / "o"), "--schedule_horizon_steps", "-5"],
+         "--schedule_horizon_steps must be >= 1"),
+    ]
+    for arguments, message in cases:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            example.main(common + arguments)
+    typo = [argument if argument != '{"nugget_layer": 2, "lora_r": 4}' else '{"nugget_layer": 2, "nuget_ratio": 0.5}'
+            for argument in common]
+    with pytest.raises(ValueError, match=re.escape("`dodo_config`: ['nuget_ratio'] is not a field of DodoLlamaConfig")):
+        example.main(typo + ["--output_dir", str(tmp_path / "o")])
+    assert (Path(base) / "config.json").read_bytes() == config_json and not (tmp_path / "o").exists()

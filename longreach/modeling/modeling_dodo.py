@@ -25,6 +25,7 @@ the chunk, top-k by ratio or threshold Λ) and the θ states of the remaining τ
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import inspect
 import json
@@ -625,6 +626,11 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
         fields = {
             key: value for key, value in base_config.to_dict().items() if key not in ("model_type", "architectures")
         }
+        known = {field.name for field in dataclasses.fields(DodoLlamaConfig)} | set(DodoLlamaConfig.attribute_map)
+        unknown = sorted(set(dodo_config or {}) - known)
+        if unknown:  # a misspelt field would be stored in config.json and change nothing
+            raise ValueError(f"`dodo_config`: {unknown} {'is not a field' if len(unknown) == 1 else 'are not fields'} "
+                             "of DodoLlamaConfig.")
         fields.update(dodo_config or {})
         config = DodoLlamaConfig(**fields)
         return cls.from_pretrained(base_model_name_or_path, config=config, **kwargs)
