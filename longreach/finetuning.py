@@ -8,6 +8,8 @@ import re
 import sys
 from pathlib import Path
 
+from .configuration.config_overrides import check_config_fields  # noqa: F401  (the examples import it here)
+
 #: The datasets loader of each data file suffix.
 DATA_LOADERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
@@ -124,18 +126,6 @@ def json_option(text: str | None, option: str) -> dict:
     if not isinstance(value, dict):
         raise ValueError(f"{option} must be a JSON object of config fields, got {text!r}.")
     return value
-
-
-def check_config_fields(config_class, fields: dict, option: str) -> None:
-    """Every key of ``fields`` is a field of ``config_class`` (or one of its aliases): a misspelt one would otherwise
-    be stored in config.json and change nothing."""
-    import dataclasses
-
-    known = {field.name for field in dataclasses.fields(config_class)} | set(config_class.attribute_map)
-    unknown = sorted(set(fields) - known)
-    if unknown:
-        raise ValueError(f"{option}: {unknown} {'is not a field' if len(unknown) == 1 else 'are not fields'} of "
-                         f"{config_class.__name__}.")
 
 
 def check_text_columns(dataset, columns: list[str], split: str) -> None:

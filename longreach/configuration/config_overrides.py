@@ -1,5 +1,5 @@
 """What the three configurations share: ``from_pretrained(path, field=value)`` overrides checked with the stored values,
-and the fields' types checked against their annotations.
+the fields' types checked against their annotations, and dicts of fields checked for unknown keys.
 
 Imported by each configuration file (and copied beside it into every Hub-ready folder).
 """
@@ -56,3 +56,13 @@ def check_field_types(config: PreTrainedConfig, config_class: type[PreTrainedCon
         except TypeError as error:
             shown = expected.__name__ if isinstance(expected, type) else str(expected)
             raise ValueError(f"`{name}` must be of type {shown}, got {value!r}.") from error
+
+
+def check_config_fields(config_class: type[PreTrainedConfig], fields: dict, option: str) -> None:
+    """Every key of ``fields`` (given as ``option``) is a field of ``config_class`` or one of its aliases: a misspelt
+    one would otherwise be stored in config.json and change nothing."""
+    known = {field.name for field in dataclasses.fields(config_class)} | set(config_class.attribute_map)
+    unknown = sorted(set(fields) - known)
+    if unknown:
+        raise ValueError(f"{option}: {unknown} {'is not a field' if len(unknown) == 1 else 'are not fields'} of "
+                         f"{config_class.__name__}.")

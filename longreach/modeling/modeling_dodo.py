@@ -25,7 +25,6 @@ the chunk, top-k by ratio or threshold Λ) and the θ states of the remaining τ
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import inspect
 import json
@@ -52,6 +51,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 from transformers.models.llama.modeling_llama import LlamaModel, LlamaPreTrainedModel
 from transformers.utils import ModelOutput
 
+from ..configuration.config_overrides import check_config_fields
 from ..configuration.configuration_dodo import DodoLlamaConfig
 from .input_checks import (
     cache_field,
@@ -626,11 +626,7 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
         fields = {
             key: value for key, value in base_config.to_dict().items() if key not in ("model_type", "architectures")
         }
-        known = {field.name for field in dataclasses.fields(DodoLlamaConfig)} | set(DodoLlamaConfig.attribute_map)
-        unknown = sorted(set(dodo_config or {}) - known)
-        if unknown:  # a misspelt field would be stored in config.json and change nothing
-            raise ValueError(f"`dodo_config`: {unknown} {'is not a field' if len(unknown) == 1 else 'are not fields'} "
-                             "of DodoLlamaConfig.")
+        check_config_fields(DodoLlamaConfig, dodo_config or {}, "`dodo_config`")
         fields.update(dodo_config or {})
         config = DodoLlamaConfig(**fields)
         return cls.from_pretrained(base_model_name_or_path, config=config, **kwargs)
