@@ -345,7 +345,11 @@ def test_config_fields_have_their_annotated_types(tmp_path, config_class, field,
     message = f"`{field}` must be of type {expected}, got {value!r}."
     with pytest.raises(ValueError, match=re.escape(message)):
         cls(**sizes, **{field: value})
-    cls(**sizes).save_pretrained(tmp_path)
+    config = cls(**sizes)
+    with pytest.raises(ValueError, match=re.escape(message)):  # on assignment too, as T5Config and LlamaConfig
+        setattr(config, field, value)
+    assert getattr(config, field) == getattr(cls(**sizes), field)  # the refused value was not stored
+    config.save_pretrained(tmp_path)
     stored = json.loads((tmp_path / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps({**stored, field: value}))
     with pytest.raises(ValueError, match=re.escape(message)):
@@ -359,3 +363,38 @@ def test_config_float_fields_take_ints_and_list_fields_tuples():
     assert VCCT5Config(exploration_probability=1).exploration_probability == 1
     config = DodoLlamaConfig(**_DODO_SIZES, lora_alpha=16, lora_target_modules=("q_proj", "v_proj"))
     assert config.lora_alpha == 16 and list(config.lora_target_modules) == ["q_proj", "v_proj"]
+    config.lora_dropout, config.lora_target_modules = 0, ("q_proj",)  # assigned: the same rules
+    assert config.lora_dropout == 0 and list(config.lora_target_modules) == ["q_proj"]
+
+
+def test_config_aliases_are_type_checked_on_assignment():
+    """`attribute_map` aliases (T5's `hidden_size` for `d_model`) are checked as the field they stand for."""
+    from longreach import LocostConfig, VCCT5Config
+
+    for config in (LocostConfig(), VCCT5Config()):
+        config.hidden_size = 64
+        assert config.d_model == 64
+        with pytest.raises(ValueError, match=re.escape("`d_model` must be of type int, got '64'.")):
+            config.hidden_size = "64"
+
+
+@pytest.mark.parametrize("config_class, field, value, message", [
+    ("LocostConfig", "d_state", 3, "`d_state` must be a positive even integer"),
+    ("LocostConfig", "ssm_dt_min", 5.0, "`ssm_dt_min` and `ssm_dt_max` must satisfy 0 < min <= max"),
+    ("VCCT5Config", "num_vanilla_layers", 99, "`num_vanilla_layers` must be an integer between 0 and `num_layers` (12)"),
+    ("DodoLlamaConfig", "nugget_layer", 99, "`nugget_layer` (ι) must be an integer in [0, num_hidden_layers=2]"),
+    ("DodoLlamaConfig", "num_attention_heads", 3, "is not a multiple of the number of attention heads (3)"),
+])
+def test_config_changed_after_construction_is_validated_before_it_is_saved(tmp_path, config_class, field, value,
+                                                                           message):
+    """transformers' `save_pretrained` runs the config's `validate()` before writing (its save-time check): ours runs
+    the model's own checks too, so a setting the model cannot run, assigned after construction, is refused there and
+    nothing is written, instead of a folder that fails when it is loaded."""
+    import longreach
+
+    cls = getattr(longreach, config_class)
+    config = cls(**(_DODO_SIZES if config_class == "DodoLlamaConfig" else {}))
+    setattr(config, field, value)  # the right type: accepted when assigned, as transformers' configs do
+    with pytest.raises(ValueError, match=re.escape(message)):
+        config.save_pretrained(tmp_path)
+    assert not (tmp_path / "config.json").exists()

@@ -33,29 +33,46 @@ def pop_field_overrides(config_class: type[PreTrainedConfig], config_dict: dict,
     return config_dict
 
 
+_OWN_FIELD_TYPES: dict[type, dict[str, typing.Any]] = {}
+
+
+def own_field_types(config_class: type[PreTrainedConfig]) -> dict[str, typing.Any]:
+    """The annotated types of the fields `config_class` declares itself (not its parents'), resolved once."""
+    if config_class not in _OWN_FIELD_TYPES:
+        own = {name: annotation for name, annotation in vars(config_class).get("__annotations__", {}).items()
+               if name in {field.name for field in dataclasses.fields(config_class)}}
+        _OWN_FIELD_TYPES[config_class] = typing.get_type_hints(
+            types.SimpleNamespace(__annotations__=own), globalns=vars(sys.modules[config_class.__module__]))
+    return _OWN_FIELD_TYPES[config_class]
+
+
+def check_field_type(config_class: type[PreTrainedConfig], name: str, value: typing.Any) -> None:
+    """Check `value` for the field `name` (or its alias in `attribute_map`) if `config_class` declares that field,
+    with huggingface_hub's `type_validator` (what transformers' `@strict` configs such as T5Config and LlamaConfig run
+    on every assignment), except that a float field also takes an int, as T5Config's `float | int` fields do, and a
+    list field a tuple. A `ValueError` names the field, the expected type and the value: a flag stored as the string
+    "false" would otherwise switch a feature on, and `True` would pass for the integer 1. Other names pass."""
+    name = config_class.attribute_map.get(name, name)
+    expected = own_field_types(config_class).get(name)
+    if expected is None:
+        return
+    union = typing.get_origin(expected) in (typing.Union, types.UnionType)
+    accepted = typing.get_args(expected) if union else (expected,)
+    if type(value) is int and float in accepted:
+        return  # 1 for 1.0
+    if isinstance(value, tuple) and any(typing.get_origin(option) is list for option in accepted):
+        value = list(value)  # ("q_proj", "v_proj") for a list of names (saved as a JSON list all the same)
+    try:
+        type_validator(name, value, expected)
+    except TypeError as error:
+        shown = expected.__name__ if isinstance(expected, type) else str(expected)
+        raise ValueError(f"`{name}` must be of type {shown}, got {value!r}.") from error
+
+
 def check_field_types(config: PreTrainedConfig, config_class: type[PreTrainedConfig]) -> None:
-    """Check the fields `config_class` declares itself against their annotations, with huggingface_hub's
-    `type_validator` (what transformers' `@strict` configs such as T5Config and LlamaConfig run), except that a float
-    field also takes an int, as T5Config's `float | int` fields do, and a list field a tuple. A `ValueError` names the
-    field, the expected type and the value: a flag stored as the string "false" would otherwise switch a feature on,
-    and `True` would pass for the integer 1."""
-    own = {name: annotation for name, annotation in vars(config_class).get("__annotations__", {}).items()
-           if name in {field.name for field in dataclasses.fields(config_class)}}
-    hints = typing.get_type_hints(types.SimpleNamespace(__annotations__=own),
-                                  globalns=vars(sys.modules[config_class.__module__]))
-    for name, expected in hints.items():
-        value = getattr(config, name)
-        union = typing.get_origin(expected) in (typing.Union, types.UnionType)
-        accepted = typing.get_args(expected) if union else (expected,)
-        if type(value) is int and float in accepted:
-            continue  # 1 for 1.0
-        if isinstance(value, tuple) and any(typing.get_origin(option) is list for option in accepted):
-            value = list(value)  # ("q_proj", "v_proj") for a list of names (saved as a JSON list all the same)
-        try:
-            type_validator(name, value, expected)
-        except TypeError as error:
-            shown = expected.__name__ if isinstance(expected, type) else str(expected)
-            raise ValueError(f"`{name}` must be of type {shown}, got {value!r}.") from error
+    """`check_field_type` for every field `config_class` declares itself, with the values `config` holds."""
+    for name in own_field_types(config_class):
+        check_field_type(config_class, name, getattr(config, name))
 
 
 def check_config_fields(config_class: type[PreTrainedConfig], fields: dict, option: str) -> None:

@@ -14,7 +14,7 @@ import re
 import torch
 from transformers import LlamaConfig
 
-from .config_overrides import check_field_types, pop_field_overrides
+from .config_overrides import check_field_type, check_field_types, pop_field_overrides
 
 NUGGET_COUNT_ROUNDINGS = ("dodo", "ceil")
 SCORER_FEATURES = ("base_final_norm", "encoder_hidden")
@@ -142,6 +142,20 @@ class DodoLlamaConfig(LlamaConfig):
         self.validate_llama()
         self.validate_dodo()
 
+    def __setattr__(self, name, value):
+        # as in transformers' `@strict` configs (T5Config, LlamaConfig), a field is type-checked when it is assigned;
+        # during construction `validate_*` checks them all, with messages of their own
+        if self.__dict__.get("_post_init_done"):
+            check_field_type(DodoLlamaConfig, name, value)
+        super().__setattr__(name, value)
+
+    def validate(self) -> None:
+        """What `save_pretrained` runs before writing config.json (transformers' save-time check): the parent's
+        validators, then this model's, so that a field changed after construction (`config.x = ...`) to a setting the
+        model cannot run is refused before it is saved, not when the folder is loaded."""
+        self.validate_llama()
+        self.validate_dodo()
+
     @classmethod
     def from_dict(cls, config_dict: dict, **kwargs):
         # field overrides are validated with the stored values (see `pop_field_overrides`); a stored legacy
@@ -158,7 +172,7 @@ class DodoLlamaConfig(LlamaConfig):
         from huggingface_hub.errors import StrictDataclassError
 
         try:
-            self.validate()
+            LlamaConfig.validate(self)  # LlamaConfig's validators only (`validate` below adds Dodo's)
         except (StrictDataclassError, KeyError, TypeError) as error:
             lines = [line.strip() for line in str(error).strip().strip('"').splitlines() if line.strip()]
             raise ValueError(f"Invalid Llama settings in {type(self).__name__}: {' '.join(lines[1:] or lines)}") from error
