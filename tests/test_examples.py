@@ -312,3 +312,27 @@ def test_finetune_dodo_refuses_bad_settings_by_name(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match=re.escape("`dodo_config`: ['nuget_ratio'] is not a field of DodoLlamaConfig")):
         example.main(typo + ["--output_dir", str(tmp_path / "o")])
     assert (Path(base) / "config.json").read_bytes() == config_json and not (tmp_path / "o").exists()
+
+
+def test_check_text_columns_names_the_row_and_skips_reading_a_clean_string_column(monkeypatch):
+    """A string column without nulls passes on the Arrow table's null count, without reading its rows (sets of
+    millions of rows); a null or a number is named with its column and its row in the dataset as selected."""
+    import datasets
+
+    from longreach.finetuning import check_text_columns
+
+    with_null = datasets.Dataset.from_dict({"document": ["a", None, "c", "d"], "summary": ["s", "t", "u", "v"]})
+    with pytest.raises(ValueError, match=re.escape("The train data: row 1 of column 'document' is None, expected text")):
+        check_text_columns(with_null, ["document", "summary"], "train")
+    check_text_columns(with_null.select([0, 2, 3]), ["document"], "train")  # the null row is not in the selection
+    with pytest.raises(ValueError, match=re.escape("row 0 of column 'document' is None")):
+        check_text_columns(with_null.select([3, 1]).select([1]), ["document"], "train")
+    numbers = datasets.Dataset.from_dict({"document": [1, 2]})
+    with pytest.raises(ValueError, match=re.escape("The validation data: row 0 of column 'document' is 1, expected text")):
+        check_text_columns(numbers, ["document"], "validation")
+
+    def no_reading(self):
+        raise AssertionError("a string column without nulls was read row by row")
+
+    monkeypatch.setattr(datasets.arrow_dataset.Column, "__iter__", no_reading)
+    check_text_columns(datasets.Dataset.from_dict({"document": ["a", ""] * 1000}), ["document"], "train")
