@@ -12,7 +12,7 @@ from .configuration.configuration_locost import LocostConfig
 from .configuration.configuration_vcc_t5 import VCCT5Config
 from .configuration.configuration_dodo import DodoLlamaConfig
 from .modeling.modeling_locost import LocostForConditionalGeneration, LocostModel
-from .modeling.modeling_dodo import DodoDataCollator, DodoLlamaForCausalLM, DodoNuggets
+from .modeling.modeling_dodo import DodoCache, DodoDataCollator, DodoLlamaForCausalLM, DodoNuggets
 from .modeling.modeling_vcc_t5 import (
     VCCT5DataCollator,
     VCCT5ForConditionalGeneration,
@@ -48,5 +48,5 @@ PIPELINE_REGISTRY.register_pipeline(
 
 __all__ = ["LocostConfig", "LocostModel", "LocostForConditionalGeneration",
            "VCCT5Config", "VCCT5Model", "VCCT5ForConditionalGeneration", "VCCT5DataCollator", "prepare_vip_inputs",
-           "DodoLlamaConfig", "DodoLlamaForCausalLM", "DodoNuggets", "DodoDataCollator",
+           "DodoLlamaConfig", "DodoLlamaForCausalLM", "DodoNuggets", "DodoCache", "DodoDataCollator",
            "LongSummarizationPipeline", "__version__"]

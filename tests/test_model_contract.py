@@ -591,6 +591,70 @@ def test_attention_outputs_are_t5_shaped_and_encoder_attentions_none(kind):
 
 
 @pytest.mark.parametrize("kind", ["locost", "vcc"])
+def test_the_configs_output_attentions_applies_when_the_call_does_not_say(kind, tmp_path):
+    """As T5's (and Dodo's, and our own `output_hidden_states`): `from_pretrained(..., output_attentions=True)` returns
+    the decoder and cross attentions of every call that does not pass `output_attentions`, base model included."""
+    tester = ModelTester(kind)
+    tester.model.save_pretrained(tmp_path)
+    decoder_input_ids = torch.zeros(2, 3, dtype=torch.long)
+    for auto in (type(tester.model), AutoModel):
+        model = auto.from_pretrained(tmp_path, output_attentions=True, attn_implementation="eager").eval()
+        with torch.no_grad():
+            out = model(**tester.inputs(), decoder_input_ids=decoder_input_ids)
+            told = model(**tester.inputs(), decoder_input_ids=decoder_input_ids, output_attentions=False)
+        layers = model.config.num_decoder_layers
+        assert len(out.decoder_attentions) == len(out.cross_attentions) == layers, type(model).__name__
+        assert told.decoder_attentions is None and told.cross_attentions is None
+
+
+@pytest.mark.parametrize("kind", ["locost", "vcc"])
+def test_trainer_predict_without_labels_drops_the_cache_from_the_predictions(kind, tmp_path):
+    """`Trainer.predict` on inputs without labels, with the cache on: T5 returns its logits, because the Trainer drops
+    the cache output (`cache` in transformers v5) named by `config.keys_to_ignore_at_inference`; the cache kept in the
+    predictions failed in `_pad_across_processes`."""
+    import datasets
+    from transformers import Trainer, TrainingArguments
+
+    tester = ModelTester(kind)
+    inputs = tester.inputs()
+    rows = datasets.Dataset.from_dict({"input_ids": inputs["input_ids"].tolist(),
+                                       "attention_mask": inputs["attention_mask"].tolist(),
+                                       "decoder_input_ids": [[0, 5, 6]] * 2})
+    args = TrainingArguments(str(tmp_path), per_device_eval_batch_size=2, use_cpu=True, report_to="none",
+                             use_cache=True)
+    predictions = Trainer(model=tester.model, args=args).predict(rows).predictions
+    logits = predictions[0] if isinstance(predictions, tuple) else predictions
+    assert logits.shape == (2, 3, tester.vocab_size)
+
+
+def test_dodo_fills_the_cache_the_caller_passes_as_llama_does():
+    """A `DodoCache(model.config)` passed in is filled in place (the caller's next call continues the sequence, as
+    with Llama's `DynamicCache`) and so is one passed to `generate()`; a cache of another kind, which cannot hold the
+    nuggets, is refused instead of replaced by a new one (the caller's next call lost the context)."""
+    from transformers import DynamicCache
+
+    from longreach import DodoCache
+
+    model = ModelTester("dodo").model
+    generator = torch.Generator().manual_seed(3)
+    context = torch.randint(3, model.config.vocab_size, (1, 20), generator=generator)
+    ids = torch.randint(3, model.config.vocab_size, (1, 8), generator=generator)
+    with torch.no_grad():
+        full = model(ids, context_input_ids=context).logits[:, -1]
+        cache = DodoCache(model.config)
+        returned = model(ids[:, :7], context_input_ids=context, past_key_values=cache, use_cache=True)
+        assert returned.past_key_values is cache and cache.get_seq_length() == 7
+        step = model(ids[:, 7:], past_key_values=cache, use_cache=True).logits[:, -1]
+        torch.testing.assert_close(step, full, rtol=1e-5, atol=1e-5)
+        with pytest.raises(ValueError, match=r"`past_key_values` must be a DodoCache .* got an empty DynamicCache"):
+            model(ids, context_input_ids=context, past_key_values=DynamicCache(config=model.config))
+        expected = model.generate(ids, context_input_ids=context, max_new_tokens=4, do_sample=False)
+        given = DodoCache(model.config)
+        sequences = model.generate(ids, context_input_ids=context, max_new_tokens=4, do_sample=False, cache=given)
+    assert torch.equal(sequences, expected) and given.get_seq_length() == 8 + 4 - 1
+
+
+@pytest.mark.parametrize("kind", ["locost", "vcc"])
 def test_gradient_checkpointing_turns_the_decoder_cache_off_and_keeps_a_callers_prefix(kind):
     """As T5: under activation checkpointing `use_cache=True` is turned off (the backward replay would write every key
     into the cache twice), and a cache the caller passes (PEFT's prefix tuning) is read in training too."""

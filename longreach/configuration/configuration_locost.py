@@ -117,7 +117,8 @@ class LocostConfig(PreTrainedConfig):
     """
 
     model_type = "locost"
-    keys_to_ignore_at_inference = ["past_key_values"]
+    # what Trainer.predict drops from the outputs: the cache (named `cache` in transformers v5 outputs)
+    keys_to_ignore_at_inference = ["cache", "past_key_values"]
     attribute_map = {
         "hidden_size": "d_model",
         "num_attention_heads": "num_heads",

@@ -163,6 +163,15 @@ class DodoCache(DynamicCache):
 
     def __init__(self, config: DodoLlamaConfig):
         super().__init__(config=config)
+        self._set_empty_state()
+
+    def restart(self) -> None:
+        """Empty the cache as new (its layers and its state), keeping the object: a cache the caller made and passed to
+        `forward` before any call could fill it (one that failed midway may have left keys, values and state)."""
+        self.reset_layers()
+        self._set_empty_state()
+
+    def _set_empty_state(self) -> None:
         self.nugget_mask: torch.Tensor | None = None
         self.nugget_scores: torch.Tensor | None = None
         self.decoder_mask: torch.Tensor | None = None
@@ -1199,6 +1208,13 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
                 "`past_key_values` must be the DodoCache this model returned; got a "
                 f"{type(past_key_values).__name__} holding {past_key_values.get_seq_length()} positions."
             )
+        if past_key_values is not None and not isinstance(past_key_values, DodoCache):
+            # Llama fills an empty DynamicCache in place; this one could not hold the nuggets and the decoder mask, and
+            # a new cache returned instead would leave the caller's empty (its next call would lose the context)
+            raise ValueError(
+                f"`past_key_values` must be a DodoCache (`longreach.DodoCache(model.config)`, filled in place) or None; got an "
+                f"empty {type(past_key_values).__name__}, which cannot hold the nuggets."
+            )
         past_tokens = 0 if cache is None else cache.seen_tokens
         if cache is None:  # the caller's ids (later decoding steps feed back the model's own tokens)
             check_token_ids("input_ids", input_ids, vocab_size=self.get_input_embeddings().num_embeddings)
@@ -1211,7 +1227,11 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
 
         prepend_soft = False
         if cache is None:
-            cache = DodoCache(self.config)
+            if isinstance(past_key_values, DodoCache):  # the caller's new cache, filled in place as Llama's is
+                cache = past_key_values
+                cache.restart()
+            else:
+                cache = DodoCache(self.config)
             if nuggets is not None:
                 self._check_nuggets(nuggets, batch)
                 cache.set_nuggets(nuggets.key_values, nuggets.mask, nuggets.scores)
@@ -1342,6 +1362,15 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
                 )
             kwargs["nuggets"] = nuggets
         return super().generate(input_ids, **kwargs)
+
+    def _prepare_cache_for_generation(self, generation_config, model_kwargs: dict, *args, **kwargs):
+        """generate()'s own cache is a DodoCache (`forward` refuses another kind, which cannot hold the nuggets); a
+        cache the caller passed is left as given."""
+        super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
+        for name in ("cache", "past_key_values"):  # the argument's name in transformers 5.24+ and before
+            made = model_kwargs.get(name)
+            if made is not None and not isinstance(made, DodoCache) and not getattr(made, "_is_user_defined", False):
+                model_kwargs[name] = DodoCache(self.config)
 
     def prepare_inputs_for_generation(
         self,

@@ -292,6 +292,7 @@ class LocostModel(_LocostSeq2Seq):
         reject_head_masks(kwargs)
         output_hidden_states = bool(output_hidden_states if output_hidden_states is not None
                                     else self.config.output_hidden_states)
+        output_attentions = bool(output_attentions if output_attentions is not None else self.config.output_attentions)
         check_token_ids("decoder_input_ids", decoder_input_ids)
         encoder_outputs = self._encode(input_ids, attention_mask, inputs_embeds, encoder_outputs, output_hidden_states)
         output = self._model_output(
@@ -302,7 +303,7 @@ class LocostModel(_LocostSeq2Seq):
             decoder_inputs_embeds,
             past_key_values,
             use_cache=bool(use_cache if use_cache is not None else self.config.use_cache),
-            output_attentions=bool(output_attentions),
+            output_attentions=output_attentions,
             output_hidden_states=output_hidden_states,
         )
         return output if returns_dict(return_dict, self.config) else output.to_tuple()
@@ -357,6 +358,7 @@ class LocostForConditionalGeneration(_LocostSeq2Seq, GenerationMixin):
         reject_head_masks(kwargs)
         output_hidden_states = bool(output_hidden_states if output_hidden_states is not None
                                     else self.config.output_hidden_states)
+        output_attentions = bool(output_attentions if output_attentions is not None else self.config.output_attentions)
         if use_cache is None:
             use_cache = self.config.use_cache and labels is None
         check_token_ids("decoder_input_ids", decoder_input_ids)
@@ -370,7 +372,7 @@ class LocostForConditionalGeneration(_LocostSeq2Seq, GenerationMixin):
             past_key_values,
             labels,
             use_cache=bool(use_cache),
-            output_attentions=bool(output_attentions),
+            output_attentions=output_attentions,
             output_hidden_states=output_hidden_states,
             num_items_in_batch=kwargs.pop("num_items_in_batch", None),
         )

@@ -764,6 +764,7 @@ class VCCT5Model(_VCCT5Seq2Seq):
         reject_head_masks(kwargs)
         output_hidden_states = bool(output_hidden_states if output_hidden_states is not None
                                     else self.config.output_hidden_states)
+        output_attentions = bool(output_attentions if output_attentions is not None else self.config.output_attentions)
         check_token_ids("decoder_input_ids", decoder_input_ids)
         encoder_outputs = self._encode(input_ids, attention_mask, vip_mask, inputs_embeds, encoder_outputs,
                                        output_hidden_states, output_compression_info)
@@ -775,7 +776,7 @@ class VCCT5Model(_VCCT5Seq2Seq):
             decoder_inputs_embeds,
             past_key_values,
             use_cache=bool(use_cache if use_cache is not None else self.config.use_cache),
-            output_attentions=bool(output_attentions),
+            output_attentions=output_attentions,
             output_hidden_states=output_hidden_states,
             output_class=VCCT5Seq2SeqModelOutput,
             encoder_compression_info=getattr(encoder_outputs, "compression_info", None),
@@ -843,6 +844,7 @@ class VCCT5ForConditionalGeneration(_VCCT5Seq2Seq, GenerationMixin):
         reject_head_masks(kwargs)
         output_hidden_states = bool(output_hidden_states if output_hidden_states is not None
                                     else self.config.output_hidden_states)
+        output_attentions = bool(output_attentions if output_attentions is not None else self.config.output_attentions)
         if use_cache is None:
             use_cache = self.config.use_cache and labels is None
         check_token_ids("decoder_input_ids", decoder_input_ids)
@@ -857,7 +859,7 @@ class VCCT5ForConditionalGeneration(_VCCT5Seq2Seq, GenerationMixin):
             past_key_values,
             labels,
             use_cache=bool(use_cache),
-            output_attentions=bool(output_attentions),
+            output_attentions=output_attentions,
             output_hidden_states=output_hidden_states,
             num_items_in_batch=kwargs.pop("num_items_in_batch", None),
             output_class=VCCT5Seq2SeqLMOutput,
