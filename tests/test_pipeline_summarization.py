@@ -322,3 +322,45 @@ def test_summary_token_ids_end_at_the_callers_eos_even_first(model, tokenizer, d
                          eos_token_id=stop, prefix_allowed_tokens_fn=allowed, return_tensors=True)
     assert records[0]["summary_token_ids"].tolist()[first:] == [stop]
     assert records[1]["summary_token_ids"].tolist()[first:] == [other] * 5
+
+
+def test_encoder_decoder_max_length_wins_over_the_checkpoints_max_new_tokens(tokenizer):
+    """generate() prefers `max_new_tokens` to `max_length`, and converted checkpoints set one (LOCOST's converter 512):
+    the caller's `max_length` (counting the decoder start token, as in transformers) must bound the summary all the
+    same, at the call and as a constructor default; so must `min_length` against the checkpoint's `min_new_tokens`."""
+    model = tiny_locost(seed=13)
+    model.generation_config.max_new_tokens = 8
+    doc = document(50)
+    never_end = {"suppress_tokens": [model.config.eos_token_id, model.config.pad_token_id]}
+    summarizer = pipeline("long-summarization", model=model, tokenizer=tokenizer)
+    record = summarizer(doc, max_length=4, return_tensors=True, **never_end)[0]
+    assert len(record["summary_token_ids"]) == 4  # the decoder start token and 3 new tokens
+    default = pipeline("long-summarization", model=model, tokenizer=tokenizer, max_length=4, **never_end)
+    assert len(default(doc, return_tensors=True)[0]["summary_token_ids"]) == 4
+    assert len(summarizer(doc, return_tensors=True, **never_end)[0]["summary_token_ids"]) == 1 + 8  # the checkpoint's
+    model.generation_config.min_new_tokens = 8
+    ends_at_once = {"forced_eos_token_id": None, "max_new_tokens": 12}
+    calls = []
+    original = model.generate
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs.get("min_new_tokens", "absent"))
+        return original(*args, **kwargs)
+
+    model.generate = spy
+    try:
+        summarizer(doc, min_length=2, **ends_at_once)
+    finally:
+        del model.generate
+    assert calls == [None]  # the checkpoint's min_new_tokens=8 does not override the caller's min_length
+
+
+def test_return_text_false_counts_the_constructors_return_tensors(model, tokenizer):
+    """`return_text` / `return_tensors` given at the call are checked together with the constructor's: the tensors the
+    constructor asked for are an output, and turning them off at the call with no text left is refused."""
+    summarizer = pipeline("long-summarization", model=model, tokenizer=tokenizer, return_tensors=True)
+    record = summarizer(document(50), return_text=False, max_new_tokens=3)[0]
+    assert set(record) == {"summary_token_ids"}
+    ids_only = pipeline("long-summarization", model=model, tokenizer=tokenizer, return_text=False, return_tensors=True)
+    with pytest.raises(ValueError, match=re.escape("the output would be empty")):
+        ids_only(document(50), max_new_tokens=3, return_tensors=False)

@@ -57,9 +57,10 @@ class LongSummarizationPipeline(Pipeline):
     * ``generate_kwargs`` (`dict`) and any other keyword (``max_new_tokens``, ``num_beams``, ``do_sample``,
       ``length_penalty``, ``no_repeat_ngram_size``, ``num_return_sequences``, ``streamer``, ...): passed to
       ``model.generate``. The model's ``generation_config`` supplies everything not given. For decoder-only models
-      (Dodo), ``max_length`` and ``min_length`` count the summary's tokens, as for encoder-decoders: they are passed
-      as ``max_new_tokens`` / ``min_new_tokens``, since the prompt the pipeline builds around a document is not the
-      user's.
+      (Dodo), ``max_length`` and ``min_length`` count the summary's tokens: they are passed as ``max_new_tokens`` /
+      ``min_new_tokens``, since the prompt the pipeline builds around a document is not the user's. For
+      encoder-decoders they count the decoder start token too, as in transformers, and take precedence over the
+      checkpoint's own ``max_new_tokens`` / ``min_new_tokens``.
 
     A single document gives a list of ``num_return_sequences`` records (one by default); a list of documents gives one
     record per document (a list of records per document when ``num_return_sequences > 1``).
@@ -112,9 +113,14 @@ class LongSummarizationPipeline(Pipeline):
             postprocess_params["return_text"] = return_text
         if return_tensors is not None:
             postprocess_params["return_tensors"] = return_tensors
-        if return_text is not None and not return_text and not return_tensors:
-            raise ValueError("`return_text=False` asks for no text, and `return_tensors` is not set: the output would "
-                             "be empty. Pass `return_tensors=True` for the token ids.")
+        # with the constructor's defaults (`Pipeline.__call__` merges them in later; none yet while constructing)
+        defaults = getattr(self, "_postprocess_params", {})
+        text = return_text if return_text is not None else defaults.get("return_text", True)
+        tensors = return_tensors if return_tensors is not None else defaults.get("return_tensors", False)
+        if (return_text is not None or return_tensors is not None) and not text and not tensors:
+            raise ValueError("`return_text=False` asks for no text, and `return_tensors` is not set (here or when the "
+                             "pipeline was made): the output would be empty. Pass `return_tensors=True` for the token "
+                             "ids.")
         return preprocess_params, forward_params, postprocess_params
 
     def __call__(self, documents, *args, **kwargs):
@@ -167,11 +173,15 @@ class LongSummarizationPipeline(Pipeline):
                     stacklevel=2,
                 )
 
-        if not self.model.config.is_encoder_decoder:
-            # The prompt is ours, not the user's: a summary's max_length / min_length count the summary alone.
-            for total, new_tokens in (("max_length", "max_new_tokens"), ("min_length", "min_new_tokens")):
-                if total in generate_kwargs and new_tokens not in generate_kwargs:
-                    generate_kwargs = dict(generate_kwargs)
+        for total, new_tokens in (("max_length", "max_new_tokens"), ("min_length", "min_new_tokens")):
+            if total in generate_kwargs and new_tokens not in generate_kwargs:
+                generate_kwargs = dict(generate_kwargs)
+                if self.model.config.is_encoder_decoder:
+                    # the caller's length, not the checkpoint's `max_new_tokens` / `min_new_tokens` (converted
+                    # checkpoints set one), which generate() would otherwise prefer to it
+                    generate_kwargs[new_tokens] = None
+                else:
+                    # the prompt is ours, not the user's: a summary's max_length / min_length count the summary alone
                     generate_kwargs[new_tokens] = generate_kwargs.pop(total)
         output_ids = self.model.generate(**inputs, **generate_kwargs)
         if not self.model.config.is_encoder_decoder:
