@@ -192,22 +192,28 @@ def check_device(device: str | None) -> None:
         raise UsageError(f"--device {device}: MPS is not available on this machine; use --device cpu")
 
 
-def check_model_location(model_path: str, tokenizer_path: str | None) -> dict:
+def check_model_location(model_path: str, tokenizer_path: str | None) -> tuple[dict, dict]:
     """``--model`` / ``--tokenizer`` before anything is loaded: local paths never go to the Hub, an original (not
     converted) checkpoint gets the convert command, a folder without a tokenizer asks for ``--tokenizer``. Returns the
-    ``from_pretrained`` keyword arguments for the model (``local_files_only`` for a Hub id found only in the cache)."""
+    ``from_pretrained`` keyword arguments for the model and for the tokenizer (``local_files_only`` for a Hub id found
+    only in the cache, so that loading it makes no network attempt)."""
     from .hub import HubAccessError, looks_like_local_path, pretrained_location
 
-    try:
-        location = pretrained_location(model_path, "--model")
-        if tokenizer_path is not None:
-            pretrained_location(tokenizer_path, "--tokenizer")
-    except HubAccessError as error:
-        local = looks_like_local_path(model_path) and not Path(model_path).expanduser().exists()
-        raise (UsageError if local else CommandError)(str(error)) from None
+    for path, option in ((model_path, "--model"), (tokenizer_path, "--tokenizer")):
+        if path is None:
+            continue
+        try:
+            found = pretrained_location(path, option)
+        except HubAccessError as error:  # a missing local path is a usage error, an unreachable Hub id is not
+            local = looks_like_local_path(path) and not Path(path).expanduser().exists()
+            raise (UsageError if local else CommandError)(str(error)) from None
+        if option == "--model":
+            location = tokenizer_location = found
+        else:
+            tokenizer_location = found
     folder = Path(model_path).expanduser()
     if not folder.exists():
-        return location
+        return location, tokenizer_location
     if not folder.is_dir():
         raise UsageError(f"--model {model_path} is a file; pass the folder that holds config.json and the weights")
     config_file = folder / "config.json"
@@ -231,7 +237,7 @@ def check_model_location(model_path: str, tokenizer_path: str | None) -> dict:
     if tokenizer_path is None and not any((folder / name).is_file() for name in TOKENIZER_FILES):
         raise UsageError(f"--model {model_path} has no tokenizer: pass --tokenizer PATH_OR_REPO (the tokenizer the "
                          "model was trained with)")
-    return location
+    return location, tokenizer_location
 
 
 def load_summarizer(model_path: str, tokenizer_path: str | None = None, device: str | None = None,
@@ -245,7 +251,7 @@ def load_summarizer(model_path: str, tokenizer_path: str | None = None, device: 
     from .pipelines.pipeline_summarization import LongSummarizationPipeline
 
     check_device(device)
-    location = check_model_location(model_path, tokenizer_path)
+    location, tokenizer_location = check_model_location(model_path, tokenizer_path)
     try:
         config = AutoConfig.from_pretrained(model_path, trust_remote_code=True, **location)
         auto_class = AutoModelForSeq2SeqLM if config.is_encoder_decoder else AutoModelForCausalLM
@@ -253,7 +259,6 @@ def load_summarizer(model_path: str, tokenizer_path: str | None = None, device: 
     except OSError as error:
         raise CommandError(f"--model {model_path}: {str(error).strip().splitlines()[0]}") from None
     try:
-        tokenizer_location = {} if tokenizer_path is not None else location
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_path or model_path, **tokenizer_location)
     except (OSError, ValueError) as error:
         raise CommandError(f"cannot load the tokenizer of {tokenizer_path or model_path}: "
@@ -280,17 +285,21 @@ def _check_generation_options(args: argparse.Namespace, model) -> None:
 
 
 def _read_document(file: str) -> str:
-    if file == "-":
-        document = sys.stdin.read()
-    else:
-        try:
+    try:
+        if file == "-":  # the bytes, decoded here: the locale's text stream may pass bad bytes on as surrogates
+            stdin_bytes = getattr(sys.stdin, "buffer", None)  # (none where stdin was replaced by a text stream)
+            document = sys.stdin.read() if stdin_bytes is None else stdin_bytes.read().decode("utf-8")
+        else:
             with open(file, encoding="utf-8") as handle:
                 document = handle.read()
-        except UnicodeDecodeError as error:
-            raise CommandError(f"{file} is not UTF-8 text (byte {error.object[error.start]:#04x} at offset "
-                               f"{error.start}): convert it first, e.g. iconv -f latin1 -t utf-8 {file}") from None
-        except OSError as error:
-            raise CommandError(f"cannot read {file!r}: {error.strerror}") from None
+    except UnicodeDecodeError as error:
+        name = "standard input" if file == "-" else file
+        convert = "iconv -f latin1 -t utf-8 FILE | longreach summarize ... -" if file == "-" else \
+            f"iconv -f latin1 -t utf-8 {file}"
+        raise CommandError(f"{name} is not UTF-8 text (byte {error.object[error.start]:#04x} at offset "
+                           f"{error.start}): convert it first, e.g. {convert}") from None
+    except OSError as error:
+        raise CommandError(f"cannot read {file!r}: {error.strerror}") from None
     if not document.strip():
         raise CommandError(f"{file!r} holds no text to summarize.")
     return document
@@ -581,13 +590,13 @@ def build_parser() -> argparse.ArgumentParser:
                                        "JSONL file to append the summaries to.")
 
     push_parser = commands.add_parser("push", help="Upload a saved checkpoint folder with our model card.")
-    push_parser.add_argument("folder")
-    push_parser.add_argument("repo_id")
+    push_parser.add_argument("folder", type=non_empty)
+    push_parser.add_argument("repo_id", type=non_empty)
     push_parser.add_argument("--private", action="store_true")
     push_parser.add_argument("--commit_message", default=None)
 
     cards = commands.add_parser("model-cards", help="Regenerate model_cards/*.md from the templates.")
-    cards.add_argument("--output_dir", default="model_cards")
+    cards.add_argument("--output_dir", default="model_cards", type=non_empty)
     return parser
 
 

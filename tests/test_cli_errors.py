@@ -177,3 +177,55 @@ def test_debug_reaches_the_converters_and_the_demo(tmp_path):
     (tmp_path / "afile").write_text("mine")
     with pytest.raises(OutputDirError, match="is a file"):
         main(["demo", "--output_dir", str(tmp_path / "afile"), "--debug"])
+
+
+def test_a_missing_local_tokenizer_path_is_a_usage_error_too(tiny_folder, text_file, capsys):
+    line = run(["summarize", "--model", str(tiny_folder), "--tokenizer", "./no-such-tokenizer", str(text_file)],
+               capsys, 2)
+    assert "--tokenizer './no-such-tokenizer': no such file or folder" in line
+
+
+def test_non_utf8_standard_input_is_named_before_the_model_loads(tiny_folder, capsys, monkeypatch):
+    import io
+    import sys
+
+    from longreach import cli
+
+    def not_loaded(*args, **kwargs):
+        raise AssertionError("the model was loaded before the input was read")
+
+    monkeypatch.setattr(cli, "load_summarizer", not_loaded)
+    stdin = io.TextIOWrapper(io.BytesIO("caf\u00e9 w1 w2".encode("latin-1")), encoding="utf-8",
+                             errors="surrogateescape")  # as a UTF-8 locale's stdin passes bad bytes on
+    monkeypatch.setattr(sys, "stdin", stdin)
+    line = run(["summarize", "--model", str(tiny_folder), "-"], capsys, 1)
+    assert "standard input is not UTF-8 text (byte 0xe9 at offset 3)" in line and "iconv" in line
+
+
+def test_a_hub_tokenizer_found_only_in_the_cache_is_loaded_without_the_network(tiny_folder, text_file, monkeypatch,
+                                                                             capsys):
+    """`--tokenizer owner/name` found in the local cache while the Hub is out of reach is loaded with
+    `local_files_only=True`, as `--model` is (without it, transformers retried the download for minutes)."""
+    from transformers import AutoTokenizer
+
+    original = hub.pretrained_location
+    monkeypatch.setattr(hub, "pretrained_location", lambda name, what="model": {"local_files_only": True}
+                        if name == "someone/tok" else original(name, what))
+    calls = []
+    load = AutoTokenizer.from_pretrained
+
+    def recording(name, *args, **kwargs):
+        calls.append((name, kwargs.get("local_files_only")))
+        return load(str(tiny_folder), *args, **kwargs)  # the cache stand-in: the folder's own tokenizer
+
+    monkeypatch.setattr(AutoTokenizer, "from_pretrained", recording)
+    assert main(["summarize", "--model", str(tiny_folder), "--tokenizer", "someone/tok", str(text_file),
+                 "--max_new_tokens", "2"]) == 0
+    assert calls == [("someone/tok", True)]
+
+
+@pytest.mark.parametrize("argv", [["model-cards", "--output_dir", ""], ["push", "", "someone/tiny"],
+                                  ["push", ".", ""]])
+def test_empty_paths_and_repository_ids_are_usage_errors(argv, capsys):
+    """An empty --output_dir wrote the three cards into the current folder; an empty push folder is the current one."""
+    assert "expected a non-empty value, got ''" in run(argv, capsys, 2)
