@@ -21,6 +21,7 @@ Everything else in a folder (``training_args.bin``, optimizer states, ``checkpoi
 from __future__ import annotations
 
 import fnmatch
+import hashlib
 import json
 import logging
 import os
@@ -145,15 +146,39 @@ def build_model_card(
         model_name=(repo_id or info.default_repo_name).split("/")[-1],
     )
     template = resources.files("longreach").joinpath("model_card_templates", info.template).read_text(encoding="utf-8")
-    return ModelCard.from_template(
+    marker = f"<!-- longreach-model-card {json.dumps(state, sort_keys=True)} -->"
+    card = ModelCard.from_template(
         card_data,
         template_str=template,
         repo_id=repo_id or f"{HUB_NAMESPACE}/{info.default_repo_name}",
         converted_from=converted_from,
         training_note=training_note,
         longreach_version=_longreach_version(),
-        marker=f"<!-- longreach-model-card {json.dumps(state, sort_keys=True)} -->",
+        marker=marker,
     )
+    # the digest of the text as rendered tells an unedited card from a hand-edited one even after the templates or
+    # the version it names have changed (a fresh rendering would then differ from it)
+    digested = f"<!-- longreach-model-card {json.dumps({**state, 'sha256': _card_digest(str(card))}, sort_keys=True)} -->"
+    return ModelCard(str(card).replace(marker, digested, 1))
+
+
+def _card_digest(text: str) -> str:
+    """SHA-256 of a card's text without its longreach marker (which holds the digest)."""
+    return hashlib.sha256(_MARKER.sub("", text, count=1).encode("utf-8")).hexdigest()
+
+
+def card_is_unedited(readme: str | Path) -> bool:
+    """Whether the longreach card ``readme`` is as it was rendered: by its recorded digest, or, for a card written
+    before digests were recorded, by a fresh rendering with the same parameters."""
+    text = Path(readme).read_text(encoding="utf-8")
+    state = _read_marker(text)
+    if state is None:
+        return False
+    if "sha256" in state:
+        return _card_digest(text) == state["sha256"]
+    unedited = build_model_card(state["model"], state.get("repo_id"), state.get("converted_from"),
+                                state.get("training_note"), state.get("tags"))
+    return _MARKER.sub("", text, count=1) == _MARKER.sub("", str(unedited), count=1)
 
 
 def write_model_card(
@@ -210,7 +235,14 @@ def read_card_state(readme: str | Path) -> dict | None:
     path = Path(readme)
     if not path.is_file():
         return None
-    match = _MARKER.search(path.read_text(encoding="utf-8"))
+    marker = _read_marker(path.read_text(encoding="utf-8"))
+    if marker is not None:
+        marker.pop("sha256", None)  # the text's digest (see `card_is_unedited`), not a parameter
+    return marker
+
+
+def _read_marker(text: str) -> dict | None:
+    match = _MARKER.search(text)
     return json.loads(match.group("json")) if match else None
 
 
@@ -280,11 +312,7 @@ def _card_for_upload(folder: Path, config: dict, repo_id: str, tags: list[str] |
     readme = folder / README
     state = read_card_state(readme)
     if state is not None:
-        unedited = build_model_card(
-            state["model"], state.get("repo_id"), state.get("converted_from"), state.get("training_note"),
-            state.get("tags"),
-        )
-        if readme.read_text(encoding="utf-8") != str(unedited):
+        if not card_is_unedited(readme):
             logger.info("Keeping the hand-edited model card %s.", readme)
             return readme.read_text(encoding="utf-8")
         return str(build_model_card(

@@ -160,6 +160,27 @@ def test_hand_edited_card_is_uploaded_unchanged(recorder, tmp_path):
     assert single_commit(recorder)["files"]["README.md"].decode() == card_path.read_text()
 
 
+def test_unedited_card_of_another_longreach_version_is_re_rendered_for_the_repo(recorder, tmp_path, monkeypatch):
+    """A card written by another longreach version (its text names that version) is still unedited: it is re-rendered
+    for the target repository, whose id its usage code must load, not kept as if edited by hand. A card written before
+    cards recorded their digest is judged by a fresh rendering, as before."""
+    folder = save_tiny_locost(tmp_path / "older")
+    monkeypatch.setattr(hub, "_longreach_version", lambda: "0.1.0")
+    card_path = hub.write_model_card(folder, "locost", converted_from="flbbb/locost-gsg-pretrained")
+    monkeypatch.setattr(hub, "_longreach_version", lambda: "0.2.0")
+    hub.push_folder_to_hub(folder, "someone/my-locost")
+    readme = single_commit(recorder)["files"]["README.md"].decode()
+    assert 'model="someone/my-locost"' in readme and "longreach 0.2.0" in readme
+    assert hub.card_is_unedited(card_path)
+    card_path.write_text(card_path.read_text().replace("## Limitations", "## What it cannot do", 1))
+    assert not hub.card_is_unedited(card_path)
+    without_digest = re.sub(r', "sha256": "[0-9a-f]{64}"', "", str(hub.build_model_card("locost")))
+    card_path.write_text(without_digest)  # a card of an earlier release: no digest in its marker
+    assert "sha256" not in card_path.read_text() and hub.card_is_unedited(card_path)
+    card_path.write_text(without_digest + "\nMy own evaluation notes.\n")
+    assert not hub.card_is_unedited(card_path)
+
+
 def test_model_loaded_from_a_converted_folder_pushes_its_card(recorder, tmp_path):
     folder = save_tiny_locost(tmp_path / "converted")
     hub.write_model_card(folder, "locost", converted_from="flbbb/locost-gsg-pretrained")
