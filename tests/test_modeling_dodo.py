@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import math
+import re
 
 import pytest
 import torch
@@ -1285,3 +1286,67 @@ def test_offloaded_soft_prompt_is_loaded_by_its_hook(tmp_path, model):
     with torch.no_grad():
         generated = offloaded.generate(prompt, context_input_ids=context, max_new_tokens=4, do_sample=False)
     assert torch.equal(generated, expected)
+
+
+def test_collator_keeps_the_masks_of_features_padded_already():
+    """Features padded by the tokenizer (`padding="max_length"`) keep their masks, as `tokenizer.pad` and
+    `DataCollatorForSeq2Seq` keep them: their padding is neither attended to nor a training target."""
+    features = [
+        {"context_input_ids": [1, 5, 6, 0, 0], "context_attention_mask": [1, 1, 1, 0, 0],
+         "input_ids": [7, 8, 0], "attention_mask": [1, 1, 0]},
+        {"context_input_ids": [1, 9, 9, 9, 9], "input_ids": [7, 8, 9, 4]},  # no masks: every token is real
+    ]
+    batch = DodoDataCollator(pad_token_id=0)(features)
+    assert batch["context_attention_mask"].tolist() == [[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]]
+    assert batch["attention_mask"].tolist() == [[1, 1, 0, 0], [1, 1, 1, 1]]
+    assert batch["labels"].tolist() == [[7, 8, -100, -100], [7, 8, 9, 4]]  # the pad id 0 is no target
+    autoencoding = DodoDataCollator(pad_token_id=0)([{"context_input_ids": [1, 5, 0], "context_attention_mask": [1, 1, 0]}])
+    assert autoencoding["attention_mask"].tolist() == [[1, 1, 0]] and autoencoding["labels"].tolist() == [[1, 5, -100]]
+    for bad, message in [
+        ({"context_input_ids": [1, 5], "context_attention_mask": [1, 1, 1]}, "`context_attention_mask` must hold one 0"),
+        ({"context_input_ids": [1, 5], "input_ids": [3], "attention_mask": [2]}, "`attention_mask` must hold one 0 or 1"),
+        ({"context_input_ids": [1, 5], "context_attention_mask": [0, 0]}, "with at least one 1"),
+        ({"context_input_ids": [1, 5], "attention_mask": [1, 1]}, "has an `attention_mask` but no `input_ids`"),
+    ]:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            DodoDataCollator()([bad])
+
+
+def test_cache_crop_never_removes_the_soft_prompt_or_the_nugget_slots(model):
+    from longreach import DodoCache
+
+    with torch.no_grad():
+        cache = DodoCache(model.config)
+        model(ids(1, 4), nuggets=model.compress(ids(1, 15)), past_key_values=cache)
+    columns = cache.layers[0].get_seq_length()
+    cache.crop(-6)  # more than the 4 tokens it holds
+    assert cache.seen_tokens == 0 and cache.layers[0].get_seq_length() == columns - 4
+    assert cache.decoder_mask.shape[1] == model.config.soft_prompt_length
+    DodoCache(model.config).crop(-1)  # an empty cache: nothing to remove
+
+
+def test_estimate_nugget_threshold_and_summarization_inputs_check_their_arguments(model, tokenizer):
+    context = ids(2, 40)
+    for ratio in (1.5, 0, -0.5, "0.1", True):
+        with pytest.raises(ValueError, match=re.escape(f"`ratio` must be a number in (0, 1] (the share of tokens kept "
+                                                       f"as nuggets), got {ratio!r}.")):
+            model.estimate_nugget_threshold(context, ratio=ratio)
+    assert isinstance(model.estimate_nugget_threshold(context, ratio=1), float)
+    for length in (10.5, "10", True):
+        with pytest.raises(ValueError, match=re.escape(f"`max_input_length` must be an integer or None, got {length!r}")):
+            model.prepare_summarization_inputs(tokenizer, ["w1 w2 w3"], max_input_length=length)
+
+
+def test_nuggets_of_another_dtype_or_with_inconsistent_fields_are_refused(model):
+    import copy
+
+    prompt = ids(2, 4)
+    with torch.no_grad():
+        nuggets = model.compress(ids(2, 30))
+        with pytest.raises(ValueError, match=re.escape("`nuggets.key_values` are torch.float32 but the model computes "
+                                                       "in torch.bfloat16")):
+            copy.deepcopy(model).to(torch.bfloat16)(prompt, nuggets=nuggets)
+        with pytest.raises(ValueError, match=re.escape("`nuggets.scores` must be a [batch, K]")):
+            model(prompt, nuggets=DodoNuggets(**{**nuggets, "scores": None}))
+        with pytest.raises(ValueError, match=re.escape("`nuggets.mask` must be a [batch, K]")):
+            model(prompt, nuggets=DodoNuggets(**{**nuggets, "mask": nuggets.mask[:, :2]}))

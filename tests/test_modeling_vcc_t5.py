@@ -367,6 +367,11 @@ def test_seq2seq_trainer_step_with_the_vip_collator(tmp_path, tokenizer):
     without = {key: value for key, value in dataset[1].items() if key != "vip_mask"}
     with pytest.raises(ValueError, match="to every feature or to none"):
         collator([dataset[0], without])
+    none_given = [{**dataset[index], "vip_mask": None} for index in (0, 1)]  # a column of Nones: no mask
+    plain = [{key: value for key, value in dataset[index].items() if key != "vip_mask"} for index in (0, 1)]
+    collated_none, collated_plain = collator(none_given), collator(plain)
+    assert "vip_mask" not in collated_none and set(collated_none) == set(collated_plain)
+    assert all(torch.equal(collated_none[key], collated_plain[key]) for key in collated_plain)
 
     before = {name: parameter.detach().clone() for name, parameter in model.named_parameters()}
     args = Seq2SeqTrainingArguments(output_dir=str(tmp_path / "run"), per_device_train_batch_size=2, max_steps=2,

@@ -237,11 +237,12 @@ class DodoCache(DynamicCache):
     def crop(self, max_length: int) -> None:
         """Drop the last token columns (assisted decoding rolls back rejected candidates). As for a
         ``DynamicCache``, ``max_length >= 0`` is the number of *tokens* to keep (the nugget slots and the soft
-        prompt always stay) and a negative value the number of tokens to remove. Not in autoregressive mode, where
-        tokens already compressed cannot be taken back."""
+        prompt always stay) and a negative value the number of tokens to remove (at most the tokens it holds). Not in
+        autoregressive mode, where tokens already compressed cannot be taken back."""
         if self.autoregressive:
             raise ValueError("A DodoCache in autoregressive mode cannot drop tokens (they may be compressed already).")
         tokens_to_remove = max(self.seen_tokens - max_length, 0) if max_length >= 0 else -max_length
+        tokens_to_remove = min(tokens_to_remove, self.seen_tokens)  # never into the soft prompt or the nugget slots
         if tokens_to_remove:
             super().crop(-tokens_to_remove)
             self.decoder_mask = self.decoder_mask[:, :-tokens_to_remove]
@@ -686,6 +687,20 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
                 "got "
                 f"{len(nuggets.key_values)} layers of {tuple(nuggets.key_values[0][0].shape)}."
             )
+        slots = tuple(nuggets.key_values[0][0].shape[:1]) + tuple(nuggets.key_values[0][0].shape[2:3])  # [batch, K]
+        if any(tuple(t.shape[:1]) + tuple(t.shape[2:3]) != slots for pair in nuggets.key_values for t in pair):
+            raise ValueError(f"`nuggets.key_values` must all hold [batch, heads, K, head_dim] = {slots[0]} rows of "
+                             f"{slots[1]} slots, as the first layer's key does.")
+        for name in ("mask", "scores"):
+            value = getattr(nuggets, name)
+            if not isinstance(value, torch.Tensor) or tuple(value.shape) != slots:
+                got = describe(value) if isinstance(value, torch.Tensor) else type(value).__name__
+                raise ValueError(f"`nuggets.{name}` must be a [batch, K] = {slots} tensor (one per slot of "
+                                 f"`nuggets.key_values`), got {got}.")
+        dtypes = sorted({str(t.dtype) for pair in nuggets.key_values for t in pair})
+        if dtypes != [str(self.dtype)] and not torch.is_autocast_enabled(self.device.type):
+            raise ValueError(f"`nuggets.key_values` are {', '.join(dtypes)} but the model computes in {self.dtype}: "
+                             "compress the context with the model as it is now (after `.to(dtype)`).")
         if batch_size is not None and nuggets.batch_size != batch_size:
             if not (allow_multiple and batch_size % nuggets.batch_size == 0):
                 raise ValueError(
@@ -1132,6 +1147,8 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
     ) -> float:
         """Λ such that about ``ratio`` (default ``config.nugget_ratio``) of the real tokens score above it (paper §2.2:
         "we estimate the threshold Λ by running a trained scorer on sampled tokens")."""
+        if ratio is not None and (isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 < ratio <= 1):
+            raise ValueError(f"`ratio` must be a number in (0, 1] (the share of tokens kept as nuggets), got {ratio!r}.")
         nuggets = self.compress(input_ids, attention_mask)
         mask = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
         real_scores = nuggets.all_scores[mask].float()
@@ -1457,6 +1474,8 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
         bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
         prefix = bos + tokenizer(SUMMARIZATION_CONTEXT_PREFIX, add_special_tokens=False)["input_ids"]
         prompt = tokenizer(SUMMARIZATION_PROMPT, add_special_tokens=False)["input_ids"]
+        if max_input_length is not None and (isinstance(max_input_length, bool) or not isinstance(max_input_length, int)):
+            raise ValueError(f"`max_input_length` must be an integer or None, got {max_input_length!r}.")
         if max_input_length is not None and max_input_length <= len(prefix):
             raise ValueError(
                 f"`max_input_length` must leave room for the document after the {len(prefix)} prefix tokens, got "
@@ -1550,6 +1569,18 @@ def _token_list(ids, name: str = "input_ids", index: int = 0) -> list[int]:
 MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.setdefault(DodoLlamaConfig.model_type, DodoLlamaForCausalLM.__name__)
 
 
+def _feature_mask(feature, name: str, ids_name: str, ids: list[int], index: int) -> list[int]:
+    """A feature's own mask for ``ids`` (0/1, as long, at least one 1), or all ones if it brings none."""
+    mask = feature.get(name)
+    if mask is None:
+        return [1] * len(ids)
+    mask = _token_list(mask, name, index)
+    if len(mask) != len(ids) or any(value not in (0, 1) for value in mask) or 1 not in mask:
+        raise ValueError(f"Feature {index}: `{name}` must hold one 0 or 1 per token of `{ids_name}` ({len(ids)}), "
+                         f"with at least one 1; got {str(mask)[:80]}.")
+    return mask
+
+
 class DodoDataCollator:
     """Batches (context, target) pairs for compressor-mode training with ``Trainer`` (paper §2.3, spec §3.7).
 
@@ -1558,7 +1589,9 @@ class DodoDataCollator:
     The loss covers the target tokens, less an optional ``prompt_length`` (the authors' ``skip``) of first ones; a
     feature may instead bring its own ``labels`` (as long as the target, -100 where no loss, the usual layout of
     instruction tuning), which are kept. Both sides are right-padded, to a multiple of ``pad_to_multiple_of`` if set;
-    ``labels`` hold ``label_pad_token_id`` at padding and -100 at prompt positions.
+    ``labels`` hold ``label_pad_token_id`` at padding and -100 at prompt positions. Features padded already (e.g. by
+    ``tokenizer(..., padding="max_length")``) keep their ``context_attention_mask`` / ``attention_mask``: their 0s
+    stay padding, never attended to nor trained on.
 
     With ``Trainer``, ``prompt_length`` is not an argument of the model, so the default
     ``remove_unused_columns=True`` drops it before it reaches the collator: pass
@@ -1586,13 +1619,20 @@ class DodoDataCollator:
         if any(given_labels) and not all(given_labels):
             raise ValueError("Some features bring `labels` and others do not; give them to every feature or to none.")
         contexts, targets, prompt_lengths, labels = [], [], [], []
+        context_masks, target_masks = [], []
         for index, feature in enumerate(features):
             # Lists, tensors or numpy arrays (a `datasets` dataset with a torch/numpy format): never tested for truth.
             context = _token_list(feature.get("context_input_ids"), "context_input_ids", index)
-            target = (_token_list(feature["input_ids"], "input_ids", index) if feature.get("input_ids") is not None
-                      else context)
+            has_target = feature.get("input_ids") is not None
+            target = _token_list(feature["input_ids"], "input_ids", index) if has_target else context
             if not context or not target:
                 raise ValueError(f"Feature {index} needs a non-empty `context_input_ids` (and `input_ids` if given).")
+            if feature.get("attention_mask") is not None and not has_target:
+                raise ValueError(f"Feature {index} has an `attention_mask` but no `input_ids` (its target is then the "
+                                 "context, whose mask is `context_attention_mask`).")
+            context_masks.append(_feature_mask(feature, "context_attention_mask", "context_input_ids", context, index))
+            target_masks.append(_feature_mask(feature, "attention_mask", "input_ids", target, index) if has_target
+                                else context_masks[-1])
             if given_labels[0]:
                 labels.append(_token_list(feature["labels"], "labels", index))
                 if len(labels[-1]) != len(target):
@@ -1610,8 +1650,10 @@ class DodoDataCollator:
                                  f"(its target has {len(target)} tokens, and at least one must be in the loss), "
                                  f"got {prompt_length!r}.")
             prompt_lengths.append(prompt_length)
-        context_ids, context_mask = pad_right(contexts, self.pad_token_id, self.pad_to_multiple_of)
-        input_ids, attention_mask = pad_right(targets, self.pad_token_id, self.pad_to_multiple_of)
+        context_ids, _ = pad_right(contexts, self.pad_token_id, self.pad_to_multiple_of)
+        input_ids, _ = pad_right(targets, self.pad_token_id, self.pad_to_multiple_of)
+        context_mask, _ = pad_right(context_masks, 0, self.pad_to_multiple_of)  # the features' own padding stays 0
+        attention_mask, _ = pad_right(target_masks, 0, self.pad_to_multiple_of)
         if labels:
             labels, _ = pad_right(labels, -100, self.pad_to_multiple_of)
             labels = labels.masked_fill(attention_mask == 0, self.label_pad_token_id)

@@ -634,8 +634,9 @@ class VCCT5DataCollator(DataCollatorForSeq2Seq):
         if not features:
             raise ValueError("VCCT5DataCollator got an empty batch.")
         given = ["vip_mask" in feature and feature["vip_mask"] is not None for feature in features]
-        if not any(given):
-            return super().__call__(features, return_tensors)
+        if not any(given):  # (a `vip_mask` column of Nones is no mask either)
+            return super().__call__([{k: v for k, v in feature.items() if k != "vip_mask"} for feature in features],
+                                    return_tensors)
         if not all(given):
             raise ValueError("Some features have a `vip_mask` and others do not; give one to every feature or to none.")
         vip_masks = []
