@@ -326,3 +326,21 @@ def test_locost_runs_in_float64_and_float_returns_the_float32_model():
         assert torch.equal(model(input_ids, decoder_input_ids=decoder_input_ids).logits, expected)
     model.double().half()  # from float64 too, half precision keeps the SSM parameters float32
     assert {p.dtype for name, p in model.named_parameters() if ".ssm.conv." in name} == {torch.float32}
+
+
+def test_second_order_gradients_are_refused_not_silently_wrong():
+    """The FFT convolution's and the kernel's backward passes are not differentiable themselves (the convolution's
+    reads the kernel's spectrum outside the graph): a gradient penalty through the layer (`create_graph=True`, then a
+    backward of the gradient) used to give the SSM parameters a zero or partial gradient without a word. A backward
+    pass that would build such a graph is refused; first-order gradients are unchanged."""
+    torch.manual_seed(0)
+    conv = BidirectionalS4DConvolution(3, 4).double().train()
+    x = torch.randn(2, 9, 3, dtype=torch.float64, requires_grad=True)
+    weights = torch.randn(2, 9, 3, dtype=torch.float64)
+    message = r"Second-order gradients \(backward with create_graph=True\) .* are not supported"
+    with pytest.raises(RuntimeError, match=message):
+        torch.autograd.grad((conv(x) * weights).sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match=message):  # the kernel's own backward too
+        torch.autograd.grad(conv(x).sum(), [conv.log_dt], create_graph=True)
+    (input_grad,) = torch.autograd.grad((conv(x) * weights).sum(), x)
+    assert torch.isfinite(input_grad).all()

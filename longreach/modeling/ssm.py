@@ -234,6 +234,17 @@ def s4d_kernel_vjp(grad: torch.Tensor, dtA: torch.Tensor, z: torch.Tensor, C_hat
     return grad_dtA, grad_C_hat
 
 
+def _refuse_second_order() -> None:
+    """The SSM's backward passes are not differentiable themselves (the convolution's reads the kernel's spectrum,
+    made outside the graph; the kernel's VJP writes into buffers): with ``create_graph=True`` (a gradient penalty,
+    higher-order gradients) autograd would differentiate them and drop the SSM parameters' terms without a word.
+    (``once_differentiable`` does not catch it: the upstream gradient need not require grad for those terms to exist.)
+    """
+    if torch.is_grad_enabled() and not torch.compiler.is_compiling():
+        raise RuntimeError("Second-order gradients (backward with create_graph=True) through LOCOST's S4D convolution "
+                           "are not supported: its backward pass is not differentiable.")
+
+
 class _S4DKernel(torch.autograd.Function):
     """``s4d_kernel`` as an autograd function: keeps ΔA and Ĉ ([H, N/2] each) and computes its backward pass with
     ``s4d_kernel_vjp``, instead of autograd recording the doubling's complex products (several times the kernel's
@@ -249,6 +260,7 @@ class _S4DKernel(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        _refuse_second_order()
         dtA, C_hat = ctx.saved_tensors
         grad_dtA, grad_C_hat = s4d_kernel_vjp(grad, dtA, _exp_complex128(dtA), C_hat, ctx.length, ctx.max_chunk)
         return grad_dtA, None, grad_C_hat, None, None
@@ -296,6 +308,7 @@ class _FFTConvolution(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output):
+        _refuse_second_order()
         signal, spectrum = ctx.saved_tensors
         fft_size, length = ctx.fft_size, signal.shape[-1]
         grad_signal = torch.empty_like(signal) if ctx.needs_input_grad[0] else None
