@@ -919,6 +919,44 @@ def test_saved_folder_loads_without_longreach(tmp_path, model, isolated_hf_env):
     assert result["generated"] == generated.tolist() and result["frozen"]
 
 
+def test_two_folders_loaded_without_longreach_share_nuggets_an_assistant_and_a_config(tmp_path, model,
+                                                                                       isolated_hf_env):
+    """Without longreach, transformers loads each folder's code as a module of its own: the nuggets, model and config
+    of one folder were refused by another folder's identical model ("must be the DodoNuggets ..., got DodoNuggets"),
+    and a config from AutoConfig got no Llama key mapping when loading a base Llama checkpoint."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    for name in ("main", "draft"):
+        model.save_pretrained(tmp_path / name)
+    llama_fields = {key: getattr(model.config, key) for key in (
+        "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+        "num_key_value_heads", "bos_token_id", "eos_token_id", "pad_token_id")}
+    torch.manual_seed(1)
+    LlamaForCausalLM(LlamaConfig(**llama_fields)).save_pretrained(tmp_path / "base")
+    context, prompt = ids(1, 30), ids(1, 6)
+    with torch.no_grad():
+        expected_logits = model(prompt, context_input_ids=context).logits
+        expected = model.generate(prompt, context_input_ids=context, max_new_tokens=6)
+    code = f"""
+        import json, torch
+        from transformers import AutoConfig, AutoModelForCausalLM
+        main = AutoModelForCausalLM.from_pretrained({str(tmp_path / "main")!r}, trust_remote_code=True).eval()
+        draft = AutoModelForCausalLM.from_pretrained({str(tmp_path / "draft")!r}, trust_remote_code=True).eval()
+        context, prompt = torch.tensor({context.tolist()}), torch.tensor({prompt.tolist()})
+        with torch.no_grad():
+            logits = draft(prompt, nuggets=main.compress(context)).logits
+            assisted = main.generate(prompt, context_input_ids=context, max_new_tokens=6, assistant_model=draft)
+        config = AutoConfig.from_pretrained({str(tmp_path / "main")!r}, trust_remote_code=True)
+        base = AutoModelForCausalLM.from_pretrained({str(tmp_path / "base")!r}, config=config, trust_remote_code=True)
+        print(json.dumps({{"logits": logits.tolist(), "assisted": assisted.tolist(), "base": type(base).__name__,
+                          "modules": sorted({{type(main).__module__, type(draft).__module__}})}}))
+    """
+    result = run_without_longreach(code, tmp_path)
+    assert len(result["modules"]) == 2  # two copies of the code, as the bug needs
+    assert torch.allclose(torch.tensor(result["logits"]), expected_logits, atol=1e-6)
+    assert result["assisted"] == expected.tolist() and result["base"] == "DodoLlamaForCausalLM"
+
+
 # --------------------------------------------------------------------------------------------------------------------
 # Summarization inputs (pipeline protocol)
 # --------------------------------------------------------------------------------------------------------------------

@@ -143,6 +143,16 @@ class DodoNuggets(ModelOutput):
         )
 
 
+def _is_a(value, cls: type) -> bool:
+    """``isinstance``, or an instance of the class of that name from another copy of its file: where longreach is not
+    installed, transformers loads each checkpoint folder's code as a module of its own, so the nuggets, the config or
+    the model of one folder are not instances of another folder's classes (same code, same fingerprint)."""
+    module = cls.__module__.rsplit(".", 1)[-1]
+    return isinstance(value, cls) or any(
+        klass.__name__ == cls.__name__ and klass.__module__.rsplit(".", 1)[-1] == module for klass in type(value).__mro__
+    )
+
+
 class DodoCache(DynamicCache):
     """The decoder's KV cache: per layer ``[K nugget slots ; soft prompt ; tokens]``, plus what generate() cannot know.
 
@@ -594,7 +604,7 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
                 "train with data parallelism (torchrun/accelerate DDP, FSDP or DeepSpeed ZeRO); see the README."
             )
         config = kwargs.get("config")
-        if kwargs.get("key_mapping") is None and isinstance(config, DodoLlamaConfig):
+        if kwargs.get("key_mapping") is None and _is_a(config, DodoLlamaConfig):
             kwargs["key_mapping"] = cls.base_llama_key_mapping(config)
         want_info = kwargs.pop("output_loading_info", False)
         model, info = super().from_pretrained(
@@ -667,7 +677,7 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
             )
 
     def _check_nuggets(self, nuggets, batch_size: int | None = None, allow_multiple: bool = False) -> None:
-        if not isinstance(nuggets, DodoNuggets):
+        if not _is_a(nuggets, DodoNuggets):
             raise ValueError(
                 f"`nuggets` must be the DodoNuggets returned by `model.compress(...)`, got {type(nuggets).__name__}."
             )
@@ -1217,7 +1227,7 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
             raise ValueError("`context_attention_mask` was given without `context_input_ids`; pass both, or neither.")
         use_cache = self.config.use_cache if use_cache is None else use_cache
 
-        cache = past_key_values if isinstance(past_key_values, DodoCache) and past_key_values.started else None
+        cache = past_key_values if _is_a(past_key_values, DodoCache) and past_key_values.started else None
         if cache is None and context_input_ids is None:  # (compress() has just checked)
             self._check_own_adapters()
         if cache is None and past_key_values is not None and past_key_values.get_seq_length() > 0:
@@ -1225,7 +1235,7 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
                 "`past_key_values` must be the DodoCache this model returned; got a "
                 f"{type(past_key_values).__name__} holding {past_key_values.get_seq_length()} positions."
             )
-        if past_key_values is not None and not isinstance(past_key_values, DodoCache):
+        if past_key_values is not None and not _is_a(past_key_values, DodoCache):
             # Llama fills an empty DynamicCache in place; this one could not hold the nuggets and the decoder mask, and
             # a new cache returned instead would leave the caller's empty (its next call would lose the context)
             raise ValueError(
@@ -1244,7 +1254,7 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
 
         prepend_soft = False
         if cache is None:
-            if isinstance(past_key_values, DodoCache):  # the caller's new cache, filled in place as Llama's is
+            if _is_a(past_key_values, DodoCache):  # the caller's new cache, filled in place as Llama's is
                 cache = past_key_values
                 cache.restart()
             else:
@@ -1368,10 +1378,10 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
         if nuggets is not None:
             self._check_nuggets(nuggets, input_ids.shape[0] if input_ids is not None else None)
             cache = kwargs.get("cache") if kwargs.get("cache") is not None else kwargs.get("past_key_values")
-            if isinstance(cache, DodoCache) and cache.started:  # a later turn: its nuggets are those in the cache
+            if _is_a(cache, DodoCache) and cache.started:  # a later turn: its nuggets are those in the cache
                 self._check_nuggets_match_cache(nuggets, cache)
             assistant = kwargs.get("assistant_model")
-            if assistant is not None and not isinstance(assistant, DodoLlamaForCausalLM):
+            if assistant is not None and not _is_a(assistant, DodoLlamaForCausalLM):
                 raise ValueError(
                     "`assistant_model` must be a DodoLlamaForCausalLM when generating from nuggets or a context: the "
                     f"assistant drafts its tokens from the same nuggets, which a {type(assistant).__name__} cannot "
@@ -1386,7 +1396,7 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
         super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
         for name in ("cache", "past_key_values"):  # the argument's name in transformers 5.24+ and before
             made = model_kwargs.get(name)
-            if made is not None and not isinstance(made, DodoCache) and not getattr(made, "_is_user_defined", False):
+            if made is not None and not _is_a(made, DodoCache) and not getattr(made, "_is_user_defined", False):
                 model_kwargs[name] = DodoCache(self.config)
 
     def prepare_inputs_for_generation(
@@ -1406,7 +1416,7 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
         batch = input_ids.shape[0]
         if attention_mask is None:  # generate drops an all-ones mask
             attention_mask = torch.ones_like(input_ids)
-        cache = past_key_values if isinstance(past_key_values, DodoCache) and past_key_values.started else None
+        cache = past_key_values if _is_a(past_key_values, DodoCache) and past_key_values.started else None
         seen = cache.seen_tokens if cache is not None else 0
         new_ids = input_ids[:, seen:]
         if cache is not None:  # the nuggets are in the cache since the first step: no per-step checks or copies
