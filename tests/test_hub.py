@@ -303,3 +303,53 @@ def test_write_model_card_keeps_a_readme_that_is_not_ours(tmp_path):
     hub.write_model_card(tmp_path, "locost")
     hub.write_model_card(tmp_path, "locost", training_note="again")  # our own card is replaced
     assert "again" in (tmp_path / "README.md").read_text() and sorted(p.name for p in tmp_path.iterdir()) == ["README.md"]
+
+
+def test_trainer_uploads_during_training_load_without_longreach(tmp_path, monkeypatch):
+    """`Trainer(push_to_hub=True)` uploads its output_dir at every save after copying in only the checkpoint's config
+    and weights; the code files the config's auto_map names were missing from those commits until training ended, so
+    the repository did not load with trust_remote_code=True. Every commit now carries them."""
+    from types import SimpleNamespace
+
+    import transformers.trainer as trainer_module
+    from datasets import Dataset
+    from transformers import DataCollatorForSeq2Seq, Seq2SeqTrainer, Seq2SeqTrainingArguments
+
+    commits = []
+
+    class HubStandIn:  # what the Trainer calls: keeps the files of each upload
+        def create_repo(self, repo_id, **kwargs):
+            return SimpleNamespace(repo_id=repo_id)
+
+        def upload_folder(self, repo_id, folder_path, **kwargs):
+            folder = Path(folder_path)
+            commits.append({path.name: path.read_bytes() for path in folder.iterdir()
+                            if path.is_file() and not path.name.startswith(("_", "checkpoint-"))})
+            return SimpleNamespace(done=lambda: True, result=lambda: None)
+
+    monkeypatch.setattr(trainer_module, "hf_api", lambda *args, **kwargs: HubStandIn())
+    model, tokenizer = tiny_locost(), word_tokenizer()
+    rows = [{"input_ids": list(range(3, 30)), "labels": [5, 6, 1]}] * 4
+    args = Seq2SeqTrainingArguments(str(tmp_path / "run"), use_cpu=True, report_to="none", max_steps=2,
+                                    per_device_train_batch_size=2, save_strategy="steps", save_steps=1,
+                                    push_to_hub=True, hub_model_id="someone/locost-ft")
+    Seq2SeqTrainer(model=model.train(), args=args, train_dataset=Dataset.from_list(rows),
+                   data_collator=DataCollatorForSeq2Seq(tokenizer, model=model)).train()
+    during = [commit for commit in commits if "model.safetensors" in commit]
+    assert during and all("modeling_locost.py" in commit and "configuration_locost.py" in commit for commit in during)
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    for name, data in during[0].items():
+        (repo / name).write_bytes(data)
+    result = run_without_longreach(f"""
+        import json
+        from transformers import AutoModelForSeq2SeqLM
+        model = AutoModelForSeq2SeqLM.from_pretrained({str(repo)!r}, trust_remote_code=True)
+        print(json.dumps({{"cls": type(model).__name__}}))
+    """, tmp_path)
+    assert result["cls"] == "LocostForConditionalGeneration"
+    (tmp_path / "mine").mkdir()  # a file of that name that is not ours is left as it is, with a warning
+    (tmp_path / "mine" / "ssm.py").write_text("# the user's own module\n")
+    with pytest.warns(UserWarning, match="ssm.py, not written by longreach: left as they are"):
+        model.save_pretrained(tmp_path / "mine" / "checkpoint-3")
+    assert (tmp_path / "mine" / "ssm.py").read_text() == "# the user's own module\n"

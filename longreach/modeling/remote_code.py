@@ -15,9 +15,11 @@ every import is already a sibling import and the rewrite is the identity).
 from __future__ import annotations
 
 import importlib
+import json
 import os
 import re
 import sys
+import warnings
 from pathlib import Path
 
 # `from <dots><dotted.name> import ...` at the start of a line (multi-line import lists only change what follows).
@@ -100,6 +102,42 @@ def _own_class(model) -> type:
     return next(cls for cls in type(model).__mro__ if not cls.__module__.startswith("torch."))
 
 
+#: The folders `Trainer` saves checkpoints in (transformers' `PREFIX_CHECKPOINT_DIR` + the step).
+_TRAINER_CHECKPOINT = re.compile(r"^checkpoint-\d+$")
+
+
+def _write_beside_trainer_output(output_dir: Path, sources: dict[str, str], auto_map: dict[str, str]) -> None:
+    """The code files in a `Trainer`'s ``output_dir`` too, when it saves a ``checkpoint-N`` inside it.
+
+    With ``push_to_hub=True`` the Trainer uploads ``output_dir`` at every save, after copying into it only the
+    checkpoint's config, generation config and weights: the config's ``auto_map`` then names code files that the
+    upload lacks, and the repository does not load with ``trust_remote_code=True`` until training ends. A file of the
+    same name that is not ours (``output_dir`` holds no config.json mapping to these files) is never replaced."""
+    config_file = output_dir / "config.json"
+    ours = False
+    if config_file.is_file():
+        try:
+            ours = (json.loads(config_file.read_text(encoding="utf-8")).get("auto_map") or {}) == auto_map
+        except (ValueError, UnicodeDecodeError):
+            ours = False
+    kept = []
+    for file_name, text in sources.items():
+        target = output_dir / file_name
+        if target.exists() and not ours and target.read_text(encoding="utf-8", errors="replace") != text:
+            kept.append(file_name)
+            continue
+        temporary = target.with_name(f".{file_name}.tmp-{os.getpid()}")
+        try:
+            temporary.write_text(text, encoding="utf-8")
+            os.replace(temporary, target)
+        finally:
+            temporary.unlink(missing_ok=True)
+    if kept:
+        warnings.warn(f"{output_dir} holds {', '.join(sorted(kept))}, not written by longreach: left as they are, so an "
+                      "upload of that folder (Trainer's push_to_hub) may not load with trust_remote_code=True.",
+                      UserWarning, stacklevel=3)
+
+
 class HubReadyMixin:
     """Mixin for our ``PreTrainedModel`` classes: ``save_pretrained`` writes a folder that loads anywhere.
 
@@ -135,6 +173,8 @@ class HubReadyMixin:
         sources = collect_flat_sources(roots)
         for file_name, text in sources.items():
             (save_directory / file_name).write_text(text, encoding="utf-8")
+        if _TRAINER_CHECKPOINT.match(save_directory.name):
+            _write_beside_trainer_output(save_directory.parent, sources, self.hub_auto_map())
 
         self.config.auto_map = self.hub_auto_map()
         if pipeline_module is not None:
