@@ -255,7 +255,10 @@ def load_summarizer(model_path: str, tokenizer_path: str | None = None, device: 
     try:
         config = AutoConfig.from_pretrained(model_path, trust_remote_code=True, **location)
         auto_class = AutoModelForSeq2SeqLM if config.is_encoder_decoder else AutoModelForCausalLM
-        model = auto_class.from_pretrained(model_path, trust_remote_code=True, dtype=dtype or "auto", **location)
+        # transformers' check for a PEFT adapter does not inherit local_files_only: it would retry the Hub first
+        offline = {"adapter_kwargs": {"local_files_only": True}} if location.get("local_files_only") else {}
+        model = auto_class.from_pretrained(model_path, trust_remote_code=True, dtype=dtype or "auto", **location,
+                                           **offline)
     except OSError as error:
         raise CommandError(f"--model {model_path}: {str(error).strip().splitlines()[0]}") from None
     try:

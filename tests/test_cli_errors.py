@@ -229,3 +229,27 @@ def test_a_hub_tokenizer_found_only_in_the_cache_is_loaded_without_the_network(t
 def test_empty_paths_and_repository_ids_are_usage_errors(argv, capsys):
     """An empty --output_dir wrote the three cards into the current folder; an empty push folder is the current one."""
     assert "expected a non-empty value, got ''" in run(argv, capsys, 2)
+
+
+def test_a_hub_model_found_only_in_the_cache_checks_for_an_adapter_without_the_network(tiny_folder, text_file,
+                                                                                        monkeypatch):
+    """transformers' check for a PEFT adapter (`find_adapter_config_file`) does not inherit `local_files_only` and
+    retried the Hub for a model id found only in the cache; it is passed to it through `adapter_kwargs`."""
+    from transformers import AutoConfig, AutoModelForSeq2SeqLM
+
+    original = hub.pretrained_location
+    monkeypatch.setattr(hub, "pretrained_location", lambda name, what="model": {"local_files_only": True}
+                        if name == "someone/model" else original(name, what))
+    calls = []
+    for auto in (AutoConfig, AutoModelForSeq2SeqLM):
+        load = auto.from_pretrained
+
+        def recording(name, *args, _load=load, **kwargs):
+            calls.append((name, kwargs.get("local_files_only"), kwargs.get("adapter_kwargs")))
+            return _load(str(tiny_folder), *args, **kwargs)  # the cache stand-in: the local folder
+
+        monkeypatch.setattr(auto, "from_pretrained", recording)
+    assert main(["summarize", "--model", "someone/model", "--tokenizer", str(tiny_folder), str(text_file),
+                 "--max_new_tokens", "2"]) == 0
+    calls = [call for call in calls if call[0] == "someone/model"]  # (not the stand-in's own inner loads)
+    assert calls == [("someone/model", True, None), ("someone/model", True, {"local_files_only": True})]
