@@ -348,8 +348,16 @@ def test_trainer_uploads_during_training_load_without_longreach(tmp_path, monkey
         print(json.dumps({{"cls": type(model).__name__}}))
     """, tmp_path)
     assert result["cls"] == "LocostForConditionalGeneration"
-    (tmp_path / "mine").mkdir()  # a file of that name that is not ours is left as it is, with a warning
-    (tmp_path / "mine" / "ssm.py").write_text("# the user's own module\n")
+    # a file of that name that is not ours is left as it is, with a warning
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "ssm.py").write_text("# the user's own module\n")
+    args.output_dir, args.push_to_hub = str(mine), False
+    trainer = Seq2SeqTrainer(model=model.train(), args=args, train_dataset=Dataset.from_list(rows),
+                             data_collator=DataCollatorForSeq2Seq(tokenizer, model=model))
     with pytest.warns(UserWarning, match="ssm.py, not written by longreach: left as they are"):
-        model.save_pretrained(tmp_path / "mine" / "checkpoint-3")
-    assert (tmp_path / "mine" / "ssm.py").read_text() == "# the user's own module\n"
+        trainer.train()
+    assert (mine / "ssm.py").read_text() == "# the user's own module\n" and (mine / "modeling_locost.py").is_file()
+    # a folder named checkpoint-N saved by the user, not by a Trainer: nothing is written beside it
+    model.save_pretrained(tmp_path / "own" / "checkpoint-1")
+    assert sorted(path.name for path in (tmp_path / "own").iterdir()) == ["checkpoint-1"]

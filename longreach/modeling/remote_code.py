@@ -106,6 +106,20 @@ def _own_class(model) -> type:
 _TRAINER_CHECKPOINT = re.compile(r"^checkpoint-\d+$")
 
 
+def _saving_a_trainer_checkpoint() -> bool:
+    """Whether a `transformers.Trainer` (or a subclass) is saving a checkpoint: its `_save_checkpoint` is on the stack.
+    (A `save_pretrained("checkpoint-1")` of the user's own writes nothing beside that folder.)"""
+    trainer_module = sys.modules.get("transformers.trainer")
+    if trainer_module is None:
+        return False
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "_save_checkpoint" and isinstance(frame.f_locals.get("self"), trainer_module.Trainer):
+            return True
+        frame = frame.f_back
+    return False
+
+
 def _write_beside_trainer_output(output_dir: Path, sources: dict[str, str], auto_map: dict[str, str]) -> None:
     """The code files in a `Trainer`'s ``output_dir`` too, when it saves a ``checkpoint-N`` inside it.
 
@@ -173,7 +187,7 @@ class HubReadyMixin:
         sources = collect_flat_sources(roots)
         for file_name, text in sources.items():
             (save_directory / file_name).write_text(text, encoding="utf-8")
-        if _TRAINER_CHECKPOINT.match(save_directory.name):
+        if _TRAINER_CHECKPOINT.match(save_directory.name) and _saving_a_trainer_checkpoint():
             _write_beside_trainer_output(save_directory.parent, sources, self.hub_auto_map())
 
         self.config.auto_map = self.hub_auto_map()
