@@ -134,7 +134,8 @@ def check_text_columns(dataset, columns: list[str], split: str) -> None:
     the Arrow table without nulls is known to pass without reading its rows."""
     for column in columns:
         feature = dataset.features.get(column)
-        if getattr(feature, "dtype", None) in ("string", "large_string") and dataset.data.column(column).null_count == 0:
+        string_column = getattr(feature, "dtype", None) in ("string", "large_string")
+        if string_column and dataset.data.column(column).null_count == 0:
             continue
         for row, value in enumerate(dataset[column]):  # read row by row (datasets' lazy Column), to name the row
             if not isinstance(value, str):

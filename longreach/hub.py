@@ -158,7 +158,8 @@ def build_model_card(
     )
     # the digest of the text as rendered tells an unedited card from a hand-edited one even after the templates or
     # the version it names have changed (a fresh rendering would then differ from it)
-    digested = f"<!-- longreach-model-card {json.dumps({**state, 'sha256': _card_digest(str(card))}, sort_keys=True)} -->"
+    state_with_digest = {**state, "sha256": _card_digest(str(card))}
+    digested = f"<!-- longreach-model-card {json.dumps(state_with_digest, sort_keys=True)} -->"
     return ModelCard(str(card).replace(marker, digested, 1))
 
 

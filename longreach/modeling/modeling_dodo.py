@@ -149,7 +149,8 @@ def _is_a(value, cls: type) -> bool:
     the model of one folder are not instances of another folder's classes (same code, same fingerprint)."""
     module = cls.__module__.rsplit(".", 1)[-1]
     return isinstance(value, cls) or any(
-        klass.__name__ == cls.__name__ and klass.__module__.rsplit(".", 1)[-1] == module for klass in type(value).__mro__
+        klass.__name__ == cls.__name__ and klass.__module__.rsplit(".", 1)[-1] == module
+        for klass in type(value).__mro__
     )
 
 
@@ -1158,7 +1159,8 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
         """Λ such that about ``ratio`` (default ``config.nugget_ratio``) of the real tokens score above it (paper §2.2:
         "we estimate the threshold Λ by running a trained scorer on sampled tokens")."""
         if ratio is not None and (isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 < ratio <= 1):
-            raise ValueError(f"`ratio` must be a number in (0, 1] (the share of tokens kept as nuggets), got {ratio!r}.")
+            raise ValueError(f"`ratio` must be a number in (0, 1] (the share of tokens kept as nuggets), got "
+                             f"{ratio!r}.")
         nuggets = self.compress(input_ids, attention_mask)
         mask = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
         real_scores = nuggets.all_scores[mask].float()
@@ -1239,8 +1241,8 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
             # Llama fills an empty DynamicCache in place; this one could not hold the nuggets and the decoder mask, and
             # a new cache returned instead would leave the caller's empty (its next call would lose the context)
             raise ValueError(
-                f"`past_key_values` must be a DodoCache (`longreach.DodoCache(model.config)`, filled in place) or None; got an "
-                f"empty {type(past_key_values).__name__}, which cannot hold the nuggets."
+                "`past_key_values` must be a DodoCache (`longreach.DodoCache(model.config)`, filled in place) or "
+                f"None; got an empty {type(past_key_values).__name__}, which cannot hold the nuggets."
             )
         past_tokens = 0 if cache is None else cache.seen_tokens
         if cache is None:  # the caller's ids (later decoding steps feed back the model's own tokens)
@@ -1484,7 +1486,8 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
         bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
         prefix = bos + tokenizer(SUMMARIZATION_CONTEXT_PREFIX, add_special_tokens=False)["input_ids"]
         prompt = tokenizer(SUMMARIZATION_PROMPT, add_special_tokens=False)["input_ids"]
-        if max_input_length is not None and (isinstance(max_input_length, bool) or not isinstance(max_input_length, int)):
+        if max_input_length is not None and (isinstance(max_input_length, bool)
+                                             or not isinstance(max_input_length, int)):
             raise ValueError(f"`max_input_length` must be an integer or None, got {max_input_length!r}.")
         if max_input_length is not None and max_input_length <= len(prefix):
             raise ValueError(

@@ -114,7 +114,8 @@ def _saving_a_trainer_checkpoint() -> bool:
         return False
     frame = sys._getframe(1)
     while frame is not None:
-        if frame.f_code.co_name == "_save_checkpoint" and isinstance(frame.f_locals.get("self"), trainer_module.Trainer):
+        caller = frame.f_locals.get("self")
+        if frame.f_code.co_name == "_save_checkpoint" and isinstance(caller, trainer_module.Trainer):
             return True
         frame = frame.f_back
     return False
@@ -147,8 +148,8 @@ def _write_beside_trainer_output(output_dir: Path, sources: dict[str, str], auto
         finally:
             temporary.unlink(missing_ok=True)
     if kept:
-        warnings.warn(f"{output_dir} holds {', '.join(sorted(kept))}, not written by longreach: left as they are, so an "
-                      "upload of that folder (Trainer's push_to_hub) may not load with trust_remote_code=True.",
+        warnings.warn(f"{output_dir} holds {', '.join(sorted(kept))}, not written by longreach: left as they are, so "
+                      "an upload of that folder (Trainer's push_to_hub) may not load with trust_remote_code=True.",
                       UserWarning, stacklevel=3)
 
 
