@@ -177,20 +177,15 @@ def peak_step_bytes(step, device: str) -> int:
         step()
         torch.cuda.synchronize()
         return torch.cuda.max_memory_allocated() - before
-    from torch._C._profiler import _EventType
     from torch.profiler import ProfilerActivity, profile
 
-    # The CPU allocator reports its running total of the memory allocated since profiling started with every
-    # allocation and free (the frees of older blocks are not counted, which can only overstate a peak).
+    from run_all import profiled_peak_bytes  # this folder is the script's: run_all.py is beside it
+
+    # The CPU allocator reports its running total of the memory allocated with every allocation and free; the peak is
+    # taken above its value when this session started (it carries over from the earlier sessions of this process).
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as profiler:
         step()
-    nodes, totals = list(profiler.profiler.kineto_results.experimental_event_tree()), []
-    while nodes:
-        node = nodes.pop()
-        nodes.extend(node.children)
-        if node.tag == _EventType.Allocation and str(node.extra_fields.device) == "cpu":
-            totals.append(node.extra_fields.total_allocated)
-    return max(totals, default=0)
+    return profiled_peak_bytes(profiler)
 
 
 def training_memory(lengths: list[int], target_length: int, layers: int, repeats: int, device: str) -> list[dict]:
@@ -338,8 +333,9 @@ def main() -> None:
           f"{torch.get_num_threads()}, sizes {({**SIZES, **overrides})}")
     print(training_markdown(rows) if args.training_memory else markdown(rows))
     if args.json:
-        with open(args.json, "w", encoding="utf-8") as handle:
-            json.dump(rows, handle, indent=2)
+        from run_all import write_json  # under a temporary name, renamed into place
+
+        write_json(args.json, rows)
 
 
 if __name__ == "__main__":

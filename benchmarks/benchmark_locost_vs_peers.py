@@ -114,8 +114,9 @@ def main() -> None:
                 ratio_m = f"{r['peak_rss_mib'] / base['peak_rss_mib']:.2f}×"
             print(f"| {length} | {model} | {r['seconds']:.2f} | {r['peak_rss_mib']:.0f} | {ratio_t} | {ratio_m} |")
     if args.json:
-        with open(args.json, "w") as handle:
-            json.dump(results, handle, indent=2)
+        from run_all import write_json  # under a temporary name, renamed into place (run_all.py is beside this)
+
+        write_json(args.json, results)
 
 
 if __name__ == "__main__":

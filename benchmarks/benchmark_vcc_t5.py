@@ -210,8 +210,9 @@ def main() -> None:
             print(json.dumps(cell), flush=True)
             cells.append(cell)
     if args.json:
-        with open(args.json, "w") as handle:
-            json.dump(cells, handle, indent=2)
+        from run_all import write_json  # under a temporary name, renamed into place (run_all.py is beside this)
+
+        write_json(args.json, cells)
     print()
     print(table(cells))
 

@@ -147,19 +147,31 @@ def peak_tensor_bytes(run, device) -> tuple[int | None, str, int | None]:
     if device.type != "cpu":
         run()
         return None, "unavailable", None
-    from torch._C._profiler import _EventType
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as profiler:
         run()
     rss_above = rss_bytes("VmHWM") - rss_before if rss_before is not None else None
-    nodes, peak = list(profiler.profiler.kineto_results.experimental_event_tree()), 0
+    return profiled_peak_bytes(profiler), "cpu allocator total (profiler)", rss_above
+
+
+def profiled_peak_bytes(profiler) -> int:
+    """The peak of the CPU allocator's running total during a ``profile(profile_memory=True)`` session, above its value
+    when the session started. The total carries over from earlier sessions in the same process (tensors allocated
+    while profiling and freed outside it are never subtracted), so the raw peak of a later session counted them."""
+    from torch._C._profiler import _EventType
+
+    nodes, events = list(profiler.profiler.kineto_results.experimental_event_tree()), []
     while nodes:
         node = nodes.pop()
         nodes.extend(node.children)
         if node.tag == _EventType.Allocation and str(node.extra_fields.device) == "cpu":
-            peak = max(peak, node.extra_fields.total_allocated)
-    return peak, "cpu allocator total (profiler)", rss_above
+            events.append((node.start_time_ns, node.extra_fields.total_allocated, node.extra_fields.alloc_size))
+    if not events:
+        return 0
+    events.sort()
+    start = events[0][1] - events[0][2]  # the total before the session's first allocation (or free)
+    return max(total for _, total, _ in events) - start
 
 
 def roofline_size(device) -> int:
@@ -372,6 +384,25 @@ def cell_key(cell: dict) -> tuple:
     return tuple(cell[name] for name in ("suite", "model", "task", "length", "device", "dtype", "quick"))
 
 
+#: How a cell was measured beyond its key: a rerun resumes only cells measured the same way.
+CELL_SETTINGS = ("threads", "repeats", "in_process", "skip_flops")
+
+
+def check_resumed_settings(cells: list[dict], finished: dict, out: Path) -> None:
+    """A rerun skips the cells already in ``out``; one measured with other settings would be reported beside the new
+    ones as if measured alike, so it is refused (measure again with ``--fresh`` or in another ``--out``)."""
+    for cell in cells:
+        earlier = finished.get(cell_key(cell))
+        if earlier is None:
+            continue
+        differ = {name: (earlier.get(name), cell.get(name)) for name in CELL_SETTINGS
+                  if earlier.get(name) != cell.get(name)}
+        if differ:
+            shown = ", ".join(f"{name} {was!r} there, {now!r} now" for name, (was, now) in differ.items())
+            raise SystemExit(f"{out / 'cells.jsonl'} holds the {cell['model']} {cell['task']} {cell['length']} cell "
+                             f"measured otherwise ({shown}): pass --fresh to measure again, or another --out.")
+
+
 def load_cells(path: Path) -> list[dict]:
     if not path.exists():
         return []
@@ -455,11 +486,23 @@ def locost_cells(args) -> list[dict]:
     return cells
 
 
-def script_suite(name: str, command: list[str], out: Path, timeout: int) -> str:
-    """Run one of the existing benchmark scripts once; its printed table is kept in ``name.md`` (reused if there)."""
+#: The reports of the benchmark scripts that run_all runs (``script_suite``), in ``--out``.
+SCRIPT_SUITE_REPORTS = ("vcc_t5.md", "dodo.md", "dodo_training.md")
+
+
+def script_suite(name: str, command: list[str], out: Path, timeout: int, run: bool = True) -> str:
+    """Run one of the existing benchmark scripts once; its printed table is kept in ``name.md``, reused by a rerun
+    with the same options (its first line records them; a report without that line, or of other options, is
+    measured again). ``run=False`` (``--report_only``): the report as it is, whatever its options."""
     report = out / f"{name}.md"
+    recorded = f"<!-- run_all: {' '.join(Path(part).name if part.endswith('.py') else part for part in command)} -->"
     if report.exists():
-        return report.read_text(encoding="utf-8")
+        text = report.read_text(encoding="utf-8")
+        first, _, rest = text.partition("\n")
+        if first == recorded:
+            return rest
+        if not run:
+            return rest if first.startswith("<!-- run_all:") else text
     try:
         result = subprocess.run([sys.executable, *command], capture_output=True, text=True, timeout=timeout)
         if result.returncode == 0:  # the tables, without the per-cell JSON lines the scripts print as they go
@@ -470,7 +513,7 @@ def script_suite(name: str, command: list[str], out: Path, timeout: int) -> str:
         text = f"timeout after {timeout} s"
     if not text.startswith(("failed", "timeout")):
         temporary = report.with_suffix(".md.tmp")
-        temporary.write_text(text, encoding="utf-8")
+        temporary.write_text(recorded + "\n" + text, encoding="utf-8")
         temporary.replace(report)
     return text
 
@@ -613,11 +656,14 @@ def main(argv=None) -> Path:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     results = out / "cells.jsonl"
-    if args.fresh:
+    if args.fresh:  # what this script writes, not the other reports that --out (results/ by default) holds
         results.unlink(missing_ok=True)
-        for report in out.glob("*.md"):
-            report.unlink()
-    done = {cell_key(cell) for cell in load_cells(results) if "error" not in cell}
+        for name in ("README.md", *SCRIPT_SUITE_REPORTS):
+            (out / name).unlink(missing_ok=True)
+    finished = {cell_key(cell): cell for cell in load_cells(results) if "error" not in cell}
+    if not args.report_only:
+        check_resumed_settings(locost_cells(args) if "locost" in args.suites else [], finished, out)
+    done = set(finished)
     if "locost" in args.suites and not args.report_only:
         if args.in_process and args.device.startswith("cuda"):
             import torch  # CUDA context, cuBLAS handle and workspace: not part of the first cell's time or memory
@@ -642,6 +688,12 @@ def main(argv=None) -> Path:
     if unrecorded:
         machines.append(f"{unrecorded} cells measured before their machine was recorded")
     machines = machines or [host_description()]
+    if args.report_only and cells:  # one table per (model, task, length): cells of several settings would overwrite
+        settings = sorted({(cell["device"], cell["dtype"], bool(cell["quick"])) for cell in cells})
+        if len(settings) > 1:
+            raise SystemExit(f"{results} holds cells of several devices / dtypes / quick settings {settings}: report "
+                             "them from separate --out folders.")
+        args.device, args.dtype, args.quick = settings[0]
     sections = [f"# Benchmarks\n\n{' / '.join(machines)}; device {args.device}, {args.dtype}"
                 f"{', quick (tiny models)' if args.quick else ''}."
                 " Regenerate: `python benchmarks/run_all.py "
@@ -657,17 +709,18 @@ def main(argv=None) -> Path:
     if "vcc" in args.suites:
         lengths = ["1024"] if args.quick else ["8192", "16384", "65536", "131072"]
         command = [str(here / "benchmark_vcc_t5.py"), "--vcc_lengths", *lengths, "--t5_lengths", *lengths[:2],
-                   "--repeats", "1" if args.quick else "3", "--timeout", str(args.timeout), *threads]
-        sections.append("## VCC-T5 vs T5\n\n" + script_suite("vcc_t5", command, out, args.timeout))
+                   "--repeats", "1" if args.quick else "3", "--timeout", str(args.timeout), "--device", args.device,
+                   "--dtype", args.dtype, *threads]
+        sections.append("## VCC-T5 vs T5\n\n" + script_suite("vcc_t5", command, out, args.timeout, run=not args.report_only))
     if "dodo" in args.suites:
         quick = ["--lengths", "256", "--steps", "2", "--rounds", "1", "--warmup", "1"] if args.quick else []
-        command = [str(here / "benchmark_dodo.py"), "--device", args.device, *threads, *quick]
-        sections.append("## Dodo vs Llama (full cache)\n\n" + script_suite("dodo", command, out, args.timeout))
+        command = [str(here / "benchmark_dodo.py"), "--device", args.device, "--dtype", args.dtype, *threads, *quick]
+        sections.append("## Dodo vs Llama (full cache)\n\n" + script_suite("dodo", command, out, args.timeout, run=not args.report_only))
         training = ["--lengths", "256", "--repeats", "1", "--target_length", "16"] if args.quick else []
         command = [str(here / "benchmark_dodo.py"), "--training_memory", "--device", args.device, *threads,
                    *training]
         sections.append("## Dodo training step, activation checkpointing\n\n"
-                        + script_suite("dodo_training", command, out, args.timeout))
+                        + script_suite("dodo_training", command, out, args.timeout, run=not args.report_only))
     report = out / "README.md"
     temporary = out / "README.md.tmp"
     temporary.write_text("\n\n".join(sections), encoding="utf-8")

@@ -451,3 +451,55 @@ def test_demo_recipe_set_dropout_reaches_every_dropout_of_the_model():
     attention = [m.dropout for m in model.modules() if isinstance(getattr(m, "dropout", None), float)]
     assert dropouts and attention and set(dropouts) == set(attention) == {0.25}
     assert model.config.dropout_rate == 0.25
+
+
+def test_cpu_peak_memory_does_not_count_earlier_profiler_sessions(run_all):
+    """The CPU allocator's running total carries over between profiler sessions of one process (a tensor allocated
+    while profiling and freed outside it is never subtracted): each session's peak is taken above its start."""
+    device = torch.device("cpu")
+    kept = []
+    first, _, _ = run_all.peak_tensor_bytes(lambda: kept.append(torch.ones(25_000_000)), device)  # ~95 MiB, kept
+    kept.clear()  # freed outside the profiler
+    second, _, _ = run_all.peak_tensor_bytes(lambda: torch.ones(250_000), device)  # ~1 MiB
+    assert first >= 100_000_000 and 1_000_000 <= second < 2_000_000
+
+
+def test_fresh_removes_only_what_run_all_writes_and_a_resume_refuses_other_settings(run_all, tmp_path, monkeypatch):
+    """`--fresh` (default --out: benchmarks/results/, which holds hand-written reports) removes the cells and the
+    reports run_all writes, nothing else; a rerun with other --threads / --repeats refuses to mix its cells with the
+    finished ones, which it would have skipped and reported beside the new ones as if measured alike."""
+    (tmp_path / "cuda.md").write_text("a hand-written report\n")
+    argv = ["--quick", "--suites", "locost", "--models", "locost", "--tasks", "encode", "--lengths", "32",
+            "--threads", "1", "--skip_flops", "--cells_only", "--out", str(tmp_path)]
+    monkeypatch.setattr(run_all, "run_in_subprocess", lambda cell, timeout: run_all.run_cell(cell))
+    run_all.main(argv)
+    with pytest.raises(SystemExit, match=r"measured otherwise \(threads 1 there, 2 now\): pass --fresh"):
+        run_all.main([*argv[:-4], "--threads", "2", "--skip_flops", "--cells_only", "--out", str(tmp_path)])
+    (tmp_path / "README.md").write_text("report\n")
+    (tmp_path / "vcc_t5.md").write_text("table\n")
+    run_all.main([*argv, "--fresh"])
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["cells.jsonl", "cuda.md"]
+    assert (tmp_path / "cuda.md").read_text() == "a hand-written report\n"
+
+
+def test_script_suite_reports_are_reused_only_for_the_same_options(run_all, tmp_path, monkeypatch):
+    import subprocess
+    from types import SimpleNamespace
+
+    runs = []
+
+    def fake_run(command, **kwargs):
+        runs.append(command)
+        return SimpleNamespace(returncode=0, stdout=f"| table of {' '.join(command[2:])} |", stderr="")
+
+    monkeypatch.setattr(subprocess, "run", fake_run)
+    float32 = ["benchmark_vcc_t5.py", "--device", "cpu", "--dtype", "float32"]
+    assert run_all.script_suite("vcc_t5", float32, tmp_path, 10) == "| table of --device cpu --dtype float32 |"
+    assert run_all.script_suite("vcc_t5", float32, tmp_path, 10) == "| table of --device cpu --dtype float32 |"
+    assert len(runs) == 1  # reused
+    bfloat16 = [*float32[:-1], "bfloat16"]
+    assert run_all.script_suite("vcc_t5", bfloat16, tmp_path, 10) == "| table of --device cpu --dtype bfloat16 |"
+    assert len(runs) == 2  # other options: measured again, not the float32 table under a bfloat16 header
+    assert run_all.script_suite("vcc_t5", float32, tmp_path, 10, run=False) == \
+        "| table of --device cpu --dtype bfloat16 |"  # --report_only: the report as it is, nothing run
+    assert len(runs) == 2
