@@ -9,7 +9,8 @@
     longreach model-cards [--output_dir model_cards]        regenerate the reference model cards from the templates
 
 Progress goes to stderr, results to stdout. A mistake gets one line on stderr that names it and the fix, exit code 2
-for usage errors and 1 for failures; ``--debug`` shows the traceback instead. ``--version`` prints the version.
+for usage errors and 1 for failures; ``--debug`` shows the traceback instead (a bare ``longreach`` or ``longreach
+convert`` prints its usage). ``--version`` prints the version.
 """
 
 from __future__ import annotations

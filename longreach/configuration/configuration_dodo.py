@@ -1,7 +1,7 @@
 """Dodo configuration (Qin, Rosset, Chau, Rao, Van Durme, "Dodo: Dynamic Contextual Compression for Decoder-only
 LMs", ACL 2024).
 
-Notation (paper / spec ``shared/specs/dodo.md``): ι = ``nugget_layer``, r = 1 / ``nugget_ratio``, φ (phi) = the
+Notation (the paper's): ι = ``nugget_layer``, r = 1 / ``nugget_ratio``, φ (phi) = the
 *encoder* (compressor) LoRA adapter, θ (theta) = the *decoder* (language model) LoRA adapter, ϕ (varphi) = the scorer,
 τ = ``recent_window``, Λ = ``nugget_threshold``.
 """

@@ -1,4 +1,4 @@
-"""Convert a Dodo checkpoint written by the authors' code (``nugget.codec``, spec ``shared/specs/dodo.md`` §9) to
+"""Convert a Dodo checkpoint written by the authors' code (their ``nugget.codec`` package) to
 longreach, or export a longreach Dodo model back to standard PEFT adapter folders.
 
 Three modes:

@@ -1,5 +1,5 @@
 """Dodo: a Llama that compresses its context into nuggets (Qin et al., "Dodo: Dynamic Contextual Compression for
-Decoder-only LMs", ACL 2024), with the numerics of the authors' code (spec ``shared/specs/dodo.md``).
+Decoder-only LMs", ACL 2024), with the numerics of the authors' code.
 
 Compressor mode (paper §2.3; spec §3). For a context ``w_1..n`` and a decoder input ``y``:
 

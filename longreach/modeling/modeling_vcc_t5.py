@@ -1,7 +1,7 @@
 """VCC-T5: a T5 whose encoder compresses everything but a few VIP tokens at every layer.
 
 Zeng et al., "VCC: Scaling Transformers to 128K Tokens or More by Prioritizing Important Tokens" (NeurIPS 2023), with
-the numerics of the authors' code (github.com/awslabs/vip-token-centric-compression; spec: shared/specs/vcc.md).
+the numerics of the authors' code (github.com/awslabs/vip-token-centric-compression).
 Only the encoder changes; embeddings, decoder, LM head, loss and generation are T5 (``t5_blocks``), and VCC adds no
 parameters, so every T5 checkpoint loads as is. The encoder (spec §4):
 
