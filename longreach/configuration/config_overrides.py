@@ -69,6 +69,21 @@ def check_field_type(config_class: type[PreTrainedConfig], name: str, value: typ
         raise ValueError(f"`{name}` must be of type {shown}, got {value!r}.") from error
 
 
+class FieldTypesCheckedOnAssignment:
+    """Base of our configs (before transformers' config class): as in transformers' `@strict` configs (T5Config,
+    LlamaConfig), a field is type-checked when it is assigned after construction, by `check_field_type` with each of
+    our config classes the instance is (a user's subclass declares fields of its own). During construction the
+    configs' `validate_*` methods check every field, with messages of their own; at save time transformers runs
+    `validate()`, which each config extends with its model's checks."""
+
+    def __setattr__(self, name, value):
+        if self.__dict__.get("_post_init_done"):
+            for owner in type(self).__mro__:
+                if owner is not FieldTypesCheckedOnAssignment and issubclass(owner, FieldTypesCheckedOnAssignment):
+                    check_field_type(owner, name, value)
+        super().__setattr__(name, value)
+
+
 def check_field_types(config: PreTrainedConfig, config_class: type[PreTrainedConfig]) -> None:
     """`check_field_type` for every field `config_class` declares itself, with the values `config` holds."""
     for name in own_field_types(config_class):

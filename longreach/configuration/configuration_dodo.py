@@ -14,14 +14,14 @@ import re
 import torch
 from transformers import LlamaConfig
 
-from .config_overrides import check_field_type, check_field_types, pop_field_overrides
+from .config_overrides import FieldTypesCheckedOnAssignment, check_field_types, pop_field_overrides
 
 NUGGET_COUNT_ROUNDINGS = ("dodo", "ceil")
 SCORER_FEATURES = ("base_final_norm", "encoder_hidden")
 NUGGET_ENCODINGS = ("encoder_pass", "reencode")
 
 
-class DodoLlamaConfig(LlamaConfig):
+class DodoLlamaConfig(FieldTypesCheckedOnAssignment, LlamaConfig):
     r"""
     Configuration of a [`DodoLlamaForCausalLM`]: a Llama whose context is compressed into "nuggets" (the per-layer
     key/value states of a learned subset of its tokens), with two LoRA adapters (φ compresses, θ decodes) and a small
@@ -142,17 +142,9 @@ class DodoLlamaConfig(LlamaConfig):
         self.validate_llama()
         self.validate_dodo()
 
-    def __setattr__(self, name, value):
-        # as in transformers' `@strict` configs (T5Config, LlamaConfig), a field is type-checked when it is assigned;
-        # during construction `validate_*` checks them all, with messages of their own
-        if self.__dict__.get("_post_init_done"):
-            check_field_type(DodoLlamaConfig, name, value)
-        super().__setattr__(name, value)
-
     def validate(self) -> None:
-        """What `save_pretrained` runs before writing config.json (transformers' save-time check): the parent's
-        validators, then this model's, so that a field changed after construction (`config.x = ...`) to a setting the
-        model cannot run is refused before it is saved, not when the folder is loaded."""
+        """`save_pretrained`'s check before writing config.json: the parent's validators, then this model's, so that a
+        setting assigned after construction that the model cannot run is refused before it is saved, not on load."""
         self.validate_llama()
         self.validate_dodo()
 

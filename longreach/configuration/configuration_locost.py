@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from transformers import PreTrainedConfig
 
-from .config_overrides import check_field_type, check_field_types, pop_field_overrides
+from .config_overrides import FieldTypesCheckedOnAssignment, check_field_types, pop_field_overrides
 
 
-class LocostConfig(PreTrainedConfig):
+class LocostConfig(FieldTypesCheckedOnAssignment, PreTrainedConfig):
     r"""
     Configuration of a [`LocostForConditionalGeneration`]: an encoder of gated bidirectional S4D state-space blocks
     (no attention, O(L log L) in the input length) and a T5 v1.1 decoder. The defaults are the released model
@@ -165,17 +165,9 @@ class LocostConfig(PreTrainedConfig):
         super().__post_init__(**kwargs)
         self.validate_locost()
 
-    def __setattr__(self, name, value):
-        # as in transformers' `@strict` configs (T5Config, LlamaConfig), a field is type-checked when it is assigned;
-        # during construction `validate_*` checks them all, with messages of their own
-        if self.__dict__.get("_post_init_done"):
-            check_field_type(LocostConfig, name, value)
-        super().__setattr__(name, value)
-
     def validate(self) -> None:
-        """What `save_pretrained` runs before writing config.json (transformers' save-time check): the parent's
-        validators, then this model's, so that a field changed after construction (`config.x = ...`) to a setting the
-        model cannot run is refused before it is saved, not when the folder is loaded."""
+        """`save_pretrained`'s check before writing config.json: the parent's validators, then this model's, so that a
+        setting assigned after construction that the model cannot run is refused before it is saved, not on load."""
         super().validate()
         self.validate_locost()
 

@@ -7,7 +7,7 @@ import math
 
 from transformers import PreTrainedConfig
 
-from .config_overrides import check_field_type, check_field_types, pop_field_overrides
+from .config_overrides import FieldTypesCheckedOnAssignment, check_field_types, pop_field_overrides
 
 #: The original code's class paths in its ``encoder_layers`` list (one entry per encoder layer).
 ORIGINAL_VANILLA_LAYER = "src.t5.models.layers.T5Block"
@@ -55,7 +55,7 @@ VCC_FIELDS = ("num_vanilla_layers", "segment_length", "num_vip_slots", "block_si
               "scale_correction", "exploration_probability")
 
 
-class VCCT5Config(PreTrainedConfig):
+class VCCT5Config(FieldTypesCheckedOnAssignment, PreTrainedConfig):
     r"""
     Configuration of a [`VCCT5ForConditionalGeneration`]: a T5 whose encoder runs its first `num_vanilla_layers`
     layers on independent `segment_length`-token segments and every later layer on a compressed sequence in which only
@@ -199,17 +199,9 @@ class VCCT5Config(PreTrainedConfig):
         super().__post_init__(**kwargs)
         self.validate_vcc()
 
-    def __setattr__(self, name, value):
-        # as in transformers' `@strict` configs (T5Config, LlamaConfig), a field is type-checked when it is assigned;
-        # during construction `validate_*` checks them all, with messages of their own
-        if self.__dict__.get("_post_init_done"):
-            check_field_type(VCCT5Config, name, value)
-        super().__setattr__(name, value)
-
     def validate(self) -> None:
-        """What `save_pretrained` runs before writing config.json (transformers' save-time check): the parent's
-        validators, then this model's, so that a field changed after construction (`config.x = ...`) to a setting the
-        model cannot run is refused before it is saved, not when the folder is loaded."""
+        """`save_pretrained`'s check before writing config.json: the parent's validators, then this model's, so that a
+        setting assigned after construction that the model cannot run is refused before it is saved, not on load."""
         super().validate()
         self.validate_vcc()
 
