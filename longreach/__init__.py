@@ -1,8 +1,9 @@
 """longreach: long-input models (LOCOST, VCC-T5, Dodo) as first-class Hugging Face transformers models.
 
 ``import longreach`` registers every model with the Auto classes (``AutoConfig``, ``AutoModel``,
-``AutoModelForSeq2SeqLM`` / ``AutoModelForCausalLM``) and the ``long-summarization`` pipeline. Nothing else happens
-on import.
+``AutoModelForSeq2SeqLM`` / ``AutoModelForCausalLM``), the ``long-summarization`` pipeline, and LOCOST's and VCC-T5's
+default target modules in PEFT's tables (so ``LoraConfig(task_type="SEQ_2_SEQ_LM")`` needs no ``target_modules``, as
+on T5). Nothing else happens on import.
 """
 
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForSeq2SeqLM
@@ -45,6 +46,29 @@ PIPELINE_REGISTRY.register_pipeline(
     pt_model=(AutoModelForSeq2SeqLM, AutoModelForCausalLM),
     type="text",
 )
+
+
+# -- PEFT's default target modules --
+def _register_peft_target_modules() -> None:
+    """Give LOCOST and VCC-T5 entries in PEFT's tables of default target modules (one per adapter method, keyed by
+    ``model_type``), derived from T5's: VCC-T5 has T5's module names, so it takes T5's entries; LOCOST's decoder is
+    T5's, and where T5's entry adapts the attention's query and value (LoRA and its kin) LOCOST's also adapts its
+    encoder's SSM gate ``q_proj`` and convolved input ``k_proj``, their counterparts in ``y = q ⊙ BiSSMConv(k)``.
+    An entry PEFT already has is kept."""
+    import peft.utils.constants as peft_tables
+
+    for name, table in vars(peft_tables).items():
+        if not (name.startswith("TRANSFORMERS_MODELS_TO_") and isinstance(table, dict)):
+            continue
+        t5_modules = table.get("t5")
+        if not isinstance(t5_modules, list):
+            continue
+        ssm_modules = ["q_proj", "k_proj"] if {"q", "v"} <= set(t5_modules) else []
+        table.setdefault(VCCT5Config.model_type, list(t5_modules))
+        table.setdefault(LocostConfig.model_type, list(t5_modules) + ssm_modules)
+
+
+_register_peft_target_modules()
 
 __all__ = ["LocostConfig", "LocostModel", "LocostForConditionalGeneration",
            "VCCT5Config", "VCCT5Model", "VCCT5ForConditionalGeneration", "VCCT5DataCollator", "prepare_vip_inputs",

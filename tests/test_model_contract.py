@@ -381,6 +381,27 @@ def test_peft_lora_trains_saves_reloads_and_merges_as_on_t5(kind, tmp_path):
                            reloaded.generate(**inputs, max_new_tokens=4, num_beams=2))
 
 
+@pytest.mark.parametrize("kind", ["locost", "vcc"])
+def test_peft_default_target_modules_as_on_t5(kind):
+    """No ``target_modules``, as one writes for T5: LoRA adapts the attention's q and v (and LOCOST's SSM gate and
+    input), IA3 T5's k, v and wo, and LoRA's adapter trains."""
+    from peft import IA3Config, LoraConfig, get_peft_model
+
+    expected_lora = {"q", "v"} | ({"q_proj", "k_proj"} if kind == "locost" else set())
+    for peft_config, expected in ((LoraConfig(task_type="SEQ_2_SEQ_LM", r=2), expected_lora),
+                                  (IA3Config(task_type="SEQ_2_SEQ_LM"), {"k", "v", "wo"})):
+        model = get_peft_model(ModelTester(kind).model, peft_config)
+        adapted = {name.rsplit(".", 1)[-1] for name, module in model.named_modules()
+                   if hasattr(module, "base_layer") and not name.endswith("base_layer")}
+        assert adapted == expected, (type(peft_config).__name__, adapted)
+    tester = ModelTester(kind)
+    lora = get_peft_model(tester.model.train(), LoraConfig(task_type="SEQ_2_SEQ_LM", r=2, lora_dropout=0.0))
+    labels = torch.randint(3, tester.vocab_size, (2, 5), generator=torch.Generator().manual_seed(2))
+    lora(**tester.inputs(), labels=labels).loss.backward()
+    trained = [name for name, parameter in lora.named_parameters() if parameter.grad is not None]
+    assert trained and all(".lora_" in name for name in trained)
+
+
 class ModelTesterWith(ModelTester):
     def __init__(self, tester: ModelTester, model):  # noqa: D107  same inputs, another model
         self.__dict__.update(tester.__dict__)
