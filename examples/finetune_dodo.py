@@ -19,7 +19,7 @@ both adapters, scorer and soft prompt in one safetensors file, code files, ``aut
 tokenizer, model card) and ``--push_to_hub`` uploads it through longreach (the Trainer's own upload would replace our
 model card with a generic one).
 
-Training defaults are the authors' (spec ``dodo.md`` §6, paper App. B), and only the trainable tensors reach the
+Training defaults are the authors' (paper App. B.2 and their training code), and only the trainable tensors reach the
 optimizer:
 
 * AdamW with ``betas=(0.9, 0.95)``, ``eps=1e-5``, ``weight_decay=0.1`` on every trainable tensor (biases included),
@@ -132,7 +132,7 @@ class DataArguments:
 
 @dataclass
 class DodoTrainingArguments(TrainingArguments):
-    """``TrainingArguments`` with the authors' defaults (spec dodo.md §6)."""
+    """``TrainingArguments`` with the authors' defaults (paper App. B.2 and their training code)."""
 
     learning_rate: float = field(
         default=1e-4, metadata={"help": "Learning rate of the LoRA adapters φ and θ (the authors' ft_lr; paper 1e-4)."}

@@ -48,9 +48,9 @@ class DodoLlamaConfig(FieldTypesCheckedOnAssignment, LlamaConfig):
         nugget_encoding (`str`, defaults to `"encoder_pass"`) [`auto`]:
             How the nuggets' keys/values are computed. `"encoder_pass"` (``auto=False``, the paper, Eq. 5-7): one φ pass
             over the context; the nuggets are the selected tokens' entries of its KV cache. `"reencode"` (``auto=True``,
-            the authors' experimental encoder, spec §4): the context is run with θ, then the selected tokens alone are
-            run again with φ, each attending to the θ keys/values of the context tokens strictly before it and to
-            itself; their new keys/values are the nuggets. Needs `scorer_features="base_final_norm"` and no
+            the authors' experimental encoder, not in the paper): the context is run with θ, then the selected tokens
+            alone are run again with φ, each attending to the θ keys/values of the context tokens strictly before it and
+            to itself; their new keys/values are the nuggets. Needs `scorer_features="base_final_norm"` and no
             autoregressive mode. (The original only runs it on a batch of one, without padding; here padding is masked.)
         score_in_forward (`bool`, defaults to `True`):
             How the nugget scores s enter the decoder's attention logits (every layer and head, nugget columns only).
@@ -71,7 +71,7 @@ class DodoLlamaConfig(FieldTypesCheckedOnAssignment, LlamaConfig):
         encoder_adapter_name (`str`, defaults to `"encoder"`), decoder_adapter_name (`str`, defaults to `"decoder"`):
             Names of the φ and θ adapters (the PEFT adapter names of the authors' checkpoints). Setting both to the same
             name gives a model with one adapter used for both roles (what the authors' ``freeze_decoder=True`` computes,
-            spec §8.3).
+            because of a bug in their code).
         recent_window (`int`, *optional*):
             τ of the autoregressive mode (paper §2.2, Eq. 9-10). `None` disables the mode: a forward pass or
             `generate()` without nuggets is then the plain Llama with θ. When set, a call without nuggets streams its
@@ -87,7 +87,7 @@ class DodoLlamaConfig(FieldTypesCheckedOnAssignment, LlamaConfig):
             ``nugget_ratio`` of each compressed chunk (same rounding and forced last token as compressor mode).
             [`DodoLlamaForCausalLM.estimate_nugget_threshold`] estimates Λ from sample text.
         legacy_decoder_mask_order (`bool`, defaults to `False`):
-            Reproduce the authors' decoder attention-mask bug (spec §8.1): the padding mask of the keys
+            Reproduce the authors' decoder attention-mask bug: the padding mask of the keys
             ``[nuggets; soft prompt; tokens]`` is built in the order ``[soft prompt; nuggets; tokens]``. It only changes
             rows with fewer nuggets than the batch maximum (batched inputs): a padded nugget slot becomes visible and
             the soft prompt is hidden. Off by default (the intended computation).

@@ -44,7 +44,7 @@ _VCC_SHARED = dict(segment_length=512, block_size=16, num_refined_blocks=90, num
 
 #: The paper's settings (§4, Table 8; the authors' ``cfgs/t5``): t5-base = 4 vanilla + 8 VCC layers, t5-large and
 #: t5-3b = 6 vanilla + 18 VCC layers; 512-token segments, blocks of 16, 90 refined blocks per layer. The number of VIP
-#: slots is the plain-summarization value (16); the authors used 32-288 for QA tasks (spec vcc.md §3).
+#: slots is the plain-summarization value (16); the authors used 32-288 for QA tasks (their ``cfgs/t5``).
 VCC_T5_PRESETS: dict[str, dict] = {
     "base": {**_T5_BASE, **_VCC_SHARED, "num_vanilla_layers": 4},
     "large": {**_T5_LARGE, **_VCC_SHARED, "num_vanilla_layers": 6},

@@ -34,8 +34,8 @@ key is mapped by an explicit rule and a missing or unmatched key stops the conve
 safetensors, reloaded and compared tensor by tensor with the sources before success is reported.
 
 Numerics: the converted model computes the original's ``+ s`` score term (``score_in_forward=True``) and
-``int(n * ratio + 0.99)`` nugget counts. The original's decoder mask-order bug (spec §8.1) is fixed unless
-``--legacy_decoder_mask_order`` is given.
+``int(n * ratio + 0.99)`` nugget counts. The original's decoder mask-order bug (see
+``DodoLlamaConfig.legacy_decoder_mask_order``) is fixed unless ``--legacy_decoder_mask_order`` is given.
 """
 
 from __future__ import annotations
@@ -83,7 +83,7 @@ LIGHTNING_RULES = [
 ]
 #: Tensors the original saves but never uses; dropped on purpose (and logged).
 DROPPED_LIGHTNING_KEYS = {
-    "nugget.decoder.soft_emb_tc.weight": "created and saved by the original, never used (spec §8.2)"
+    "nugget.decoder.soft_emb_tc.weight": "created and saved by the original, never used"
 }
 
 #: A PEFT adapter folder's keys (peft 0.4.0 and current) -> longreach names; ``{adapter}`` is filled in.
@@ -223,7 +223,7 @@ def read_base_config(base_path: Path) -> dict:
     if rope.get("rope_theta", 10000.0) != 10000.0:
         logger.warning(
             "The base model uses rope_theta=%s. The authors' code ran on transformers 4.32, which ignores rope_theta "
-            "(always 10000, spec §8.9); the converted model uses the base model's value.",
+            "(always 10000); the converted model uses the base model's value.",
             rope.get("rope_theta"),
         )
     return fields
@@ -247,7 +247,7 @@ def _hparam(hparams: dict, key: str, default, kind: type):
 
 
 def dodo_fields_from_hparams(hparams: dict, num_hidden_layers: int) -> dict:
-    """`DodoLlamaConfig` fields from the authors' hyper-parameters (spec §10)."""
+    """`DodoLlamaConfig` fields from the authors' hyper-parameters (``hparams.yaml`` / ``hyper_parameters``)."""
     encoder_type = hparams.get("encoder_type", "nugget")
     if encoder_type != "nugget":
         raise ConversionError(
@@ -280,8 +280,8 @@ def dodo_fields_from_hparams(hparams: dict, num_hidden_layers: int) -> dict:
     }
     if hparams.get("freeze_decoder"):
         logger.warning(
-            "freeze_decoder=True: the original's decoder silently runs with the *encoder* adapter (spec §8.3); the "
-            "converted model does the same (decoder_adapter_name='encoder')."
+            "freeze_decoder=True: the original's decoder silently runs with the *encoder* adapter (its "
+            "disable_adapter() call has no effect); the converted model does the same (decoder_adapter_name='encoder')."
         )
     return fields
 
@@ -413,7 +413,8 @@ def lora_targets_from_adapter_config(
 
 
 def read_scorer(path: Path, allow_code_execution: bool = False) -> dict[str, torch.Tensor]:
-    """The scorer FFN from a plain state dict or the generic Nugget package's ``scorer_states`` file (spec §9.4)."""
+    """The scorer FFN from a plain state dict or the generic Nugget package's ``scorer_states`` file (written by its
+    ``save_nuggets``)."""
     if path.suffix == ".safetensors":
         payload = load_weights_file(path)
     else:
@@ -425,7 +426,7 @@ def read_scorer(path: Path, allow_code_execution: bool = False) -> dict[str, tor
         kwargs = payload.get("kwargs") or {}
         logger.info(
             "%s is a Nugget-package scorer file (kwargs %s). Its recorded scorer_layer/value_ffn are not trusted (the "
-            "package always writes 3/True, spec §8.10); value_ffn is unused for Llama and dropped.",
+            "package always writes 3/True); value_ffn is unused for Llama and dropped.",
             path,
             kwargs,
         )

@@ -1,13 +1,13 @@
 """Dodo: a Llama that compresses its context into nuggets (Qin et al., "Dodo: Dynamic Contextual Compression for
 Decoder-only LMs", ACL 2024), with the numerics of the authors' code.
 
-Compressor mode (paper §2.3; spec §3). For a context ``w_1..n`` and a decoder input ``y``:
+Compressor mode (paper §2.3, Fig. 3). For a context ``w_1..n`` and a decoder input ``y``:
 
-    K_l, V_l  = Llama_φ(w)                          per-layer keys/values (RoPE at positions 0..n-1)   # spec §3.1
-    f         = RMSNorm_final(Llama_base[:ι](w))    adapters off, first ι layers                          # Eq. 6, §3.3
+    K_l, V_l  = Llama_φ(w)                          per-layer keys/values (RoPE at positions 0..n-1)   # Eq. 1, φ
+    f         = RMSNorm_final(Llama_base[:ι](w))    adapters off, first ι layers                          # Eq. 6, §3
     s         = W2 · ReLU(W1 f + b1) + b2           scorer ϕ, raw logits                                  # Eq. 15
-    idx       = TopK(s, k),  k = rounding(n · ratio), the last real token always kept                    # Eq. 14, §3.5
-    z_l       = (K_l[idx], V_l[idx])                nuggets: the φ cache entries of the selected tokens   # Eq. 5, §3.6
+    idx       = TopK(s, k),  k = rounding(n · ratio), the last real token always kept                    # Eq. 14, fn. 4
+    z_l       = (K_l[idx], V_l[idx])                nuggets: the φ cache entries of the selected tokens   # Eq. 5
     logits    = Llama_θ([z ; soft prompt ; y])      positions k + 0, 1, ...; every attention logit towards
                                                     nugget j gets + s_j (or s_j - stopgrad(s_j))         # Eq. 13, 17-18
 
@@ -157,7 +157,7 @@ def _is_a(value, cls: type) -> bool:
 class DodoCache(DynamicCache):
     """The decoder's KV cache: per layer ``[K nugget slots ; soft prompt ; tokens]``, plus what generate() cannot know.
 
-    Its length is not the number of tokens seen (hf-integration §1.4): ``seen_tokens`` counts the token columns the
+    Its length is not the number of tokens seen: ``seen_tokens`` counts the token columns the
     model has processed, ``nugget_mask``/``nugget_scores`` describe the first K slots, ``decoder_mask`` the columns
     after them. In autoregressive mode it also keeps the ids of the uncompressed tokens, which the next compression
     needs. Every per-row tensor follows beam reordering.
@@ -322,12 +322,12 @@ def _active_adapter(lora_layers: list[BaseTunerLayer]) -> tuple[str, ...] | None
 def _activate_adapter(lora_layers: list[BaseTunerLayer], adapter: str | tuple[str, ...] | None) -> None:
     """Run ``lora_layers`` with ``adapter`` (``None``: adapters disabled), leaving every ``requires_grad`` as it was.
 
-    PEFT's ``set_adapter`` / ``enable_adapters`` also change ``requires_grad`` (they freeze the inactive adapter:
-    hf-integration §5, gotcha 3, which silently zeroes φ's gradient in a joint step), so the flags are restored."""
+    PEFT's ``set_adapter`` / ``enable_adapters`` also change ``requires_grad`` (they freeze the inactive adapter,
+    which silently zeroes φ's gradient in a joint step), so the flags are restored."""
     flags = [(param, param.requires_grad) for layer in lora_layers for param in layer.parameters()]
     for layer in lora_layers:
         if adapter is None:
-            layer.enable_adapters(False)  # gotcha 5: "adapters disabled" done inside the class
+            layer.enable_adapters(False)  # "adapters disabled", done layer by layer inside the class
         else:
             layer.set_adapter(list(adapter) if isinstance(adapter, tuple) else adapter)
             layer.enable_adapters(True)
@@ -435,7 +435,7 @@ class DodoLlamaModel(LlamaModel):
     """transformers' ``LlamaModel`` whose weight initialisation knows the LoRA layers injected into it.
 
     transformers initialises the modules of a nested ``PreTrainedModel`` with that model's own ``_init_weights``, and
-    its generic ``nn.Linear`` rule would make ``lora_B`` non-zero (hf-integration §5, gotcha 2). LoRA linears are tagged
+    its generic ``nn.Linear`` rule would make ``lora_B`` non-zero. LoRA linears are tagged
     at injection; here ``lora_B`` is zeroed and ``lora_A`` gets PEFT's Kaiming-uniform initialisation, so a fresh
     adapter starts as the identity change (also for LoRA keys missing from a checkpoint).
     """
@@ -582,7 +582,7 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
         """Train only the adapters, the scorer and the soft prompt (the authors' setting).
 
         Called at construction and after ``from_pretrained``, which otherwise leaves every parameter trainable
-        (hf-integration §5, gotcha 4). To fine-tune more, set ``requires_grad`` yourself afterwards.
+        (base weights included). To fine-tune more, set ``requires_grad`` yourself afterwards.
         """
         for name, param in self.named_parameters():
             param.requires_grad_(
@@ -591,10 +591,10 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
-        """``PreTrainedModel.from_pretrained``, then the base is frozen again (gotcha 4).
+        """``PreTrainedModel.from_pretrained``, then the base is frozen again (loading leaves everything trainable).
 
         A plain Llama checkpoint has ``q_proj.weight`` where the LoRA-wrapped model has ``q_proj.base_layer.weight``
-        (gotcha 1); loading it without a key mapping would leave random attention weights. Use
+        (PEFT's renaming); loading it without a key mapping would leave random attention weights. Use
         [`~DodoLlamaForCausalLM.from_base_model`] for Llama checkpoints; passing a `DodoLlamaConfig` as `config=` adds
         the mapping automatically, and anything else that leaves a ``base_layer`` weight missing raises.
         """
@@ -758,8 +758,8 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
         slots = 0 if nugget_mask is None else nugget_mask.shape[1]
         nugget_visible, decoder_visible = nugget_mask, decoder_mask
         if legacy_order and slots:
-            # spec §8.1: the authors' key padding mask is ordered [soft ; nuggets ; tokens], the keys [nuggets ; soft ;
-            # tokens]
+            # a bug of the authors' code: their key padding mask is ordered [soft ; nuggets ; tokens], the keys
+            # [nuggets ; soft ; tokens]
             shifted = torch.cat(
                 [decoder_mask[:, :soft_prompt_length], nugget_mask, decoder_mask[:, soft_prompt_length:]], dim=1
             )
@@ -783,7 +783,7 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
         return self._attention_bias(None, None, mask, mask.shape[1], dtype)
 
     # -----------------------------------------------------------------------------------------------------------------
-    # Compression (paper §2.3, spec §3.1-3.6)
+    # Compression (paper §2.3, Eq. 5-6 and 14-15)
     # -----------------------------------------------------------------------------------------------------------------
 
     def compress(
@@ -823,7 +823,8 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
         batch, length = input_ids.shape
         embeds = self.model.embed_tokens(input_ids)
 
-        # φ pass (§3.1): keys/values of every token; in autoregressive mode the chunk also attends to older nuggets.
+        # φ pass (paper §2.3): keys/values of every token; in autoregressive mode the chunk also attends to older
+        # nuggets.
         # (`nugget_encoding="reencode"`, the authors' auto=True: this pass runs with θ, and only the nuggets get φ.)
         reencode = self.config.nugget_encoding == "reencode"
         self.set_active_adapter(self.config.decoder_adapter_name if reencode else self.config.encoder_adapter_name)
@@ -845,7 +846,7 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
             )
         token_key_values = [(layer.keys[:, :, -length:], layer.values[:, :, -length:]) for layer in cache.layers]
 
-        # scorer ϕ on adapter-free features (§3.3-3.4)
+        # scorer ϕ on adapter-free features (Eq. 15; adapters disabled as in paper §3)
         if shared:
             features = stream[0] if self._scorer_pass_is_trained() else stream[0].detach()
             if self.config.scorer_features == "base_final_norm":
@@ -885,9 +886,9 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
         positions: torch.LongTensor,
         indices: torch.LongTensor,
     ) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
-        """`nugget_encoding="reencode"` (the authors' ``auto=True``, spec §4): the selected tokens' embeddings run
-        again with φ at their own positions; nugget j attends to the θ keys/values of the context tokens strictly
-        before it (padding excluded) and to itself only. Its new keys/values, per layer, are the nugget."""
+        """`nugget_encoding="reencode"` (the authors' ``auto=True``, not in the paper): the selected tokens'
+        embeddings run again with φ at their own positions; nugget j attends to the θ keys/values of the context tokens
+        strictly before it (padding excluded) and to itself only. Its new keys/values, per layer, are the nugget."""
         batch, count = indices.shape
         length = mask.shape[1]
         nugget_embeds = embeds.gather(1, indices[:, :, None].expand(-1, -1, embeds.shape[-1]))
@@ -910,7 +911,7 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
     def _scorer_reads_phi_pass(self, previous: DodoCache | None) -> bool:
         """Whether the scorer's features can be read from the φ pass: where its first ι layers carry no adapter
         (`lora_layers` all >= ι) and see only this context (no older nuggets), its residual stream after them *is*
-        the adapter-free one the scorer reads (for `encoder_hidden`, what the authors' code takes, spec §3.3). Then
+        the adapter-free one the scorer reads (for `encoder_hidden`, what the authors' ``ind_scorer=False`` takes). Then
         the scorer's own pass over ι layers is not run, and a compression costs one pass over the context instead of
         (L + ι) / L of one."""
         if previous is not None and previous.num_nugget_slots:
@@ -936,7 +937,7 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
             handle.remove()
 
     def _scorer_features(self, embeds: torch.Tensor, mask: torch.Tensor, positions: torch.LongTensor) -> torch.Tensor:
-        """First ι decoder layers with the adapters disabled, then (paper setting) the final RMSNorm (spec §3.3).
+        """First ι decoder layers with the adapters disabled (paper §3), then (paper setting) the final RMSNorm.
 
         With the base weights frozen (the authors' setting) nothing here is trained: the pass runs without autograd,
         also when activation checkpointing makes the embeddings require gradients, so no backward pass or checkpoint
@@ -968,12 +969,12 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
         if self.config.nugget_count_rounding == "ceil":
             # a tiny tolerance so that e.g. 30 * 0.1 = 3.0000000000000004 does not round up to 4
             counts = torch.ceil(real_tokens.double() * self.config.nugget_ratio - 1e-9).long()
-        else:  # the authors': float32 product + 0.99, truncated toward zero (spec §3.2)
+        else:  # the authors': float32 product + 0.99, truncated toward zero (the paper says ⌈n / r⌉)
             counts = (real_tokens * self.config.nugget_ratio + 0.99).long()
         return torch.minimum(counts, real_tokens)
 
     def _select(self, scores: torch.Tensor, mask: torch.Tensor, use_threshold: bool, allow_empty: bool = False):
-        """Nugget columns ``[B, K]`` (real slots first, each group ascending) and their validity mask (spec §3.5)."""
+        """Nugget columns ``[B, K]`` (real slots first, each group ascending) and their validity mask (Eq. 14)."""
         batch, length = scores.shape
         columns = torch.arange(length, device=scores.device)
         if use_threshold:  # Eq. 8: keep exactly the tokens whose score exceeds Λ
@@ -1006,7 +1007,7 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
         return top.gather(1, resort), valid
 
     # -----------------------------------------------------------------------------------------------------------------
-    # Decoder (spec §3.7)
+    # Decoder (paper Eq. 12-13)
     # -----------------------------------------------------------------------------------------------------------------
 
     def _decode(
@@ -1033,7 +1034,8 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
             cache.soft_prompt_length = soft
         decoder_mask = new_mask if cache.decoder_mask is None else torch.cat([cache.decoder_mask, new_mask], dim=1)
         nuggets_per_row = cache.nuggets_per_row(batch, token_embeds.device)
-        # decoder positions continue right after the number of nuggets: k_b + 0, 1, ... (spec §3.7)
+        # decoder positions continue right after the number of nuggets: k_b + 0, 1, ... (the authors' code; the paper
+        # does not say)
         if position_ids is None:
             positions = token_positions(decoder_mask, nuggets_per_row)[:, -(length + soft) :]
         else:
@@ -1084,7 +1086,7 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
         return outputs, soft
 
     # -----------------------------------------------------------------------------------------------------------------
-    # Autoregressive mode (paper §2.2, spec §5)
+    # Autoregressive mode (paper §2.2, Eq. 8-10; not in the authors' code)
     # -----------------------------------------------------------------------------------------------------------------
 
     def _autoregressive_forward(self, cache: DodoCache, input_ids: torch.LongTensor, token_mask: torch.Tensor):
@@ -1412,7 +1414,7 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
         **kwargs,
     ):
         """Slice by the tokens the cache has *seen* (not by its length, which counts nugget and soft-prompt slots) and
-        pass explicit decoder positions ``k_b + soft + index among real tokens`` (hf-integration §1.4). ``cache`` is
+        pass explicit decoder positions ``k_b + soft + index among real tokens``. ``cache`` is
         named here so that ``generate()`` accepts it back (an assistant model's cache, in assisted decoding)."""
         past_key_values = take_cache_argument(past_key_values, {"cache": cache, **kwargs})
         batch = input_ids.shape[0]
@@ -1595,7 +1597,7 @@ def _feature_mask(feature, name: str, ids_name: str, ids: list[int], index: int)
 
 
 class DodoDataCollator:
-    """Batches (context, target) pairs for compressor-mode training with ``Trainer`` (paper §2.3, spec §3.7).
+    """Batches (context, target) pairs for compressor-mode training with ``Trainer`` (paper §2.3, Eq. 12-13).
 
     Each feature is a dict with ``context_input_ids`` (list of ids, BOS first as the authors do) and, for text
     continuation, ``input_ids`` (the target). Without ``input_ids`` the target is the context itself (autoencoding).

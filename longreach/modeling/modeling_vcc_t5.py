@@ -3,7 +3,7 @@
 Zeng et al., "VCC: Scaling Transformers to 128K Tokens or More by Prioritizing Important Tokens" (NeurIPS 2023), with
 the numerics of the authors' code (github.com/awslabs/vip-token-centric-compression).
 Only the encoder changes; embeddings, decoder, LM head, loss and generation are T5 (``t5_blocks``), and VCC adds no
-parameters, so every T5 checkpoint loads as is. The encoder (spec §4):
+parameters, so every T5 checkpoint loads as is. The encoder (paper §3-4; the authors' `src/t5/models/vcc_t5.py`):
 
     x = dropout(embed(input_ids))
     vanilla layers   : ordinary T5 layers on independent `segment_length`-token segments (global positions)
@@ -59,7 +59,7 @@ from .t5_blocks import (
 
 logger = logging.get_logger(__name__)
 
-#: The original's additive key-mask constant (spec §4.2). Finite on purpose: see the module docstring.
+#: The original's additive key-mask constant (-1000, not -inf). Finite on purpose: see the module docstring.
 MASK_VALUE = -1000.0
 #: Tokens per chunk of segments in the vanilla layers (bounds the [segments, heads, S, S] attention tensors).
 VANILLA_TOKENS_PER_CHUNK = 8192
@@ -145,7 +145,8 @@ class VCCT5Seq2SeqLMOutput(Seq2SeqLMOutput):
 
 
 class VCCT5EncoderBlock(T5Block):
-    """T5's encoder block (same modules, same parameter names) with the VCC residual form (spec §4.5e).
+    """T5's encoder block (same modules, same parameter names) with the VCC residual form of the authors'
+    `src/t5/models/vcc_layers.py`.
 
     Without `state_scores` it is the ordinary T5 block. With them (shape `[batch, r]`), on a compressed sequence:
 
@@ -172,7 +173,8 @@ class VCCT5EncoderBlock(T5Block):
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Compression helpers (spec §4.4-4.6). Shapes: B batch, n blocks, k block size, d hidden size.
+# Compression helpers (paper §3.4; the authors' `src/roberta/models/mra_projection/`). Shapes: B batch, n blocks,
+# k block size, d hidden size.
 # ---------------------------------------------------------------------------------------------------------------------
 
 
@@ -193,7 +195,7 @@ def scatter_blocks(tensor: torch.Tensor, index: torch.Tensor, values: torch.Tens
 
 
 def coarsen(fine: torch.Tensor, fine_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Block means and deltas of `fine [B, n, k, d]` (spec §4.4 steps 5 and 7).
+    """Block means and deltas of `fine [B, n, k, d]` (paper eq. 13 and 15, with two levels).
 
     `mean = sum(fine·mask) / (count + 1e-4)` (summed in float32; note the +1e-4 of the original) and
     `delta = mean - fine·mask`, so that every token is `mean - delta` (the paper's Δc, parent minus child).
@@ -207,7 +209,7 @@ def coarsen(fine: torch.Tensor, fine_mask: torch.Tensor) -> tuple[torch.Tensor, 
 def decompress(
     important: torch.Tensor, means: torch.Tensor, deltas: torch.Tensor, fine_mask: torch.Tensor, order: torch.Tensor
 ) -> torch.Tensor:
-    """Full-length states in the input order (spec §4.6): `(mean - delta)·mask` for the blocks, the important slots
+    """Full-length states in the input order (paper eq. 16): `(mean - delta)·mask` for the blocks, the important slots
     unmasked, then the VIP-first permutation undone."""
     batch, _, _, hidden = deltas.shape
     fine = (means[:, :, None] - deltas) * fine_mask[..., None].to(deltas.dtype)
@@ -242,7 +244,7 @@ class VCCT5Encoder(nn.Module):
             [VCCT5EncoderBlock(config, has_relative_attention_bias=(i == 0), layer_idx=i) for i in range(config.num_layers)]
         )
         for block in self.block[config.num_vanilla_layers:]:
-            block.layer[0].SelfAttention.dropout = 0.0  # spec §5: no attention-probability dropout in VCC layers
+            block.layer[0].SelfAttention.dropout = 0.0  # as the authors' VCC layers: no attention-probability dropout
         self.final_layer_norm = T5LayerNorm(config.d_model, eps=config.layer_norm_epsilon)
         self.dropout = Dropout(config.dropout_rate)
 
@@ -363,7 +365,8 @@ class VCCT5Encoder(nn.Module):
             else:
                 inputs_embeds = inputs_embeds.gather(1, realign[..., None].expand_as(inputs_embeds))
 
-        # Pad to the smallest length the original accepts (spec §2); real outputs do not depend on it.
+        # Pad to the smallest length the original accepts (`VCCT5Config.padded_length`); real outputs do not depend
+        # on it.
         padded_length = self.config.padded_length(length)
         extra = padded_length - length
         if inputs_embeds is None:
@@ -403,7 +406,7 @@ class VCCT5Encoder(nn.Module):
         return output if return_dict is not False else output.to_tuple()
 
     def _vanilla_layers(self, hidden_states, mask, all_hidden, length) -> torch.Tensor:
-        """Ordinary T5 layers on independent segments (spec §4.3). Positions are global, but the relative bias only
+        """Ordinary T5 layers on independent segments (paper §4). Positions are global, but the relative bias only
         depends on differences, so one `[1, heads, S, S]` bias serves every segment. Segments are independent, so
         they go through all vanilla layers in chunks, which bounds the `[segments, heads, S, S]` attention tensors."""
         batch, padded_length, hidden = hidden_states.shape
@@ -429,7 +432,7 @@ class VCCT5Encoder(nn.Module):
 
     def _block_scores(self, block, important, important_positions, important_vip, means, mean_positions, mean_mask,
                       max_position):
-        """Selection scores of VCC layer `block` (spec §4.5b): the layer's own ln0, q, k and the shared relative bias
+        """Selection scores of VCC layer `block` (paper §3.3): the layer's own ln0, q, k and the shared relative bias
         with the VIP slots as queries and the block means as keys, no scale correction; softmax over blocks, mean over
         heads, VIP-masked mean over the slots (divides by the slot count), `log(· + 1e-5)`. All in float32."""
         attention_layer = block.layer[0]
@@ -445,7 +448,7 @@ class VCCT5Encoder(nn.Module):
 
     def _rank_blocks(self, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Blocks by descending score (ties in block order); in training, rows explore a random order with
-        probability `exploration_probability` (spec §4.5b)."""
+        probability `exploration_probability` (the authors' `explore_prob`; not in the paper)."""
         ranking = torch.argsort(scores, dim=1, descending=True, stable=True)
         explored = torch.zeros(scores.shape[0], dtype=torch.bool, device=scores.device)
         if self.training and self.config.exploration_probability > 0:
@@ -455,16 +458,17 @@ class VCCT5Encoder(nn.Module):
         return ranking, explored
 
     def _vcc_layers(self, hidden_states, mask, vip, all_hidden, length, output_compression_info):
-        """Compress (spec §4.4), run every VCC layer on its compressed sequence and write back (§4.5), decompress to
-        the full length in input order (§4.6). The tree T(C) is kept as block `means` [B, n_b, d] and `deltas`
-        [B, n_b, k, d] (token = mean - delta); the `num_vip_slots` important tokens are kept apart, uncompressed."""
+        """Compress (paper §3.1-3.3), run every VCC layer on its compressed sequence and write back (paper §3.4,
+        eq. 17/18), decompress to the full length in input order (eq. 16). The tree T(C) is kept as block `means`
+        [B, n_b, d] and `deltas` [B, n_b, k, d] (token = mean - delta); the `num_vip_slots` important tokens are kept
+        apart, uncompressed."""
         config = self.config
         batch, padded_length, hidden = hidden_states.shape
         slots, k, num_refined = config.num_vip_slots, config.block_size, config.num_refined_blocks
         num_blocks = config.compression_sizes(padded_length)["num_blocks"]
         num_coarse = num_blocks - num_refined
 
-        # Enter compression (spec §4.4): zero padding, VIP tokens first, important slots + blocks of k.
+        # Enter compression (paper eq. 6 and 13): zero padding, VIP tokens first, important slots + blocks of k.
         hidden_states = hidden_states * mask[..., None].to(hidden_states.dtype)
         order = torch.sort(vip, dim=1, descending=True, stable=True).indices  # = the sorted tokens' positions
         sorted_states = hidden_states.gather(1, _expand_index(order, hidden_states))
@@ -518,7 +522,7 @@ class VCCT5Encoder(nn.Module):
                 key_bias = key_bias + log_duplicates
             attention_bias = self.relative_bias(positions, positions, padded_length).add_(key_bias[:, None, None, :])
             compressed = block(compressed, attention_bias, state_scores)
-            # (f) + write back (spec §4.5a): refined blocks get new means and deltas, the others new means only.
+            # (f) + write back (paper eq. 17/18): refined blocks get new means and deltas, the others new means only.
             new_refined = compressed[:, : num_refined * k].reshape(batch, num_refined, k, hidden)
             new_coarse = compressed[:, num_refined * k : num_refined * k + num_coarse]
             important = compressed[:, num_refined * k + num_coarse :]
@@ -534,7 +538,7 @@ class VCCT5Encoder(nn.Module):
                                     ("compressed_hidden_states", compressed)):
                     info[name].append(value)
 
-        hidden_states = decompress(important, means, deltas, fine_mask, order)  # spec §4.6
+        hidden_states = decompress(important, means, deltas, fine_mask, order)  # paper eq. 16
         if not output_compression_info:
             return hidden_states, None
         return hidden_states, VCCT5CompressionInfo(
@@ -569,7 +573,7 @@ def _encode_queries_and_contexts(
     texts = [query + separator + context for query, context in zip(queries, contexts)]
     encoded = tokenizer(texts, add_special_tokens=True)["input_ids"]
     # The original marks the first len(tokenizer(query).input_ids) positions, i.e. the query's tokens including its
-    # EOS: one context token beyond the query (spec §2). We keep that convention.
+    # EOS: one context token beyond the query (the authors' collators in `src/t5/data/`). We keep that convention.
     vip_counts = [len(ids) for ids in tokenizer(queries, add_special_tokens=True)["input_ids"]]
     if max_length is not None:
         for row, vip_count in enumerate(vip_counts):
@@ -724,9 +728,10 @@ class _VCCT5Seq2Seq(T5Seq2SeqLMMixin, VCCT5PreTrainedModel):
         self, tokenizer, documents: str | list[str], max_input_length: int | None = None
     ) -> tuple[dict[str, torch.Tensor], list[int]]:
         """`generate()` kwargs for plain summarization of `documents` (a list, or one document as a string), the
-        original's convention: `"summarize" + "\\n\\n\\n" + document`, with the tokens of `"summarize"` (and its
-        EOS count, spec §2) as VIP tokens. Returns the kwargs (`input_ids`, `attention_mask`, `vip_mask`) and the
-        number of tokens dropped per document because of `max_input_length` (None: keep everything)."""
+        original's convention: `"summarize" + "\\n\\n\\n" + document`, with the tokens of `"summarize"` (its EOS
+        included, as in the authors' data code) as VIP tokens. Returns the kwargs (`input_ids`, `attention_mask`,
+        `vip_mask`) and the number of tokens dropped per document because of `max_input_length` (None: keep
+        everything)."""
         documents = summarization_documents(documents)
         encoding, dropped = _encode_queries_and_contexts(
             tokenizer, SUMMARIZATION_QUERY, documents, max_input_length, pad_token_id=self.config.pad_token_id,
