@@ -97,7 +97,7 @@ def compress_parts(model, context, timed):
 
 
 def run(lengths: list[int], steps: int, rounds: int, warmup: int, device: str, dtype: str = "float32",
-        memory: bool = False, **config_overrides) -> list[dict]:
+        memory: bool = False, on_row=None, **config_overrides) -> list[dict]:
     import longreach  # noqa: F401
     from longreach import DodoLlamaConfig, DodoLlamaForCausalLM
 
@@ -165,6 +165,8 @@ def run(lengths: list[int], steps: int, rounds: int, warmup: int, device: str, d
                 **parts,
             }
         )
+        if on_row is not None:
+            on_row(rows)
     return rows
 
 
@@ -188,7 +190,8 @@ def peak_step_bytes(step, device: str) -> int:
     return profiled_peak_bytes(profiler)
 
 
-def training_memory(lengths: list[int], target_length: int, layers: int, repeats: int, device: str) -> list[dict]:
+def training_memory(lengths: list[int], target_length: int, layers: int, repeats: int, device: str,
+                    on_row=None) -> list[dict]:
     import longreach  # noqa: F401
     from longreach import DodoLlamaConfig, DodoLlamaForCausalLM
 
@@ -237,6 +240,8 @@ def training_memory(lengths: list[int], target_length: int, layers: int, repeats
             ((grads[n] - g).abs().max() / g.abs().max().clamp_min(1e-30)).item() for n, g in plain_grads.items()
         )
         rows.append(row)
+        if on_row is not None:
+            on_row(rows)
     return rows
 
 
@@ -295,7 +300,8 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                         help="The model's dtype (the decode-step run; --training_memory is float32).")
-    parser.add_argument("--json", default=None, help="Also write the rows to this file.")
+    parser.add_argument("--json", default=None,
+                        help="Also write the rows to this file, rewritten after each row (a run cut short keeps them).")
     parser.add_argument(
         "--training_memory", action="store_true", help="Peak memory of a training step with/without checkpointing."
     )
@@ -322,20 +328,21 @@ def main() -> None:
                      "--training_memory (which measures memory itself).")
     if args.training_memory and args.dtype != "float32":
         raise ValueError(f"`--training_memory` runs in float32, got `--dtype {args.dtype}`.")
+    from run_all import host_description, write_json  # this folder is the script's: run_all.py is beside it
+
+    def save(rows: list[dict]) -> None:  # under a temporary name, renamed into place
+        if args.json:
+            write_json(args.json, rows)
+
     if args.training_memory:
-        rows = training_memory(args.lengths, args.target_length, args.layers, args.repeats, args.device)
+        rows = training_memory(args.lengths, args.target_length, args.layers, args.repeats, args.device, on_row=save)
     else:
         rows = run(args.lengths, args.steps, args.rounds, args.warmup, args.device, args.dtype, args.memory,
-                   **overrides)
-    from run_all import host_description  # this folder is the script's: run_all.py is beside it
+                   on_row=save, **overrides)
 
     print(f"{host_description()}; torch {torch.__version__}, device {args.device}, dtype {args.dtype}, threads "
           f"{torch.get_num_threads()}, sizes {({**SIZES, **overrides})}")
     print(training_markdown(rows) if args.training_memory else markdown(rows))
-    if args.json:
-        from run_all import write_json  # under a temporary name, renamed into place
-
-        write_json(args.json, rows)
 
 
 if __name__ == "__main__":

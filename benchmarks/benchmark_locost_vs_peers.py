@@ -71,7 +71,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--timeout", type=int, default=1200)
     parser.add_argument("--max_t5_length", type=int, default=8192, help="full attention beyond this needs > 24 GB")
-    parser.add_argument("--json", default=None, help="also write the raw results here")
+    parser.add_argument("--json", default=None,
+                        help="also write the raw results here, rewritten after each cell (a run cut short keeps them)")
     parser.add_argument("--cell", nargs=2, metavar=("MODEL", "LENGTH"), help=argparse.SUPPRESS)
     args = parser.parse_args()
 
@@ -96,6 +97,10 @@ def main() -> None:
             except subprocess.TimeoutExpired:
                 results.append({"model": model, "length": length, "skipped": f"timeout {args.timeout}s"})
             print(json.dumps(results[-1]), file=sys.stderr, flush=True)
+            if args.json:
+                from run_all import write_json  # under a temporary name, renamed into place (run_all.py is beside this)
+
+                write_json(args.json, results)
 
     print(f"\nEncoder forward, batch 1, {args.threads} threads, median of {args.repeats} (CPU)\n")
     print("| tokens | model | seconds | peak RSS (MiB) | time vs LOCOST | memory vs LOCOST |")
@@ -113,10 +118,6 @@ def main() -> None:
                 ratio_t = f"{r['seconds'] / base['seconds']:.2f}×"
                 ratio_m = f"{r['peak_rss_mib'] / base['peak_rss_mib']:.2f}×"
             print(f"| {length} | {model} | {r['seconds']:.2f} | {r['peak_rss_mib']:.0f} | {ratio_t} | {ratio_m} |")
-    if args.json:
-        from run_all import write_json  # under a temporary name, renamed into place (run_all.py is beside this)
-
-        write_json(args.json, results)
 
 
 if __name__ == "__main__":

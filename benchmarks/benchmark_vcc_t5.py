@@ -194,7 +194,9 @@ def main() -> None:
                              "the encoder.")
     parser.add_argument("--dims", choices=list(DIMS), default="small",
                         help="small: d_model 64 (the default); base: the released t5-base's dimensions.")
-    parser.add_argument("--json", default=None, help="Also write the cells to this file.")
+    parser.add_argument("--json", default=None,
+                        help="Also write the cells to this file, rewritten after each cell (a run cut short keeps "
+                             "them).")
     parser.add_argument("--cell", nargs=2, metavar=("MODEL", "LENGTH"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.generate < 0:
@@ -209,10 +211,10 @@ def main() -> None:
             cell = run_in_subprocess(model, length, args)
             print(json.dumps(cell), flush=True)
             cells.append(cell)
-    if args.json:
-        from run_all import write_json  # under a temporary name, renamed into place (run_all.py is beside this)
+            if args.json:
+                from run_all import write_json  # under a temporary name, renamed into place (run_all.py is beside this)
 
-        write_json(args.json, cells)
+                write_json(args.json, cells)
     print()
     print(table(cells))
 

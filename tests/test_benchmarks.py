@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -249,6 +250,51 @@ def test_vcc_t5_benchmark_times_generate_of_both_models_with_the_same_weights():
     assert "| 2048 |" in module.table(cells)
     cell = module.run_cell("vcc", 1024, threads=1, repeats=1, attention="sdpa", dims="base")  # t5-base's dimensions
     assert cell["dims"] == "base" and cell["seconds_median"] > 0  # (the cell checks the output's width, 768)
+
+
+def test_benchmark_json_holds_the_cells_finished_before_an_interruption(monkeypatch, tmp_path):
+    """--json is rewritten after each cell (VCC-T5, LOCOST against its peers) or row (Dodo), so that a run cut short
+    (a timeout, Ctrl-C) keeps what it measured."""
+    import subprocess
+
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    vcc = load_benchmark("benchmark_vcc_t5")
+    finished = {"model": "vcc", "length": 8, "seconds_median": 1.0}
+
+    def one_cell_then_interrupted(model, length, args):
+        if length == 16:
+            raise KeyboardInterrupt
+        return {**finished, "model": model, "length": length}
+
+    monkeypatch.setattr(vcc, "run_in_subprocess", one_cell_then_interrupted)
+    monkeypatch.setattr(sys, "argv", ["benchmark_vcc_t5.py", "--vcc_lengths", "8", "16", "--json",
+                                      str(tmp_path / "vcc.json")])
+    with pytest.raises(KeyboardInterrupt):
+        vcc.main()
+    assert json.loads((tmp_path / "vcc.json").read_text()) == [finished]
+
+    peers = load_benchmark("benchmark_locost_vs_peers")
+    answers = iter([json.dumps({"model": "locost", "length": 8, "seconds": 1.0, "peak_rss_mib": 2.0})])
+
+    def cell_then_interrupted(command, **kwargs):
+        try:
+            return subprocess.CompletedProcess(command, 0, stdout=next(answers) + "\n", stderr="")
+        except StopIteration:
+            raise KeyboardInterrupt from None
+
+    monkeypatch.setattr(peers.subprocess, "run", cell_then_interrupted)
+    monkeypatch.setattr(sys, "argv", ["benchmark_locost_vs_peers.py", "--lengths", "8", "--models", "locost",
+                                      "longt5", "--json", str(tmp_path / "peers.json")])
+    with pytest.raises(KeyboardInterrupt):
+        peers.main()
+    assert [cell["model"] for cell in json.loads((tmp_path / "peers.json").read_text())] == ["locost"]
+
+    dodo = load_benchmark("benchmark_dodo")
+    snapshots = []
+    rows = dodo.run([32, 48], steps=1, rounds=1, warmup=0, device="cpu", on_row=lambda rows: snapshots.append(
+        [row["context_tokens"] for row in rows]))
+    assert snapshots == [[32], [32, 48]] and len(rows) == 2
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["peers.json", "vcc.json"]  # no temporary left
 
 
 def test_dodo_benchmark_runs_in_bfloat16():
