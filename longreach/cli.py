@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib
+import importlib.util
 import json
 import math
 import os
@@ -382,6 +383,10 @@ def _check_output_path(output: str) -> None:
                          "summaries there; choose another path")
 
 
+def _documents(count: int) -> str:
+    return f"{count} document" + ("" if count == 1 else "s")
+
+
 def _gather_run_statistics(stats: dict, world_size: int) -> dict:
     """The statistics of every process summed (their peak memory: the largest), for the run's closing line."""
     if world_size == 1:
@@ -389,10 +394,10 @@ def _gather_run_statistics(stats: dict, world_size: int) -> dict:
     import torch.distributed as dist
 
     every = [None] * world_size
-    dist.all_gather_object(every, {key: stats[key] for key in
-                                   ("documents", "input_tokens", "seconds", "skipped_already_done", "peak_memory_bytes")})
+    dist.all_gather_object(every, {key: stats[key] for key in ("documents", "input_tokens", "truncated", "seconds",
+                                                               "skipped_already_done", "peak_memory_bytes")})
     return {"documents": sum(s["documents"] for s in every), "input_tokens": sum(s["input_tokens"] for s in every),
-            "seconds": max(s["seconds"] for s in every),
+            "truncated": sum(s["truncated"] for s in every), "seconds": max(s["seconds"] for s in every),
             "skipped_already_done": sum(s["skipped_already_done"] for s in every),
             "peak_memory_bytes": max(s["peak_memory_bytes"] for s in every)}
 
@@ -417,6 +422,12 @@ def summarize_corpus_command(args: argparse.Namespace) -> int:
         raise UsageError(f"longreach summarize: --output {args.output} is the --input file; choose another file for "
                          "the summaries")
     _check_output_path(args.output)
+    needed = ([("datasets", "🤗 datasets reads table files and Hub datasets")] if kind in ("table", "hub") else []) + (
+        [("rouge_score", "rouge-score scores --reference_column")] if args.reference_column else [])
+    for module, why in needed:  # before the model loads, not after the summaries
+        if importlib.util.find_spec(module) is None:
+            raise CommandError(f"longreach summarize: {why}, and {module} is not installed: pip install "
+                               "'longreach[train]'")
     rank, world_size = corpus_module.distributed_rank()
     device = args.device
     if device is None and world_size > 1:
@@ -457,10 +468,15 @@ def summarize_corpus_command(args: argparse.Namespace) -> int:
         _progress(f"{stats['documents']} documents ({stats['input_tokens']} input tokens) summarized in "
                   f"{stats['seconds']:.1f}s by {by}, {stats['skipped_already_done']} already done; peak memory "
                   f"{stats['peak_memory_bytes'] / 2**20:.0f} MiB; {total} summaries in {args.output}")
+        if stats["truncated"]:
+            limit = (f"--max_input_length {args.max_input_length}" if args.max_input_length
+                     else "the model's longest input")
+            _progress(f"{_documents(stats['truncated'])} of this run cut to {limit}, their ends not read: their "
+                      "records say \"truncated\": true")
         errors_file = corpus_module.errors_path_of(Path(args.output))
         if errors_file.exists():
             count = len(corpus_module.json_lines(errors_file))
-            _progress(f"{count} documents could not be summarized: see {errors_file}")
+            _progress(f"{_documents(count)} could not be summarized: see {errors_file}")
         if args.reference_column:
             metrics = corpus_module.corpus_rouge(args.output, corpus)
             if metrics:
@@ -585,7 +601,8 @@ def build_parser() -> argparse.ArgumentParser:
                                  "GPU generate() then compiles the decoding step (CUDA graphs). A new batch shape "
                                  "may compile again: worth it on long runs.")
     generation.add_argument("--max_input_length", type=positive_int, default=None,
-                            help="Keep at most this many document tokens (a warning reports what is dropped).")
+                            help="Keep at most this many document tokens (a warning reports what is dropped; with "
+                                 "--input, each record's \"truncated\" field, and a count at the end).")
     summarize_parser.add_argument("--device", default=None, help="e.g. cpu, cuda, cuda:1 (default: cuda if present).")
     summarize_parser.add_argument("--dtype", default=None, choices=DTYPES,
                                   help="Weights' dtype (default: the checkpoint's).")

@@ -123,9 +123,10 @@ def read_corpus(source: str, *, split: str = "train", text_column: str = "text",
             if builder == "csv":  # read again as text: ids such as 001 stay "001" (pandas' guess: 1, or 1.0 near a gap)
                 features = datasets.Features({name: datasets.Value("string") for name in table.column_names})
                 table = datasets.load_dataset(builder, features=features, **arguments)
-            elif kind == "table" and builder == "json" and _is_float_column(table, id_column):
+            elif kind == "table" and builder == "json" and id_column and not _is_text_column(table, id_column):
                 # Arrow reads a column of JSON numbers with one float in it as floats: 1 becomes "1.0" (an id that
-                # changes when a 2.5 joins the file) and 2**53 + 1 becomes 2**53. The ids as Python reads them instead.
+                # changes when a 2.5 joins the file) and 2**53 + 1 becomes 2**53; numbers mixed with strings make a
+                # column of JSON values whose strings are parsed again: "007" becomes 7. The ids as Python reads them.
                 raw_ids = _json_values(path, id_column)
                 if len(raw_ids) == len(table):
                     table = table.remove_columns(id_column).add_column(id_column, [
@@ -219,9 +220,8 @@ def _json_values(path: Path, column: str) -> list:
     return [record.get(column) for record in records]
 
 
-def _is_float_column(table, name: str | None) -> bool:
-    feature = table.features.get(name) if name is not None else None
-    return getattr(feature, "dtype", "").startswith("float")
+def _is_text_column(table, name: str) -> bool:
+    return getattr(table.features.get(name), "dtype", None) in ("string", "large_string")
 
 
 def _holds_no_records(path: Path) -> bool:
@@ -448,7 +448,7 @@ def summarize_corpus(
     if torch.cuda.is_available() and model.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(model.device)
 
-    start, documents, tokens = time.perf_counter(), 0, 0
+    start, documents, tokens, truncated = time.perf_counter(), 0, 0, 0
     bar = tqdm(total=len(mine), unit="doc", disable=not progress, file=sys.stderr,
                desc=f"rank {rank}" if world_size > 1 else "summarizing")
     with open(target, "a", encoding="utf-8") as handle:
@@ -465,6 +465,7 @@ def summarize_corpus(
             _append(handle, records)
             documents += len(records)
             tokens += sum(record["input_tokens"] for record in records)
+            truncated += sum(record["truncated"] for record in records)
             bar.update(len(batch))
             elapsed = max(time.perf_counter() - start, 1e-9)
             bar.set_postfix(docs_per_s=f"{documents / elapsed:.2f}", tokens_per_s=f"{tokens / elapsed:.0f}",
@@ -473,7 +474,8 @@ def summarize_corpus(
     if errors:
         with open(errors_path, "a", encoding="utf-8") as handle:
             _append(handle, errors)
-    return {"documents": documents, "input_tokens": tokens, "seconds": round(time.perf_counter() - start, 3),
+    return {"documents": documents, "input_tokens": tokens, "truncated": truncated,
+            "seconds": round(time.perf_counter() - start, 3),
             "skipped_already_done": len([i for k, i in enumerate(by_length) if k % world_size == rank]) - len(mine),
             "errors": len(errors), "peak_memory_bytes": peak_memory_bytes(model.device), "output": str(target),
             "errors_file": str(errors_path) if errors else None}

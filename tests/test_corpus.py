@@ -78,7 +78,7 @@ def test_a_folder_corpus_equals_the_pipeline_and_reports_unreadable_files(model_
         assert records[name]["input_tokens"] == len(text.split()) + 1 and records[name]["truncated"] is False
     errors = [json.loads(line) for line in (tmp_path / "out.errors.jsonl").read_text().splitlines()]
     assert [error["id"] for error in errors] == ["latin1.txt"] and "not UTF-8" in errors[0]["error"]
-    assert "1 documents could not be summarized" in capsys.readouterr().err
+    assert "1 document could not be summarized" in capsys.readouterr().err
 
 
 def test_a_jsonl_corpus_with_references_gets_rouge(model_folder, tmp_path, capsys):
@@ -96,7 +96,10 @@ def test_a_jsonl_corpus_with_references_gets_rouge(model_folder, tmp_path, capsy
     assert all(record["input_tokens"] <= 50 for record in records.values())
     metrics = json.loads((tmp_path / "out.metrics.json").read_text())
     assert set(metrics) == {"rouge1", "rouge2", "rougeLsum", "documents"} and metrics["documents"] == 12
-    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == metrics
+    captured = capsys.readouterr()
+    assert json.loads(captured.out.strip().splitlines()[-1]) == metrics
+    truncated = sum(record["truncated"] for record in records.values())  # counted at the end, as the help says
+    assert f"{truncated} document{'s' * (truncated != 1)} of this run cut to --max_input_length 50" in captured.err
     assert main(["summarize", "--model", str(model_folder), "--input", str(rows_bad), "--output",
                  str(tmp_path / "bad-out.jsonl"), "--id_column", "doc_id", *GENERATION]) == 0
     assert list(read_output(tmp_path / "bad-out.jsonl")) == ["y"]
@@ -340,6 +343,9 @@ def test_json_ids_stay_as_written_and_row_numbers_count_bad_lines(tmp_path):
     assert read(str(source), id_column="id").ids == ["1", "2", "2.5", "9007199254740993", "9007199254740992"]
     (tmp_path / "ids.json").write_text('[{"id": 1, "text": "a"}, {"id": 3.0, "text": "b"}]')
     assert read(str(tmp_path / "ids.json"), id_column="id").ids == ["1", "3.0"]
+    # numbers mixed with strings: Arrow made "007" the number 7 (a silent rename, or a false duplicate of 7)
+    source.write_text('{"id": 8, "text": "w1"}\n{"id": "007", "text": "w2"}\n{"id": 7, "text": "w3"}\n')
+    assert read(str(source), id_column="id").ids == ["8", "007", "7"]
 
     # without --id_column the ids are row numbers: a bad line keeps its number, so that once it is fixed the rows
     # after it keep their ids (a resume would otherwise file the summaries under the wrong ids)
@@ -397,3 +403,24 @@ def test_a_reference_column_without_references_says_so(model_folder, tmp_path, c
     assert main(summarize_args(model_folder, source, tmp_path / "o.jsonl", "--reference_column", "ref")) == 0
     assert "no summarized document has a reference in --reference_column 'ref': no ROUGE" in capsys.readouterr().err
     assert not (tmp_path / "o.metrics.json").exists()
+
+
+def test_a_missing_datasets_or_rouge_score_is_named_before_the_model_loads(model_folder, tmp_path, monkeypatch, capsys):
+    """Table files and Hub datasets need 🤗 datasets, --reference_column needs rouge-score (both in the [train]
+    extra): named with the install command before the model loads, instead of a bare ModuleNotFoundError (datasets)
+    or a failure after every summary was written (rouge-score)."""
+    import importlib.util
+
+    from longreach import cli
+
+    write_jsonl(tmp_path / "corpus.jsonl", 2)
+    find_spec = importlib.util.find_spec
+    loads = []
+    monkeypatch.setattr(cli, "load_summarizer", lambda *args: loads.append(1))
+    for missing, options in (("datasets", []), ("rouge_score", ["--reference_column", "summary"])):
+        monkeypatch.setattr(importlib.util, "find_spec",
+                            lambda name, *args, missing=missing: None if name == missing else find_spec(name, *args))
+        assert main(["summarize", "--model", str(model_folder), "--input", str(tmp_path / "corpus.jsonl"), "--output",
+                     str(tmp_path / "out.jsonl"), "--id_column", "doc_id", *options, *GENERATION]) == 1
+        assert f"{missing} is not installed: pip install 'longreach[train]'" in capsys.readouterr().err
+    assert not loads and not (tmp_path / "out.jsonl").exists()
