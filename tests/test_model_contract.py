@@ -667,7 +667,7 @@ def test_dodo_fills_the_cache_the_caller_passes_as_llama_does():
         assert returned.past_key_values is cache and cache.get_seq_length() == 7
         step = model(ids[:, 7:], past_key_values=cache, use_cache=True).logits[:, -1]
         torch.testing.assert_close(step, full, rtol=1e-5, atol=1e-5)
-        with pytest.raises(ValueError, match=r"`past_key_values` must be a DodoCache .* got an empty DynamicCache"):
+        with pytest.raises(ValueError, match=r"The cache \(`cache`, or `past_key_values`\) must be a DodoCache .* got an empty DynamicCache"):
             model(ids, context_input_ids=context, past_key_values=DynamicCache(config=model.config))
         expected = model.generate(ids, context_input_ids=context, max_new_tokens=4, do_sample=False)
         given = DodoCache(model.config)

@@ -1279,7 +1279,7 @@ def test_a_later_turn_refuses_nuggets_other_than_those_in_its_cache(model):
         fresh = model.generate(follow_up, nuggets=first, **options)
         assert torch.equal(model.generate(follow_up, nuggets=first, cache=copy.deepcopy(turn.past_key_values),
                                           **options), fresh)
-        with pytest.raises(ValueError, match="`nuggets` differ from the nuggets already in `past_key_values`"):
+        with pytest.raises(ValueError, match=r"`nuggets` differ from the nuggets already in the cache \(`cache`, or `past_key_values`\)"):
             model.generate(follow_up, nuggets=other, cache=copy.deepcopy(turn.past_key_values), **options)
         with pytest.raises(ValueError, match="`nuggets` differ"):
             seen = turn.past_key_values.seen_tokens  # (the last generated token is not in the cache yet)

@@ -673,8 +673,9 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
                     and torch.equal(scores, nuggets.scores.repeat_interleave(repeat, dim=0).to(scores.device, scores.dtype)))
         if not same:
             raise ValueError(
-                "`nuggets` differ from the nuggets already in `past_key_values`, which are the ones the model would "
-                "attend to: pass the nuggets that cache was started with, or no `past_key_values` for another context."
+                "`nuggets` differ from the nuggets already in the cache (`cache`, or `past_key_values`), which are the "
+                "ones the model would attend to: pass the nuggets that cache was started with, or no cache for another "
+                "context."
             )
 
     def _check_nuggets(self, nuggets, batch_size: int | None = None, allow_multiple: bool = False) -> None:
@@ -1236,15 +1237,16 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
             self._check_own_adapters()
         if cache is None and past_key_values is not None and past_key_values.get_seq_length() > 0:
             raise ValueError(
-                "`past_key_values` must be the DodoCache this model returned; got a "
+                "The cache (`cache`, or `past_key_values`) must be the DodoCache this model returned; got a "
                 f"{type(past_key_values).__name__} holding {past_key_values.get_seq_length()} positions."
             )
         if past_key_values is not None and not _is_a(past_key_values, DodoCache):
             # Llama fills an empty DynamicCache in place; this one could not hold the nuggets and the decoder mask, and
             # a new cache returned instead would leave the caller's empty (its next call would lose the context)
             raise ValueError(
-                "`past_key_values` must be a DodoCache (`longreach.DodoCache(model.config)`, filled in place) or "
-                f"None; got an empty {type(past_key_values).__name__}, which cannot hold the nuggets."
+                "The cache (`cache`, or `past_key_values`) must be a DodoCache (`longreach.DodoCache(model.config)`, "
+                f"filled in place) or None; got an empty {type(past_key_values).__name__}, which cannot hold the "
+                "nuggets."
             )
         past_tokens = 0 if cache is None else cache.seen_tokens
         if cache is None:  # the caller's ids (later decoding steps feed back the model's own tokens)
