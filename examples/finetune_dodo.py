@@ -78,6 +78,7 @@ from transformers.trainer_utils import SchedulerType
 import longreach  # noqa: F401  (registers Dodo with the Auto classes)
 from longreach import DodoDataCollator, DodoLlamaForCausalLM
 from longreach.finetuning import (
+    check_best_model_metric,
     check_not_the_model_folder,
     check_output_dir,
     check_text_columns,
@@ -87,7 +88,7 @@ from longreach.finetuning import (
     first_text,
     json_option,
     load_data_files,
-    resume_checkpoint,
+    train_or_resume,
 )
 from longreach.hub import push_folder_to_hub, write_model_card
 
@@ -361,6 +362,8 @@ def run(model_args: ModelArguments, data_args: DataArguments, training_args: Dod
     elif not (training_args.do_train or training_args.do_eval):  # neither asked for: do what the data allows
         training_args.do_train, training_args.do_eval = "train" in raw, "validation" in raw
     check_training_arguments(training_args, data_args.max_train_samples, data_args.max_eval_samples)
+    # (perplexity is computed after the last evaluation only: its order is eval_loss's)
+    check_best_model_metric(training_args, {"loss"})
     if training_args.do_train:
         check_output_dir(training_args.output_dir)  # before training: the card written after it keeps what is there
 
@@ -403,21 +406,22 @@ def run(model_args: ModelArguments, data_args: DataArguments, training_args: Dod
         else None
     metrics: dict = {}
     if training_args.do_train:
-        result = trainer.train(resume_from_checkpoint=resume_checkpoint(training_args))
-        metrics.update(result.metrics)
+        train_metrics, global_step = train_or_resume(trainer, training_args)
+        metrics.update(train_metrics)
         trainer.save_model()  # Hub-ready: weights, code files, auto_map, custom_pipelines, tokenizer
         source = data_args.dataset_name or data_args.train_file
         if trainer.is_world_process_zero():  # several processes (torchrun): the first writes the card
             write_model_card(
                 training_args.output_dir, "dodo_llama",
                 training_note=f"Trained with `examples/finetune_dodo.py` ({data_args.task}) on {source} "
-                f"({len(train_dataset)} examples, {result.global_step} steps) from "
+                f"({len(train_dataset)} examples, {global_step} steps) from "
                 f"`{model_args.model_name_or_path or model_args.base_model_name_or_path}`.",
             )
         trainer.accelerator.wait_for_everyone()  # the folder is complete before any process reads it
     if training_args.do_eval and eval_dataset is not None:
         evaluation = trainer.evaluate()
         evaluation["eval_perplexity"] = math.exp(min(evaluation["eval_loss"], 50.0))
+        trainer.save_metrics("eval", evaluation)
         metrics.update(evaluation)
     trainer.log_metrics("all", metrics)
     if before is not None:

@@ -48,6 +48,7 @@ from pathlib import Path
 
 import longreach  # noqa: F401  (registers LOCOST / VCC-T5 with the Auto classes)
 from longreach.finetuning import (
+    check_best_model_metric,
     check_config_fields,
     check_not_the_model_folder,
     check_output_dir,
@@ -58,7 +59,7 @@ from longreach.finetuning import (
     first_text,
     json_option,
     load_data_files,
-    resume_checkpoint,
+    train_or_resume,
 )
 from longreach.hub import push_folder_to_hub, write_model_card
 from longreach.metrics import rouge_scores
@@ -233,6 +234,7 @@ def run(model_args: ModelArguments, data_args: DataArguments, training_args: Seq
     elif not (training_args.do_train or training_args.do_eval):  # neither asked for: do what the data allows
         training_args.do_train, training_args.do_eval = "train" in raw, "validation" in raw
     check_training_arguments(training_args, data_args.max_train_samples, data_args.max_eval_samples)
+    check_best_model_metric(training_args, {"loss", "rouge1", "rouge2", "rougeLsum", "gen_len"})
     if training_args.do_train:
         check_output_dir(training_args.output_dir)  # before training: the card written after it keeps what is there
 
@@ -293,8 +295,8 @@ def run(model_args: ModelArguments, data_args: DataArguments, training_args: Seq
     metrics = {}
     generation_config = copy.deepcopy(model.generation_config)
     if training_args.do_train:
-        result = trainer.train(resume_from_checkpoint=resume_checkpoint(training_args))
-        metrics.update(result.metrics)
+        train_metrics, _ = train_or_resume(trainer, training_args)
+        metrics.update(train_metrics)
         model.generation_config = generation_config  # evaluation fills in every default (max_length=20, ...)
         trainer.save_model()  # Hub-ready: weights, code files, auto_map, custom_pipelines, tokenizer
         if trainer.is_world_process_zero():  # several processes (torchrun): the first writes the card
@@ -305,7 +307,10 @@ def run(model_args: ModelArguments, data_args: DataArguments, training_args: Seq
             )
         trainer.accelerator.wait_for_everyone()  # the folder is complete before any process reads it
     if training_args.do_eval and eval_dataset is not None:
-        metrics.update(trainer.evaluate(max_new_tokens=data_args.max_target_length))
+        # new tokens as during training (generation_max_length counts the decoder start), not a checkpoint's own
+        evaluation = trainer.evaluate(max_new_tokens=training_args.generation_max_length - 1)
+        trainer.save_metrics("eval", evaluation)
+        metrics.update(evaluation)
     trainer.log_metrics("all", metrics)
     if push_to is not None and training_args.do_train and trainer.is_world_process_zero():
         commit = push_folder_to_hub(training_args.output_dir, push_to, private=training_args.hub_private_repo,

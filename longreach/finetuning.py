@@ -15,6 +15,10 @@ DATA_LOADERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "p
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 
 
+def _first_line(error: BaseException) -> str:
+    return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+
+
 def load_data_files(train_file: str | None, validation_file: str | None):
     """A ``DatasetDict`` of the given files (``.json``/``.jsonl``/``.csv``/``.parquet``, read by their suffix); a file
     with no record, or of another kind, is a ``ValueError`` naming its option."""
@@ -39,7 +43,17 @@ def load_data_files(train_file: str | None, validation_file: str | None):
     if len(loaders) > 1:
         raise ValueError(f"--train_file and --validation_file must be of one kind (json, csv or parquet), got "
                          f"{sorted(loaders)}.")
-    raw = load_dataset(loaders.pop(), data_files={split: path for split, (_, path) in files.items()})
+    loader = loaders.pop()
+    try:
+        raw = load_dataset(loader, data_files={split: path for split, (_, path) in files.items()})
+    except ValueError as error:  # e.g. 'Instruction "train" corresponds to no data!' for a file of no record
+        for split, (option, path) in files.items():  # name the file at fault
+            try:
+                load_dataset(loader, data_files={split: path})
+            except ValueError as file_error:
+                raise ValueError(f"{option} {path} holds no record that datasets can read "
+                                 f"({_first_line(file_error)}).") from None
+        raise
     for split, (option, path) in files.items():
         if len(raw[split]) == 0:
             raise ValueError(f"{option} {path} holds no record.")
@@ -50,9 +64,17 @@ def decide_what_to_run(training_args, raw, argv: list[str]) -> None:
     """Without ``--do_train`` / ``--do_eval`` on the command line, do what the data allows: train if there is a train
     split, evaluate if there is a validation split. (``TrainingArguments`` turns ``do_eval`` on by itself for an
     evaluation strategy, which must not stop training.)"""
-    if not {"--do_train", "--do_eval"} & {argument.split("=")[0] for argument in argv}:
+    given = {argument.split("=")[0] for argument in argv}
+    if training_args.do_predict:
+        raise ValueError("--do_predict: these scripts have no test split to predict on; evaluate with --do_eval and "
+                         "--validation_file, or write summaries with `longreach summarize --input FILE`.")
+    if not {"--do_train", "--do_eval"} & given:
         training_args.do_train = "train" in raw
         training_args.do_eval = "validation" in raw
+    for option, split, data in (("--do_train", "train", "--train_file"), ("--do_eval", "validation",
+                                                                          "--validation_file")):
+        if option in given and getattr(training_args, option[2:]) and split not in raw:
+            raise ValueError(f"{option} needs {split} data: pass {data} (or a --dataset_name with a {split} split).")
 
 
 def resume_checkpoint(training_args) -> str | None:
@@ -78,6 +100,65 @@ def resume_checkpoint(training_args) -> str | None:
         print(f"Resuming from {complete[0]}" + (f" (skipping the incomplete {', '.join(skipped)})" if skipped else "")
               + "; pass another --output_dir to start over.", file=sys.stderr)
     return str(complete[0])
+
+
+def check_checkpoint_matches(checkpoint: str | None, model, output_dir: str | Path) -> None:
+    """A checkpoint to resume from holds this model: the same ``model_type`` and sizes in its ``config.json``.
+    Another model's checkpoints (a folder reused for another run) would otherwise fail deep in the optimizer's state
+    ("parameter group that doesn't match the size"), or load half the weights."""
+    import json
+
+    if checkpoint is None or not (Path(checkpoint) / "config.json").is_file():
+        return
+    saved = json.loads((Path(checkpoint) / "config.json").read_text(encoding="utf-8"))
+    ours = model.config.to_dict()
+    for field in ("model_type", "vocab_size", "d_model", "hidden_size", "num_layers", "num_decoder_layers",
+                  "num_hidden_layers", "d_ff", "intermediate_size", "num_heads", "num_attention_heads"):
+        if field in saved and field in ours and saved[field] != ours[field]:
+            raise ValueError(f"--output_dir {output_dir}: {checkpoint} holds another model ({field} {saved[field]!r}, "
+                             f"this one's {ours[field]!r}), so training cannot resume from it; pass another "
+                             "--output_dir.")
+
+
+def finished_step(checkpoint: str | None, training_args) -> int | None:
+    """The step of ``checkpoint`` if it already reached ``--max_steps`` (None otherwise): ``Trainer.train`` would
+    still run one more step from it (transformers checks ``max_steps`` only after a step), so a rerun of a finished
+    command would train past ``--max_steps`` and replace the saved model."""
+    import json
+
+    if checkpoint is None or training_args.max_steps <= 0:
+        return None
+    state = Path(checkpoint) / "trainer_state.json"
+    step = json.loads(state.read_text(encoding="utf-8")).get("global_step", 0) if state.is_file() else 0
+    return step if step >= training_args.max_steps else None
+
+
+def train_or_resume(trainer, training_args) -> tuple[dict, int]:
+    """``trainer.train()``, resumed from :func:`resume_checkpoint`, its metrics and state written to ``--output_dir``
+    (``train_results.json``, ``trainer_state.json``); ``(metrics, global step)``. A checkpoint that already reached
+    ``--max_steps`` is loaded, not trained on."""
+    checkpoint = resume_checkpoint(training_args)
+    check_checkpoint_matches(checkpoint, trainer.model, training_args.output_dir)
+    step = finished_step(checkpoint, training_args)
+    if step is not None:
+        if trainer.is_world_process_zero():
+            print(f"{checkpoint} already reached --max_steps {training_args.max_steps}: nothing to train, its weights "
+                  "are loaded (raise --max_steps to train further).", file=sys.stderr)
+        trainer._load_from_checkpoint(checkpoint)  # the weights, as train() loads them when it resumes
+        return {}, step
+    result = trainer.train(resume_from_checkpoint=checkpoint)
+    trainer.save_metrics("train", result.metrics)
+    trainer.save_state()
+    return result.metrics, result.global_step
+
+
+def check_best_model_metric(training_args, metrics: set[str]) -> None:
+    """``--metric_for_best_model`` names a metric the evaluation computes (``metrics``, without the ``eval_``
+    prefix): another name fails only after the first evaluation, with a KeyError deep in the Trainer."""
+    name = training_args.metric_for_best_model
+    if name is not None and name.removeprefix("eval_") not in metrics:
+        raise ValueError(f"--metric_for_best_model {name}: the evaluation computes {sorted(metrics)} (with or without "
+                         "the eval_ prefix).")
 
 
 def check_output_dir(output_dir: str | Path) -> None:

@@ -200,6 +200,18 @@ def test_finetune_summarization_trains_with_an_eval_strategy_and_a_rerun_resumes
     assert f"Resuming from {output_dir / 'checkpoint-2'}" in capsys.readouterr().err
     state = json.loads((output_dir / "checkpoint-4" / "trainer_state.json").read_text())
     assert state["global_step"] == 4 and state["log_history"][0]["step"] == 2  # continued, not restarted
+    # metrics and state are written as transformers' examples write them
+    assert {"train_results.json", "eval_results.json", "all_results.json", "trainer_state.json"} <= {
+        path.name for path in output_dir.iterdir()}
+    assert json.loads((output_dir / "trainer_state.json").read_text())["global_step"] == 4
+    # a rerun of the finished command trains nothing: transformers would run a fifth step from checkpoint-4 and
+    # replace the saved model
+    weights = (output_dir / "model.safetensors").read_bytes()
+    metrics = example.main([a if a != "2" or argv[i - 1] != "--max_steps" else "4" for i, a in enumerate(argv)])
+    assert f"{output_dir / 'checkpoint-4'} already reached --max_steps 4: nothing to train" in capsys.readouterr().err
+    assert sorted(p.name for p in output_dir.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4"]
+    assert (output_dir / "model.safetensors").read_bytes() == weights and "train_loss" not in metrics
+    assert metrics["eval_rouge1"] == json.loads((output_dir / "eval_results.json").read_text())["eval_rouge1"]
 
 
 def test_finetuning_helpers_keep_what_the_user_has(tmp_path):
@@ -226,6 +238,14 @@ def test_finetuning_helpers_keep_what_the_user_has(tmp_path):
         load_data_files(str(tmp_path / "train.csv"), str(tmp_path / "empty.csv"))
     with pytest.raises(ValueError, match=r"--train_file .*notes.txt: expected a \.json / \.jsonl / \.csv / \.parquet"):
         load_data_files(str(tmp_path / "notes.txt"), None)
+    # datasets' own message for these named neither the file nor the option
+    (tmp_path / "blank.jsonl").write_text("\n\n")
+    (tmp_path / "header.csv").write_text("document,summary\n")
+    (tmp_path / "none.json").write_text("[]")
+    (tmp_path / "train.jsonl").write_text('{"document": "a b", "summary": "a"}\n')
+    for train, validation in (("train.jsonl", "blank.jsonl"), ("train.csv", "header.csv"), (None, "none.json")):
+        with pytest.raises(ValueError, match=f"--validation_file .*{validation} holds no record"):
+            load_data_files(train and str(tmp_path / train), str(tmp_path / validation))
 
 
 def test_finetune_summarization_refuses_what_would_lose_work_or_train_nothing(tmp_path, monkeypatch):
@@ -257,11 +277,29 @@ def test_finetune_summarization_refuses_what_would_lose_work_or_train_nothing(tm
           "--config_overrides", '{"d_modle": 3}'], "--config_overrides: ['d_modle'] is not a field of LocostConfig"),
         (["--model_name_or_path", str(tmp_path / "nowhere"), "--output_dir", str(tmp_path / "o")],
          "--model_name_or_path"),
+        # transformers would ignore --do_predict and a --do_eval without data, and fail after the first evaluation on
+        # a metric the evaluation does not compute (a KeyError)
+        (["--model_name_or_path", str(model), "--output_dir", str(tmp_path / "o"), "--do_predict"],
+         "--do_predict: these scripts have no test split to predict on"),
+        (["--model_name_or_path", str(model), "--output_dir", str(tmp_path / "o"), "--do_train", "--do_eval"],
+         "--do_eval needs validation data: pass --validation_file"),
+        (["--model_name_or_path", str(model), "--output_dir", str(tmp_path / "o"), "--metric_for_best_model",
+          "rougeL"], "--metric_for_best_model rougeL: the evaluation computes ['gen_len', 'loss', 'rouge1'"),
     ]
     for arguments, message in cases:
         with pytest.raises(ValueError, match=re.escape(message)):
             example.main(arguments + common)
     assert (model / "model.safetensors").read_bytes() == weights and not (tmp_path / "o").exists()
+    # an --output_dir holding another model's checkpoints: refused by name before a step, not deep in the optimizer
+    foreign = tmp_path / "reused" / "checkpoint-3"
+    foreign.mkdir(parents=True)
+    (foreign / "config.json").write_text(json.dumps({"model_type": "vcc_t5", "d_model": 8}))
+    (foreign / "trainer_state.json").write_text(json.dumps({"global_step": 3}))
+    with pytest.raises(ValueError, match=re.escape(f"{foreign} holds another model (model_type 'vcc_t5', this one's "
+                                                   "'locost'), so training cannot resume from it")):
+        example.main(["--model_name_or_path", str(model), "--output_dir", str(tmp_path / "reused"), "--max_steps",
+                      "5", *common])
+    assert sorted(path.name for path in (tmp_path / "reused").iterdir()) == ["checkpoint-3"]
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"document": "a b c", "summary": "a"}\n{"document": null, "summary": "b"}\n')
     with pytest.raises(ValueError, match=re.escape("The train data: row 1 of column 'document' is None, expected text")):
