@@ -214,6 +214,21 @@ def test_finetune_summarization_trains_with_an_eval_strategy_and_a_rerun_resumes
     assert metrics["eval_rouge1"] == json.loads((output_dir / "eval_results.json").read_text())["eval_rouge1"]
 
 
+def test_finetune_summarization_final_evaluation_honours_generation_max_length(tmp_path, monkeypatch):
+    """The last evaluation generated --max_target_length new tokens whatever --generation_max_length said (the
+    evaluations during training honoured it); both count the decoder start token, as Seq2SeqTrainer does."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    from transformers import Seq2SeqTrainer
+
+    example = _load_example("finetune_summarization", monkeypatch)
+    calls = []
+    evaluate = Seq2SeqTrainer.evaluate
+    monkeypatch.setattr(Seq2SeqTrainer, "evaluate", lambda self, *a, **k: calls.append(k) or evaluate(self, *a, **k))
+    argv = example.smoke_arguments(str(tmp_path / "ft"))
+    example.main(argv + ["--max_steps", "1", "--generation_max_length", "3"])
+    assert calls[-1]["max_new_tokens"] == 2
+
+
 def test_finetuning_helpers_keep_what_the_user_has(tmp_path):
     from types import SimpleNamespace
 
