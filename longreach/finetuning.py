@@ -190,6 +190,11 @@ def check_training_arguments(training_args, max_train_samples: int | None, max_e
     for option, value in (("--max_train_samples", max_train_samples), ("--max_eval_samples", max_eval_samples)):
         if value is not None and value < 1:
             raise ValueError(f"{option} must be >= 1 (or left out for all), got {value}.")
+    asked = getattr(training_args, "resume_from_checkpoint", None)
+    if training_args.do_train and asked is not None and str(asked).lower() not in ("true", "last") and \
+            not Path(asked).is_dir():
+        raise ValueError(f"--resume_from_checkpoint {asked}: no such checkpoint folder (or pass `last` for the last "
+                         "complete checkpoint in --output_dir).")
     if training_args.do_train and training_args.max_steps <= 0 and training_args.num_train_epochs <= 0:
         raise ValueError(f"--num_train_epochs {training_args.num_train_epochs} with --max_steps "
                          f"{training_args.max_steps}: the run would train no step; give a positive value to one.")
