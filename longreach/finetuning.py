@@ -145,6 +145,9 @@ def train_or_resume(trainer, training_args) -> tuple[dict, int]:
             print(f"{checkpoint} already reached --max_steps {training_args.max_steps}: nothing to train, its weights "
                   "are loaded (raise --max_steps to train further).", file=sys.stderr)
         trainer._load_from_checkpoint(checkpoint)  # the weights, as train() loads them when it resumes
+        from transformers import TrainerState
+
+        trainer.state = TrainerState.load_from_json(str(Path(checkpoint) / "trainer_state.json"))  # its epoch, step
         return {}, step
     result = trainer.train(resume_from_checkpoint=checkpoint)
     trainer.save_metrics("train", result.metrics)

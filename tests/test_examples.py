@@ -211,6 +211,7 @@ def test_finetune_summarization_trains_with_an_eval_strategy_and_a_rerun_resumes
     assert f"{output_dir / 'checkpoint-4'} already reached --max_steps 4: nothing to train" in capsys.readouterr().err
     assert sorted(p.name for p in output_dir.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4"]
     assert (output_dir / "model.safetensors").read_bytes() == weights and "train_loss" not in metrics
+    assert metrics["epoch"] == state["epoch"] > 0  # the evaluation is the checkpoint's, at its epoch
     assert metrics["eval_rouge1"] == json.loads((output_dir / "eval_results.json").read_text())["eval_rouge1"]
 
 
