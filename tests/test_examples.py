@@ -293,10 +293,11 @@ def test_finetune_summarization_refuses_what_would_lose_work_or_train_nothing(tm
           "--config_overrides", '{"d_modle": 3}'], "--config_overrides: ['d_modle'] is not a field of LocostConfig"),
         (["--model_name_or_path", str(tmp_path / "nowhere"), "--output_dir", str(tmp_path / "o")],
          "--model_name_or_path"),
-        # transformers would ignore --do_predict and a --do_eval without data, and fail after the first evaluation on
-        # a metric the evaluation does not compute (a KeyError)
+        # transformers named no option, after loading the model and data
         (["--model_name_or_path", str(model), "--output_dir", str(tmp_path / "o"), "--resume_from_checkpoint",
           str(tmp_path / "nowhere")], f"--resume_from_checkpoint {tmp_path / 'nowhere'}: no such checkpoint folder"),
+        # transformers would ignore --do_predict and a --do_eval without data, and fail after the first evaluation on
+        # a metric the evaluation does not compute (a KeyError)
         (["--model_name_or_path", str(model), "--output_dir", str(tmp_path / "o"), "--do_predict"],
          "--do_predict: these scripts have no test split to predict on"),
         (["--model_name_or_path", str(model), "--output_dir", str(tmp_path / "o"), "--do_train", "--do_eval"],
