@@ -25,7 +25,6 @@ import json
 import logging
 import os
 import re
-import resource
 import sys
 import time
 from collections.abc import Iterable
@@ -403,6 +402,8 @@ def peak_memory_bytes(device) -> int:
 
     if getattr(device, "type", "cpu") == "cuda":
         return torch.cuda.max_memory_allocated(device)
+    import resource  # (Unix only: imported here, so that the module itself imports everywhere)
+
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
 
 

@@ -15,10 +15,6 @@ DATA_LOADERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "p
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 
 
-def _first_line(error: BaseException) -> str:
-    return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-
-
 def load_data_files(train_file: str | None, validation_file: str | None):
     """A ``DatasetDict`` of the given files (``.json``/``.jsonl``/``.csv``/``.parquet``, read by their suffix); a file
     with no record, or of another kind, is a ``ValueError`` naming its option."""
@@ -43,6 +39,8 @@ def load_data_files(train_file: str | None, validation_file: str | None):
     if len(loaders) > 1:
         raise ValueError(f"--train_file and --validation_file must be of one kind (json, csv or parquet), got "
                          f"{sorted(loaders)}.")
+    from .corpus import _first_line
+
     loader = loaders.pop()
     try:
         raw = load_dataset(loader, data_files={split: path for split, (_, path) in files.items()})
@@ -120,17 +118,17 @@ def check_checkpoint_matches(checkpoint: str | None, model, output_dir: str | Pa
                              "--output_dir.")
 
 
-def finished_step(checkpoint: str | None, training_args) -> int | None:
-    """The step of ``checkpoint`` if it already reached ``--max_steps`` (None otherwise): ``Trainer.train`` would
-    still run one more step from it (transformers checks ``max_steps`` only after a step), so a rerun of a finished
-    command would train past ``--max_steps`` and replace the saved model."""
-    import json
+def finished_state(checkpoint: str | None, training_args):
+    """The ``TrainerState`` of ``checkpoint`` if it already reached ``--max_steps`` (None otherwise):
+    ``Trainer.train`` would still run one more step from it (transformers checks ``max_steps`` only after a step), so
+    a rerun of a finished command would train past ``--max_steps`` and replace the saved model."""
+    from transformers import TrainerState
 
-    if checkpoint is None or training_args.max_steps <= 0:
+    state_file = Path(checkpoint) / "trainer_state.json" if checkpoint is not None else None
+    if state_file is None or training_args.max_steps <= 0 or not state_file.is_file():
         return None
-    state = Path(checkpoint) / "trainer_state.json"
-    step = json.loads(state.read_text(encoding="utf-8")).get("global_step", 0) if state.is_file() else 0
-    return step if step >= training_args.max_steps else None
+    state = TrainerState.load_from_json(str(state_file))
+    return state if state.global_step >= training_args.max_steps else None
 
 
 def train_or_resume(trainer, training_args) -> tuple[dict, int]:
@@ -139,16 +137,14 @@ def train_or_resume(trainer, training_args) -> tuple[dict, int]:
     ``--max_steps`` is loaded, not trained on."""
     checkpoint = resume_checkpoint(training_args)
     check_checkpoint_matches(checkpoint, trainer.model, training_args.output_dir)
-    step = finished_step(checkpoint, training_args)
-    if step is not None:
+    state = finished_state(checkpoint, training_args)
+    if state is not None:
         if trainer.is_world_process_zero():
             print(f"{checkpoint} already reached --max_steps {training_args.max_steps}: nothing to train, its weights "
                   "are loaded (raise --max_steps to train further).", file=sys.stderr)
         trainer._load_from_checkpoint(checkpoint)  # the weights, as train() loads them when it resumes
-        from transformers import TrainerState
-
-        trainer.state = TrainerState.load_from_json(str(Path(checkpoint) / "trainer_state.json"))  # its epoch, step
-        return {}, step
+        trainer.state = state  # its step and epoch, which the evaluation reports
+        return {}, state.global_step
     result = trainer.train(resume_from_checkpoint=checkpoint)
     trainer.save_metrics("train", result.metrics)
     trainer.save_state()
