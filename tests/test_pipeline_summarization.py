@@ -145,6 +145,16 @@ def test_bad_calls_raise_value_errors(summarizer, call, message):
         call(summarizer)
 
 
+@pytest.mark.parametrize("question", ["What is it?", ["What is it?"]])
+def test_locost_refuses_a_question(summarizer, question):
+    """LOCOST was trained to summarize only: a question is refused before anything runs, naming the argument."""
+    refused = "`question`: LocostForConditionalGeneration has no question format"
+    with pytest.raises(ValueError, match=re.escape(refused)):
+        summarizer([document(30)], question=question)
+    with pytest.raises(ValueError, match=re.escape("`question`")):
+        pipeline("long-summarization", model=summarizer.model, tokenizer=summarizer.tokenizer, question="Why?")
+
+
 def test_models_without_the_protocol_get_plain_tokenization_and_prefix(tokenizer):
     torch.manual_seed(0)
     t5 = T5ForConditionalGeneration(T5Config(vocab_size=99, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,

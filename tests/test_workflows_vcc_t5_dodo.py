@@ -27,7 +27,8 @@ from workflow_helpers import WORDS, document, word_tokenizer
 
 from longreach import DodoLlamaConfig, DodoLlamaForCausalLM, VCCT5Config, VCCT5ForConditionalGeneration, hub
 from longreach.cli import main as cli_main
-from longreach.modeling.modeling_dodo import SUMMARIZATION_CONTEXT_PREFIX, SUMMARIZATION_PROMPT
+from longreach import prepare_vip_inputs
+from longreach.modeling.modeling_dodo import QUESTION_PROMPT, SUMMARIZATION_CONTEXT_PREFIX, SUMMARIZATION_PROMPT
 
 NAMES = ("vcc_t5", "dodo_llama")
 VCC_CODE_FILES = {"configuration_vcc_t5.py", "config_overrides.py", "modeling_vcc_t5.py", "input_checks.py",
@@ -166,6 +167,96 @@ def test_dodo_pipeline_compresses_the_document_and_prompts_with_the_papers_d3_pr
         expected = model.generate(prompt, nuggets=model.compress(context), max_new_tokens=6, do_sample=False)
     assert record["summary_token_ids"].tolist() == expected[0, prompt.shape[1]:].tolist()  # the prompt is stripped
     assert record["summary_text"] == tokenizer.decode(expected[0, prompt.shape[1]:], skip_special_tokens=True)
+
+
+def test_vcc_pipeline_asks_a_question_as_the_vip_tokens(tiny):
+    """`question=` replaces the "summarize" prefix: the question's tokens (its EOS included) are the VIP tokens, as the
+    authors' query-based collators mark them (`prepare_vip_inputs`)."""
+    model, tokenizer = tiny["vcc_t5"]
+    doc, question = document(200, offset=3), "w7 w8 w9 w10"
+    received = []
+    encoder_forward = model.encoder.forward
+    model.encoder.forward = lambda *args, **kwargs: received.append(kwargs) or encoder_forward(*args, **kwargs)
+    try:
+        record = _summarizer(tiny, "vcc_t5")(doc, question=question, max_new_tokens=5, return_tensors=True)[0]
+    finally:
+        del model.encoder.forward
+    (encoder_kwargs,) = received
+    inputs = prepare_vip_inputs(tokenizer, question, [doc])
+    assert encoder_kwargs["input_ids"][0].tolist() == tokenizer(question + "\n\n\n" + doc)["input_ids"]
+    assert encoder_kwargs["vip_mask"][0].tolist() == inputs["vip_mask"][0].tolist()
+    assert int(inputs["vip_mask"].sum()) == len(tokenizer(question)["input_ids"]) == 5
+    with torch.no_grad():
+        assert record["summary_token_ids"].tolist() == model.generate(**inputs, max_new_tokens=5)[0].tolist()
+        asked = model.encoder(**inputs).last_hidden_state
+        summary_inputs, _ = model.prepare_summarization_inputs(tokenizer, [doc])
+        summarized = model.encoder(**summary_inputs).last_hidden_state
+    # the question, not the task prefix, steered the compression: the document's tokens are encoded otherwise
+    document_tokens = len(tokenizer(doc)["input_ids"]) - 1
+    assert (asked[0, -document_tokens:] - summarized[0, -document_tokens:]).abs().max() > 1e-3
+
+
+def test_dodo_pipeline_asks_a_question_with_the_papers_d2_prompt(tiny):
+    model, tokenizer = tiny["dodo_llama"]
+    doc, question = document(120, offset=5), "w3 w4 w5"
+    record = _summarizer(tiny, "dodo_llama")(doc, question=question, max_new_tokens=6, return_tensors=True)[0]
+    words = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert QUESTION_PROMPT == "\nBased on the provided document, answer the following question:\n{question}\n[/INST]"
+    prompt = torch.tensor([words(QUESTION_PROMPT.format(question=question))])
+    assert tokenizer.decode(prompt[0]).endswith("w3 w4 w5 [/INST]")
+    context = torch.tensor([[tokenizer.bos_token_id] + words(SUMMARIZATION_CONTEXT_PREFIX) + words(doc)])
+    with torch.no_grad():
+        expected = model.generate(prompt, nuggets=model.compress(context), max_new_tokens=6, do_sample=False)
+    assert record["summary_token_ids"].tolist() == expected[0, prompt.shape[1]:].tolist()
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_one_question_per_document_batched_equals_one_by_one(tiny, name):
+    """Questions of different lengths in one batch (Dodo left-pads its prompts; VCC-T5 marks each row's VIP tokens)
+    give each document the answer it gets alone; a string is asked of every document."""
+    model, _ = tiny[name]
+    summarizer = _summarizer(tiny, name, max_new_tokens=5, return_tensors=True)
+    documents = [document(150), document(60, offset=4), document(90, offset=8)]
+    questions = ["w3 w4 w5 w6", "w7", "w9 w2"]
+    encoded = []  # VCC-T5: (encoder output, mask) of each call; its tiny random model's greedy tokens are all pads
+    if name == "vcc_t5":
+        encoder_forward = model.encoder.forward
+        model.encoder.forward = lambda *args, **kwargs: encoded.append(
+            (encoder_forward(*args, **kwargs), kwargs["attention_mask"])) or encoded[-1][0]
+    try:
+        batched = summarizer(documents, question=questions, batch_size=3)
+        alone = [summarizer(doc, question=question)[0] for doc, question in zip(documents, questions)]
+    finally:
+        if name == "vcc_t5":
+            del model.encoder.forward
+    ids = lambda records: [record["summary_token_ids"].tolist() for record in records]
+    assert ids(batched) == ids(alone)
+    if name == "vcc_t5":
+        (batch_output, batch_mask), *single = encoded
+        for row, (output, _) in enumerate(single):
+            real = batch_output.last_hidden_state[row][batch_mask[row].bool()]
+            assert real.shape == output.last_hidden_state[0].shape
+            assert (real - output.last_hidden_state[0]).abs().max() < 1e-5
+    else:
+        assert len(set(map(str, ids(alone)))) == 3  # three different answers: a real comparison
+    assert ids(summarizer(documents, question="w7", batch_size=2)) == ids([summarizer(doc, question="w7")[0]
+                                                                           for doc in documents])
+    assert ids(summarizer(documents, question=questions)) == ids(alone)  # no batch_size: one document at a time
+    if name == "dodo_llama":
+        assert ids(batched) != ids(summarizer(documents, batch_size=3))  # not the summaries
+
+
+@pytest.mark.parametrize("call, message", [
+    (dict(question=""), "`question` must be non-empty text"),
+    (dict(question=["w1", "  "]), "`question` must be non-empty text, got '  ' for document 1"),
+    (dict(question=["w1"]), "`question` is a list of 1 questions for 2 documents"),
+    (dict(question=7), "`question` must be non-empty text (or, in a call, a list of one question per document), got 7"),
+])
+def test_bad_questions_are_refused(tiny, call, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        _summarizer(tiny, "dodo_llama")([document(30), document(20)], **call)
+    with pytest.raises(ValueError, match=re.escape("`question` is a list of 2 questions for a single document")):
+        _summarizer(tiny, "vcc_t5")(document(30), question=["w1", "w2"])
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -109,6 +109,20 @@ def cut_to_length(ids: list[int], max_length: int | None, eos_token_id: int | No
     return ids[:max_length], dropped
 
 
+def question_per_document(question, num_documents: int) -> list[str]:
+    """``question`` of a ``prepare_question_inputs`` call as one question per document: a string is asked of every
+    document; a list gives each document its own. Each must be a non-empty string."""
+    questions = [question] * num_documents if isinstance(question, str) else question
+    if not isinstance(questions, (list, tuple)) or len(questions) != num_documents:
+        given = f"a list of {len(questions)}" if isinstance(questions, (list, tuple)) else type(question).__name__
+        raise ValueError(f"`question` must be a string (asked of every document) or a list of one string per document "
+                         f"({num_documents}), got {given}.")
+    for row, text in enumerate(questions):
+        if not isinstance(text, str) or not text.strip():
+            raise ValueError(f"`question` must be non-empty text, got {text!r} for document {row}.")
+    return list(questions)
+
+
 def pad_right(rows: list[list[int]], pad_token_id: int,
               pad_to_multiple_of: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(input_ids, attention_mask)`` of shape ``[len(rows), longest row]`` (rounded up to a multiple of

@@ -61,6 +61,7 @@ from .input_checks import (
     check_token_ids,
     describe,
     pad_right,
+    question_per_document,
     reject_head_masks,
     take_cache_argument,
 )
@@ -74,6 +75,9 @@ LLAMA_CACHE_ARGUMENT = "cache" if "cache" in inspect.signature(LlamaModel.forwar
 #: sentence.\n[/INST]``. The part before the document is compressed with it; the rest is the decoder prompt.
 SUMMARIZATION_CONTEXT_PREFIX = "[INST]\n"
 SUMMARIZATION_PROMPT = "\nPlease summarize the above document in one sentence.\n[/INST]"
+#: The paper's question-answering prompt (Appendix D.2, SQuAD): ``[INST]\n$DOCUMENT\nBased on the provided document,
+#: answer the following question:\n$QUESTION\n[/INST]``; the context is compressed as for summarization.
+QUESTION_PROMPT = "\nBased on the provided document, answer the following question:\n{question}\n[/INST]"
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -1483,13 +1487,35 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
         the prompt followed by the summary. ``max_input_length`` caps the context tokens; the number of document tokens
         dropped per document is returned (never truncated silently).
         """
-        if isinstance(documents, str):
-            documents = [documents]
+        documents = [documents] if isinstance(documents, str) else documents
+        return self._prompted_inputs(tokenizer, documents, [SUMMARIZATION_PROMPT] * len(documents), max_input_length)
+
+    def prepare_question_inputs(
+        self, tokenizer, question: str | list[str], documents: str | list[str], max_input_length: int | None = None
+    ) -> tuple[dict[str, torch.Tensor], list[int]]:
+        """``generate()`` keyword arguments to answer ``question`` (one string for every document, or one per
+        document) from each document, with the paper's question-answering prompt (Appendix D.2).
+
+        The context is compressed as in :meth:`prepare_summarization_inputs`; the decoder prompt is
+        ``"\\nBased on the provided document, answer the following question:\\n" + question + "\\n[/INST]"``, left
+        padded where the questions differ in length. ``max_input_length`` caps the context tokens (the question is in
+        the decoder prompt, outside that count); the number of document tokens dropped per document is returned.
+        """
+        documents = [documents] if isinstance(documents, str) else documents
+        if not documents:
+            raise ValueError("`documents` must hold at least one document, got an empty list.")
+        prompts = [QUESTION_PROMPT.format(question=text) for text in question_per_document(question, len(documents))]
+        return self._prompted_inputs(tokenizer, documents, prompts, max_input_length)
+
+    def _prompted_inputs(
+        self, tokenizer, documents: list[str], prompts: list[str], max_input_length: int | None
+    ) -> tuple[dict[str, torch.Tensor], list[int]]:
+        """Contexts ``BOS + "[INST]\\n" + document`` (right padded, the authors' layout) and one decoder prompt per
+        document (left padded, so that every row's generation starts right after its prompt)."""
         if not documents:
             raise ValueError("`documents` must hold at least one document, got an empty list.")
         bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
         prefix = bos + tokenizer(SUMMARIZATION_CONTEXT_PREFIX, add_special_tokens=False)["input_ids"]
-        prompt = tokenizer(SUMMARIZATION_PROMPT, add_special_tokens=False)["input_ids"]
         if max_input_length is not None and (isinstance(max_input_length, bool)
                                              or not isinstance(max_input_length, int)):
             raise ValueError(f"`max_input_length` must be an integer or None, got {max_input_length!r}.")
@@ -1508,10 +1534,11 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
             contexts.append(prefix + ids[:keep])
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         context_ids, context_mask = pad_right(contexts, pad)  # right padding, the authors' layout
-        prompt_ids = torch.tensor([prompt] * len(contexts), dtype=torch.long)
+        prompt_rows = tokenizer(prompts, add_special_tokens=False)["input_ids"]
+        flipped_ids, flipped_mask = pad_right([row[::-1] for row in prompt_rows], pad)
         inputs = {
-            "input_ids": prompt_ids,
-            "attention_mask": torch.ones_like(prompt_ids),
+            "input_ids": flipped_ids.flip(1),  # left padded: pad_right of the reversed rows, reversed back
+            "attention_mask": flipped_mask.flip(1),
             "context_input_ids": context_ids,
             "context_attention_mask": context_mask,
         }

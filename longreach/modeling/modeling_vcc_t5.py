@@ -41,7 +41,18 @@ from transformers.modeling_utils import PreTrainedModel
 from transformers.utils import ModelOutput, logging
 
 from ..configuration.configuration_vcc_t5 import VCCT5Config
-from .input_checks import check_hidden_states, check_mask, check_rows_not_empty, check_token_ids, cut_to_length, describe, pad_right, reject_head_masks, take_cache_argument
+from .input_checks import (
+    check_hidden_states,
+    check_mask,
+    check_rows_not_empty,
+    check_token_ids,
+    cut_to_length,
+    describe,
+    pad_right,
+    question_per_document,
+    reject_head_masks,
+    take_cache_argument,
+)
 from .remote_code import HubReadyMixin
 from .t5_blocks import (
     Dropout,
@@ -736,6 +747,20 @@ class _VCCT5Seq2Seq(T5Seq2SeqLMMixin, VCCT5PreTrainedModel):
         encoding, dropped = _encode_queries_and_contexts(
             tokenizer, SUMMARIZATION_QUERY, documents, max_input_length, pad_token_id=self.config.pad_token_id,
             length_name="max_input_length",
+        )
+        return {name: tensor.to(self.device) for name, tensor in encoding.items()}, dropped
+
+    def prepare_question_inputs(
+        self, tokenizer, question: str | list[str], documents: str | list[str], max_input_length: int | None = None
+    ) -> tuple[dict[str, torch.Tensor], list[int]]:
+        """`generate()` kwargs to answer `question` (one string for every document, or one per document) from each
+        document: `question + "\\n\\n\\n" + document`, the question's tokens (its EOS included) as VIP tokens, as
+        the authors' query-based collators build them (see [`prepare_vip_inputs`]). `max_input_length` counts the
+        question's tokens too; the number of tokens dropped per document is returned."""
+        documents = summarization_documents(documents)
+        encoding, dropped = _encode_queries_and_contexts(
+            tokenizer, question_per_document(question, len(documents)), documents, max_input_length,
+            pad_token_id=self.config.pad_token_id, length_name="max_input_length",
         )
         return {name: tensor.to(self.device) for name, tensor in encoding.items()}, dropped
 

@@ -19,6 +19,11 @@ How a document becomes a summary:
 2. ``model.generate(**inputs, **generate_kwargs)``; decoder-only models return the prompt too, which is stripped.
 3. The new tokens are decoded into ``{"summary_text": ...}``.
 
+With ``question=...``, the model's ``prepare_question_inputs(tokenizer, question, documents, max_input_length)``
+builds the inputs instead (VCC-T5 marks the question as VIP tokens, Dodo asks it in the paper's question-answering
+prompt), and ``summary_text`` holds the answer. Models without that method (LOCOST, trained to summarize only) refuse
+a question.
+
 Nothing is ever truncated silently: whenever tokens are dropped, a ``UserWarning`` says how many.
 """
 
@@ -31,7 +36,7 @@ import torch
 from transformers import Pipeline
 
 #: Parameters consumed by the pipeline itself; everything else is passed to ``generate()``.
-_PIPELINE_PARAMETERS = ("max_input_length", "clean_up_tokenization_spaces", "return_text", "return_tensors")
+_PIPELINE_PARAMETERS = ("max_input_length", "question", "clean_up_tokenization_spaces", "return_text", "return_tensors")
 
 
 class LongSummarizationPipeline(Pipeline):
@@ -51,6 +56,10 @@ class LongSummarizationPipeline(Pipeline):
     * ``max_input_length`` (`int`, *optional*): the most document tokens the model may read. Longer documents lose
       their end, with a warning giving the number of dropped tokens. By default the model decides (LOCOST reads
       any length).
+    * ``question`` (`str` or `list[str]`, *optional*): ask this question of each document instead of summarizing
+      it (one string for every document, or a list of one question per document); ``summary_text`` is then the
+      answer. For models with a question format (VCC-T5: the question as VIP tokens; Dodo: the paper's
+      question-answering prompt).
     * ``clean_up_tokenization_spaces`` (`bool`, defaults to `False`), ``return_text`` (`bool`, defaults to `True`),
       ``return_tensors`` (`bool`, defaults to `False`): the output holds ``summary_text`` and/or the token ids as
       ``summary_token_ids``.
@@ -75,6 +84,7 @@ class LongSummarizationPipeline(Pipeline):
     def _sanitize_parameters(
         self,
         max_input_length=None,
+        question=None,
         clean_up_tokenization_spaces=None,
         return_text=None,
         return_tensors=None,
@@ -86,6 +96,12 @@ class LongSummarizationPipeline(Pipeline):
             if not isinstance(max_input_length, int) or isinstance(max_input_length, bool) or max_input_length < 1:
                 raise ValueError(f"`max_input_length` must be a positive integer, got {max_input_length!r}.")
             preprocess_params["max_input_length"] = max_input_length
+        if question is not None:  # a list (one question per document) was taken apart by __call__
+            if not isinstance(question, str) or not question.strip():
+                raise ValueError(f"`question` must be non-empty text (or, in a call, a list of one question per "
+                                 f"document), got {question!r}.")
+            self._check_takes_questions()
+            preprocess_params["question"] = question
 
         forward_params = {}
         if generate_kwargs is not None or more_generate_kwargs:
@@ -142,19 +158,34 @@ class LongSummarizationPipeline(Pipeline):
             raise ValueError(
                 f"`documents` must be a string or a non-empty list of strings, got {type(documents).__name__}."
             )
+        given = documents
+        question = kwargs.get("question")
+        if isinstance(question, (list, tuple)):  # one question per document: each travels with its document
+            if not isinstance(documents, list) or len(question) != len(documents):
+                described = f"{len(documents)} documents" if isinstance(documents, list) else "a single document"
+                raise ValueError(f"`question` is a list of {len(question)} questions for {described}: give one "
+                                 "question per document in a list of documents, or one string for all.")
+            for row, text in enumerate(question):
+                if not isinstance(text, str) or not text.strip():
+                    raise ValueError(f"`question` must be non-empty text, got {text!r} for document {row}.")
+            self._check_takes_questions()
+            kwargs = {key: value for key, value in kwargs.items() if key != "question"}
+            documents = [{"document": document, "question": text} for document, text in zip(documents, question)]
         results = super().__call__(documents, *args, **kwargs)
-        if isinstance(documents, list) and all(len(records) == 1 for records in results):
+        if isinstance(given, list) and all(len(records) == 1 for records in results):
             return [records[0] for records in results]
         return results
 
     # Tokenization happens in `_forward`, on whole batches, because the model's own `prepare_summarization_inputs`
     # decides how documents are laid out together (padding side, prompts, extra masks). `preprocess` only validates.
-    def preprocess(self, document, max_input_length=None):
+    def preprocess(self, document, max_input_length=None, question=None):
+        if isinstance(document, dict) and set(document) == {"document", "question"}:  # made by __call__
+            document, question = document["document"], document["question"]
         if not isinstance(document, str):
             raise ValueError(f"Each document must be a string, got {type(document).__name__}.")
         if not document.strip():
             raise ValueError("Cannot summarize an empty document (got only whitespace).")
-        return {"document": document, "max_input_length": max_input_length}
+        return {"document": document, "max_input_length": max_input_length, "question": question}
 
     def _forward(self, model_inputs, **generate_kwargs):
         documents = model_inputs["document"]
@@ -162,8 +193,12 @@ class LongSummarizationPipeline(Pipeline):
         max_input_length = model_inputs["max_input_length"]
         if isinstance(max_input_length, list):
             max_input_length = max_input_length[0]
+        questions = model_inputs.get("question")
+        if not isinstance(questions, list):
+            questions = [questions] * len(documents)
+        questions = None if all(question is None for question in questions) else questions
 
-        inputs, dropped = self._prepare_inputs(documents, max_input_length)
+        inputs, dropped = self._prepare_inputs(documents, max_input_length, questions)
         for document, count in zip(documents, dropped):
             if count > 0:
                 warnings.warn(
@@ -193,19 +228,31 @@ class LongSummarizationPipeline(Pipeline):
             raise ValueError(f"generate() returned {output_ids.shape[0]} sequences for {len(documents)} documents.")
         return {"output_ids": output_ids.reshape(len(documents), output_ids.shape[0] // len(documents), -1)}
 
-    def _prepare_inputs(self, documents: list[str], max_input_length: int | None):
-        prepare = getattr(self.model, "prepare_summarization_inputs", None)
-        if prepare is not None:
+    def _prepare_inputs(self, documents: list[str], max_input_length: int | None, questions: list[str] | None = None):
+        """``generate()`` inputs for ``documents`` and the tokens dropped from each: summaries, or, with
+        ``questions`` (one per document), answers."""
+        if questions is not None:
+            self._check_takes_questions()
+            inputs, dropped = self.model.prepare_question_inputs(self.tokenizer, questions, documents,
+                                                                 max_input_length=max_input_length)
+        elif (prepare := getattr(self.model, "prepare_summarization_inputs", None)) is not None:
             inputs, dropped = prepare(self.tokenizer, documents, max_input_length=max_input_length)
         else:
             inputs, dropped = self._plain_inputs(documents, max_input_length)
         if len(dropped) != len(documents):
             raise ValueError(
-                f"`prepare_summarization_inputs` reported dropped tokens for {len(dropped)} documents, expected "
+                f"The model's input preparation reported dropped tokens for {len(dropped)} documents, expected "
                 f"{len(documents)}."
             )
         device = self.model.device
         return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}, dropped
+
+    def _check_takes_questions(self):
+        if getattr(self.model, "prepare_question_inputs", None) is None:
+            raise ValueError(
+                f"`question`: {type(self.model).__name__} has no question format (no `prepare_question_inputs`); it "
+                "can only summarize. VCC-T5 and Dodo models answer questions; leave `question` out to summarize."
+            )
 
     def _plain_inputs(self, documents: list[str], max_input_length: int | None):
         """Fallback for models without ``prepare_summarization_inputs``: ``config.prefix`` + document, tokenized,
