@@ -492,7 +492,9 @@ def _summarize_batch(summarizer, corpus: Corpus, batch: list[int], max_input_len
         output_ids = output_ids[:, inputs["input_ids"].shape[1]:]  # decoder-only: drop the prompt
     summaries = summarizer.tokenizer.batch_decode(output_ids, skip_special_tokens=True,
                                                   clean_up_tokenization_spaces=False)  # as the pipeline decodes
-    read = inputs["attention_mask"].sum(dim=1).tolist()
+    # what the model reads of each document: Dodo's compressed context (its `attention_mask` is the decoder prompt's)
+    mask = inputs["context_attention_mask"] if "context_attention_mask" in inputs else inputs["attention_mask"]
+    read = mask.sum(dim=1).tolist()
     return [{"id": corpus.ids[i], "summary": summary, "input_tokens": int(tokens), "truncated": count > 0}
             for i, summary, tokens, count in zip(batch, summaries, read, dropped)]
 

@@ -551,6 +551,36 @@ def test_summarize_command_on_converted_checkpoints(converted, name, tmp_path, c
 
 
 # ---------------------------------------------------------------------------------------------------------------------
+# The summarize command: corpus records
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def _read_records(path) -> dict[str, dict]:
+    return {record["id"]: record for record in map(json.loads, path.read_text(encoding="utf-8").splitlines())}
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_corpus_records_count_the_tokens_read_of_each_document(uploads, tiny, name, tmp_path):
+    """`input_tokens` is what the model reads of the document: Dodo's compressed context (BOS, `[INST]`, the document),
+    not its decoder prompt (every record used to say 15, the prompt's length); VCC-T5's encoder input."""
+    _, tokenizer = tiny[name]
+    texts = {"a": document(50), "b": document(20, offset=3)}
+    source, output = tmp_path / "corpus.jsonl", tmp_path / "out.jsonl"
+    source.write_text("".join(json.dumps({"id": key, "text": text}) + "\n" for key, text in texts.items()))
+    assert cli_main(["summarize", "--model", str(uploads[name][1]), "--input", str(source), "--output", str(output),
+                     "--id_column", "id", "--max_new_tokens", "3"]) == 0
+    records = _read_records(output)
+    for key, text in texts.items():
+        if name == "dodo_llama":
+            read = 1 + len(tokenizer(SUMMARIZATION_CONTEXT_PREFIX + text, add_special_tokens=False)["input_ids"])
+            assert read == len(text.split()) + 2
+        else:
+            read = len(tokenizer("summarize\n\n\n" + text)["input_ids"])
+        assert records[key]["input_tokens"] == read and records[key]["truncated"] is False
+        assert "question" not in records[key]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
 # Model cards
 # ---------------------------------------------------------------------------------------------------------------------
 
