@@ -284,6 +284,10 @@ def _generate_kwargs(args: argparse.Namespace) -> dict:
 
 def _check_generation_options(args: argparse.Namespace, model) -> None:
     """Options that only some models take, refused before any document is read."""
+    for option in ("question", "question_column"):
+        if getattr(args, option, None) is not None and getattr(model, "prepare_question_inputs", None) is None:
+            raise UsageError(f"--{option}: {type(model).__name__} ({model.config.model_type}) has no question format; "
+                             "it only summarizes. VCC-T5 and Dodo models answer questions")
     if getattr(args, "cache_implementation", None) == "static" and model.config.model_type == "dodo_llama":
         raise UsageError(f"--cache_implementation static: {type(model).__name__} decodes with its own dynamic cache, "
                          "which holds the nuggets; leave the option out or pass dynamic")
@@ -316,8 +320,8 @@ def summarize(args: argparse.Namespace) -> int:
     if args.input is not None:
         return summarize_corpus_command(args)
     if args.output_jsonl_options_given:
-        raise UsageError("longreach summarize: --split/--text_column/--id_column/--reference_column/--max_batch_tokens "
-                         "are for a corpus (--input SRC --output OUT.jsonl)")
+        raise UsageError("longreach summarize: --split/--text_column/--id_column/--reference_column/--question_column/"
+                         "--max_batch_tokens are for a corpus (--input SRC --output OUT.jsonl)")
     if args.output and args.file != "-" and Path(args.output).resolve() == Path(args.file).resolve():
         raise UsageError(f"longreach summarize: --output {args.output} is the document FILE; choose another file for "
                          "the summary")
@@ -337,6 +341,8 @@ def summarize(args: argparse.Namespace) -> int:
     max_new_tokens = generate_kwargs.get("max_new_tokens", model.generation_config.max_new_tokens)
     generate_kwargs["stopping_criteria"] = StoppingCriteriaList([_generation_progress(max_new_tokens)])
     call_kwargs = {"max_input_length": args.max_input_length} if args.max_input_length else {}
+    if args.question is not None:
+        call_kwargs["question"] = args.question
     with warnings.catch_warnings(record=True) as caught:  # shown as one line each (dropped tokens, ...)
         warnings.simplefilter("always", UserWarning)
         summary = summarizer(document, **call_kwargs, **generate_kwargs)[0]["summary_text"]
@@ -364,10 +370,14 @@ def _run_settings(args: argparse.Namespace) -> dict:
     def where(name: str | None) -> str | None:
         return str(Path(name).expanduser().resolve()) if name is not None and Path(name).expanduser().exists() else name
 
-    return {"model": where(args.model), "tokenizer": where(args.tokenizer or args.model), "dtype": args.dtype,
-            "max_input_length": args.max_input_length,
-            "generation": {key: value for key, value in _generate_kwargs(args).items()
-                           if key != "cache_implementation"}}  # static or dynamic: the same summaries
+    settings = {"model": where(args.model), "tokenizer": where(args.tokenizer or args.model), "dtype": args.dtype,
+                "max_input_length": args.max_input_length,
+                "generation": {key: value for key, value in _generate_kwargs(args).items()
+                               if key != "cache_implementation"}}  # static or dynamic: the same summaries
+    for option in ("question", "question_column"):  # only when given: settings recorded before them stay equal
+        if getattr(args, option, None) is not None:
+            settings[option] = getattr(args, option)
+    return settings
 
 
 def _check_output_path(output: str) -> None:
@@ -415,6 +425,9 @@ def summarize_corpus_command(args: argparse.Namespace) -> int:
         raise UsageError(f"longreach summarize: {' / '.join(given)} apply to table files and Hub datasets, not to "
                          f"--input {args.input} (a {'folder of text files' if kind == 'folder' else 'text file'}); "
                          "leave them out")
+    if args.question is not None and args.question_column is not None:
+        raise UsageError("longreach summarize: --question asks one question of every document, --question_column one "
+                         "per record; give one of them")
     if kind == "table" and "--split" in given:
         raise UsageError(f"longreach summarize: --split applies to Hub datasets; --input {args.input} is one file, "
                          "read whole; leave it out")
@@ -436,7 +449,8 @@ def summarize_corpus_command(args: argparse.Namespace) -> int:
         device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available() else "cpu"
     try:
         corpus = corpus_module.read_corpus(args.input, split=args.split, text_column=args.text_column,
-                                           id_column=args.id_column, reference_column=args.reference_column)
+                                           id_column=args.id_column, reference_column=args.reference_column,
+                                           question_column=args.question_column)
     except corpus_module.CorpusError as error:
         raise UsageError(str(error)) from None
     _progress(f"{len(corpus.ids)} documents in {args.input}" + (f" ({len(corpus.errors)} unreadable)" if corpus.errors
@@ -450,8 +464,8 @@ def summarize_corpus_command(args: argparse.Namespace) -> int:
     try:
         stats = corpus_module.summarize_corpus(
             summarizer, corpus, args.output, max_batch_tokens=args.max_batch_tokens,
-            max_input_length=args.max_input_length, generate_kwargs=_generate_kwargs(args), rank=rank,
-            world_size=world_size,
+            max_input_length=args.max_input_length, generate_kwargs=_generate_kwargs(args), question=args.question,
+            rank=rank, world_size=world_size,
         )
     except corpus_module.CorpusError as error:
         raise CommandError(str(error)) from None
@@ -572,6 +586,10 @@ def build_parser() -> argparse.ArgumentParser:
     summarize_parser.add_argument("file", nargs="?", default=None, help="One text file to summarize ('-' reads stdin).")
     summarize_parser.add_argument("--tokenizer", default=None, type=non_empty,
                                   help="Tokenizer (default: the model's folder).")
+    summarize_parser.add_argument("--question", default=None, type=non_empty,
+                                  help="Ask this question of the document (or of every document of a corpus) instead "
+                                       "of summarizing it; the answer is written where the summary would be (VCC-T5: "
+                                       "the question as VIP tokens; Dodo: the paper's question-answering prompt).")
     corpus_options = summarize_parser.add_argument_group(
         "corpus", "Many documents: --input SRC --output OUT.jsonl (resumable; under torchrun each process takes a share)")
     corpus_options.add_argument("--input", default=None, type=non_empty,
@@ -586,6 +604,9 @@ def build_parser() -> argparse.ArgumentParser:
     corpus_options.add_argument("--reference_column", default=None, type=non_empty,
                                 help="Column holding reference summaries: ROUGE is printed and written to "
                                      "OUT.metrics.json.")
+    corpus_options.add_argument("--question_column", default=None, type=non_empty,
+                                help="Column holding a question per record, answered instead of a summary (VCC-T5, "
+                                     "Dodo); each record of OUT keeps its question.")
     corpus_options.add_argument("--max_batch_tokens", type=positive_int, default=None,
                                 help="Padded tokens per generate() call (rows x longest row; default: 16384).")
     generation = summarize_parser.add_argument_group("generation")
@@ -646,9 +667,10 @@ def run(argv: list[str]) -> int:
         print(f"longreach {_version()}")
         return 0
     if args.command == "summarize":
-        corpus_only = ("split", "text_column", "id_column", "reference_column", "max_batch_tokens")
+        table_only = ("split", "text_column", "id_column", "reference_column", "question_column")
+        corpus_only = (*table_only, "max_batch_tokens")
         args.output_jsonl_options_given = any(getattr(args, name) is not None for name in corpus_only)
-        args.table_options_given = [f"--{name}" for name in corpus_only[:4] if getattr(args, name) is not None]
+        args.table_options_given = [f"--{name}" for name in table_only if getattr(args, name) is not None]
         args.split = args.split or "train"
         args.text_column = args.text_column or "text"
         args.max_batch_tokens = args.max_batch_tokens or 16384

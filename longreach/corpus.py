@@ -6,6 +6,9 @@
 ``.jsonl`` / ``.json`` / ``.csv`` / ``.parquet`` file or a Hub dataset name (``--split``, ``--text_column``,
 ``--id_column``, ``--reference_column``), all read with 🤗 datasets.
 
+With ``--question TEXT`` (asked of every document) or ``--question_column`` (one question per record), VCC-T5 and Dodo
+models answer the question instead of summarizing; the answer is the record's ``summary``, beside its ``question``.
+
 * Throughput: documents are sorted by length and cut into batches whose padded size (rows x longest row) stays under
   ``max_batch_tokens``; each batch is one ``generate()`` call, so the encoder runs once per batch.
 * Nothing is lost: every finished summary is appended to ``OUT`` as one JSON line (``id``, ``summary``,
@@ -41,21 +44,29 @@ class CorpusError(ValueError):
 
 @dataclass
 class Corpus:
-    """Documents to summarize (``ids``, ``texts``, optional ``references``) and the records that could not be read."""
+    """Documents to summarize (``ids``, ``texts``, optional ``references``; ``questions`` where each record asks its
+    own) and the records that could not be read."""
 
     ids: list[str] = field(default_factory=list)
     texts: list[str] = field(default_factory=list)
     references: list[str | None] = field(default_factory=list)
     errors: list[dict] = field(default_factory=list)
+    questions: list[str] | None = None
 
-    def add(self, record_id: str, text, reference=None) -> None:
+    def add(self, record_id: str, text, reference=None, question=None) -> None:
         if not isinstance(text, str) or not text.strip():
             self.errors.append({"id": record_id, "error": f"no text to summarize (got {type(text).__name__} "
                                                           f"{str(text)[:40]!r})"})
             return
+        if self.questions is not None and (not isinstance(question, str) or not question.strip()):
+            self.errors.append({"id": record_id, "error": f"no question (got {type(question).__name__} "
+                                                          f"{str(question)[:40]!r})"})
+            return
         self.ids.append(record_id)
         self.texts.append(text)
         self.references.append(reference if isinstance(reference, str) and reference.strip() else None)  # "" = none
+        if self.questions is not None:
+            self.questions.append(question)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -82,13 +93,16 @@ def input_kind(source: str) -> str:
 
 
 def read_corpus(source: str, *, split: str = "train", text_column: str = "text", id_column: str | None = None,
-                reference_column: str | None = None) -> Corpus:
+                reference_column: str | None = None, question_column: str | None = None) -> Corpus:
     """Read ``source`` (see the module docstring). Raises :class:`CorpusError` for what the user must change."""
     from .hub import HubAccessError, pretrained_location
 
     path = Path(source).expanduser()
-    corpus = Corpus()
+    corpus = Corpus(questions=[] if question_column else None)
     kind = input_kind(source)
+    if question_column and kind in ("folder", "text"):
+        raise CorpusError(f"--question_column applies to table files and Hub datasets, not to --input {source}; "
+                          "ask one question of every document with --question.")
     if kind == "folder":
         files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in TEXT_SUFFIXES)
         if not files:
@@ -144,7 +158,7 @@ def read_corpus(source: str, *, split: str = "train", text_column: str = "text",
             reason = f" ({corpus.errors[0]['id']}: {corpus.errors[0]['error']})" if corpus.errors else ""
             raise CorpusError(f"--input {source}: the file holds no records{reason}.")
         for name, option in ((text_column, "--text_column"), (id_column, "--id_column"),
-                             (reference_column, "--reference_column")):
+                             (reference_column, "--reference_column"), (question_column, "--question_column")):
             if name is not None and name not in columns:
                 raise CorpusError(f"{option} {name!r} is not a column of {source}; its columns are {columns}.")
         for index, row in enumerate(table):
@@ -154,7 +168,8 @@ def read_corpus(source: str, *, split: str = "train", text_column: str = "text",
                 corpus.errors.append({"id": f"<row {index}>", "error": f"no id in --id_column {id_column!r}"})
                 continue
             record_id = str(row[id_column]) if id_column else str(index)
-            corpus.add(record_id, row[text_column], row[reference_column] if reference_column else None)
+            corpus.add(record_id, row[text_column], row[reference_column] if reference_column else None,
+                       row[question_column] if question_column else None)
     seen, duplicates = set(), []
     for record_id in corpus.ids + [error["id"] for error in corpus.errors]:
         if record_id in seen:
@@ -416,15 +431,27 @@ def summarize_corpus(
     max_batch_size: int | None = None,
     max_input_length: int | None = None,
     generate_kwargs: dict | None = None,
+    question: str | None = None,
     rank: int = 0,
     world_size: int = 1,
     progress: bool = True,
 ) -> dict:
     """Summarize this process's share of ``corpus`` with ``summarizer`` (a :class:`LongSummarizationPipeline`) into
     ``output`` (see the module docstring); returns the run's statistics. Call :func:`merge_parts` afterwards when
-    ``world_size > 1``."""
+    ``world_size > 1``. With ``question`` (asked of every document) or the corpus's own ``questions``, the records
+    hold the answers."""
     import torch
     from tqdm.auto import tqdm
+
+    if question is not None and corpus.questions is not None:
+        raise ValueError("Pass `question` (one for every document) or a corpus with its own questions, not both.")
+    if question is not None:
+        if not isinstance(question, str) or not question.strip():
+            raise ValueError(f"`question` must be non-empty text, got {question!r}.")
+        summarizer._check_takes_questions()
+        corpus = Corpus(corpus.ids, corpus.texts, corpus.references, corpus.errors, [question] * len(corpus.ids))
+    elif corpus.questions is not None:
+        summarizer._check_takes_questions()
 
     output = Path(output)
     output.parent.mkdir(parents=True, exist_ok=True)
@@ -441,6 +468,8 @@ def summarize_corpus(
     lengths = [len(ids) for ids in tokenizer(corpus.texts)["input_ids"]] if corpus.texts else []
     if max_input_length is not None:
         lengths = [min(length, max_input_length) for length in lengths]
+    if corpus.questions is not None and corpus.texts:  # the question is read too (VCC-T5's input, Dodo's prompt)
+        lengths = [length + len(ids) for length, ids in zip(lengths, tokenizer(corpus.questions)["input_ids"])]
     by_length = sorted(range(len(corpus.texts)), key=lambda i: (-lengths[i], corpus.ids[i]))
     mine = [i for k, i in enumerate(by_length) if k % world_size == rank and corpus.ids[i] not in done]
     batches = [[mine[j] for j in batch] for batch in plan_batches([lengths[i] for i in mine], max_batch_tokens,
@@ -485,7 +514,8 @@ def summarize_corpus(
 def _summarize_batch(summarizer, corpus: Corpus, batch: list[int], max_input_length, generate_kwargs) -> list[dict]:
     import torch
 
-    inputs, dropped = summarizer._prepare_inputs([corpus.texts[i] for i in batch], max_input_length)
+    questions = None if corpus.questions is None else [corpus.questions[i] for i in batch]
+    inputs, dropped = summarizer._prepare_inputs([corpus.texts[i] for i in batch], max_input_length, questions)
     with torch.inference_mode():
         output_ids = summarizer.model.generate(**inputs, **generate_kwargs)
     if not summarizer.model.config.is_encoder_decoder:
@@ -495,8 +525,11 @@ def _summarize_batch(summarizer, corpus: Corpus, batch: list[int], max_input_len
     # what the model reads of each document: Dodo's compressed context (its `attention_mask` is the decoder prompt's)
     mask = inputs["context_attention_mask"] if "context_attention_mask" in inputs else inputs["attention_mask"]
     read = mask.sum(dim=1).tolist()
-    return [{"id": corpus.ids[i], "summary": summary, "input_tokens": int(tokens), "truncated": count > 0}
-            for i, summary, tokens, count in zip(batch, summaries, read, dropped)]
+    records = [{"id": corpus.ids[i], "summary": summary, "input_tokens": int(tokens), "truncated": count > 0}
+               for i, summary, tokens, count in zip(batch, summaries, read, dropped)]
+    for record, question in zip(records, questions or []):
+        record["question"] = question
+    return records
 
 
 def merge_parts(output: str | os.PathLike, corpus: Corpus, world_size: int) -> int:

@@ -1,8 +1,9 @@
 """Every snippet of the README's "Guides" section runs, in order, as a user would run it.
 
 The stage: a working folder holding the authors' original checkpoints (the parity fixtures), a text file, a small
-dataset, and a tokenizer built locally. Two substitutions stand in for what CI cannot reach: the Hub tokenizer name
-becomes the local tokenizer folder, and a recorder replaces the Hub client (checking what would be uploaded).
+dataset, and a tokenizer built locally. Two substitutions stand in for what CI cannot reach: the Hub tokenizer names
+(LongT5's, T5's) become the local tokenizer folder, and a recorder replaces the Hub client (checking what would be
+uploaded).
 """
 
 from __future__ import annotations
@@ -56,6 +57,10 @@ def stage(tmp_path, fixtures_dir, monkeypatch):
             for row in range(rows):
                 document = " ".join(words[(row * 7 + i) % len(words)] for i in range(200))
                 handle.write(json.dumps({"document": document, "summary": " ".join(words[row:row + 5])}) + "\n")
+    with open(tmp_path / "qa.jsonl", "w") as handle:
+        for row in range(3):
+            context = " ".join(words[(row * 5 + i) % len(words)] for i in range(150))
+            handle.write(json.dumps({"id": f"q{row}", "context": context, "question": f"What is {words[row]}?"}) + "\n")
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_MODULES_CACHE", str(tmp_path / "hf_modules"))
@@ -67,7 +72,7 @@ def stage(tmp_path, fixtures_dir, monkeypatch):
 
 def run_bash(commands: list[list[str]], workdir: Path) -> None:
     for argv in commands:
-        argv = ["local-tokenizer" if arg == "google/long-t5-local-base" else arg for arg in argv]
+        argv = ["local-tokenizer" if arg in ("google/long-t5-local-base", "google-t5/t5-base") else arg for arg in argv]
         if argv[0] == "longreach":
             assert cli.main(argv[1:]) in (0, None), argv
         elif argv[0] == "python":
@@ -99,6 +104,10 @@ def test_guides_run_in_order(stage):
     # What the snippets produced is real, not just "no exception".
     assert namespace["summary_ids"].shape[0] == 1
     assert namespace["answer_ids"].shape[0] == 1
+    assert isinstance(namespace["answer"], str) and len(namespace["answers"]) == 2
+    answers = [json.loads(line) for line in (stage / "answers.jsonl").read_text().splitlines()]
+    assert [(record["id"], record["question"]) for record in answers] == [(f"q{row}", f"What is w{row + 3}?")
+                                                                          for row in range(3)]
     assert namespace["continuation"].shape[1] > namespace["prompt"].shape[1]
     assert namespace["continuation"].tolist() == namespace["same"].tolist()
     assert (stage / "locost-ft" / "model.safetensors").is_file()

@@ -551,7 +551,7 @@ def test_summarize_command_on_converted_checkpoints(converted, name, tmp_path, c
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# The summarize command: corpus records
+# The summarize command: corpus records, questions
 # ---------------------------------------------------------------------------------------------------------------------
 
 
@@ -562,7 +562,7 @@ def _read_records(path) -> dict[str, dict]:
 @pytest.mark.parametrize("name", NAMES)
 def test_corpus_records_count_the_tokens_read_of_each_document(uploads, tiny, name, tmp_path):
     """`input_tokens` is what the model reads of the document: Dodo's compressed context (BOS, `[INST]`, the document),
-    not its decoder prompt (every record used to say 15, the prompt's length); VCC-T5's encoder input."""
+    not its decoder prompt (every record used to say the prompt's length); VCC-T5's encoder input."""
     _, tokenizer = tiny[name]
     texts = {"a": document(50), "b": document(20, offset=3)}
     source, output = tmp_path / "corpus.jsonl", tmp_path / "out.jsonl"
@@ -578,6 +578,67 @@ def test_corpus_records_count_the_tokens_read_of_each_document(uploads, tiny, na
             read = len(tokenizer("summarize\n\n\n" + text)["input_ids"])
         assert records[key]["input_tokens"] == read and records[key]["truncated"] is False
         assert "question" not in records[key]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_corpus_answers_each_records_question(uploads, name, tmp_path, capsys):
+    folder = str(uploads[name][1])
+    rows = [{"id": "a", "text": document(60), "q": "w3 w4 w5"}, {"id": "b", "text": document(30, offset=2), "q": "w9"},
+            {"id": "c", "text": document(40, offset=4), "q": " "}]
+    source, output = tmp_path / "corpus.jsonl", tmp_path / "out.jsonl"
+    source.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    command = ["summarize", "--model", folder, "--input", str(source), "--id_column", "id", "--max_new_tokens", "4"]
+    assert cli_main([*command, "--output", str(output), "--question_column", "q"]) == 0
+    records = _read_records(output)
+    assert list(records) == ["a", "b"]
+    answerer = pipeline("summarization", model=folder, trust_remote_code=True)
+    for row in rows[:2]:
+        assert records[row["id"]]["question"] == row["q"]
+        assert records[row["id"]]["summary"] == answerer(row["text"], question=row["q"],
+                                                         max_new_tokens=4)[0]["summary_text"]
+    (error,) = map(json.loads, (tmp_path / "out.errors.jsonl").read_text().splitlines())
+    assert error["id"] == "c" and error["error"].startswith("no question")
+    capsys.readouterr()
+    # the output holds answers to the records' questions: another question, or none, is another run
+    assert cli_main([*command, "--output", str(output), "--question", "w7"]) == 2
+    assert "holds summaries made with other settings" in capsys.readouterr().err
+    assert cli_main([*command, "--output", str(tmp_path / "all.jsonl"), "--question", "w7"]) == 0
+    asked = _read_records(tmp_path / "all.jsonl")
+    assert list(asked) == ["a", "b", "c"] and {record["question"] for record in asked.values()} == {"w7"}
+    assert asked["c"]["summary"] == answerer(rows[2]["text"], question="w7", max_new_tokens=4)[0]["summary_text"]
+
+
+def test_summarize_command_answers_a_question_about_one_file(uploads, tmp_path, capsys):
+    folder = str(uploads["dodo_llama"][1])
+    doc = document(80, offset=6)
+    (tmp_path / "doc.txt").write_text(doc)
+    assert cli_main(["summarize", "--model", folder, str(tmp_path / "doc.txt"), "--question", "w5 w6",
+                     "--max_new_tokens", "5"]) == 0
+    answer = pipeline("summarization", model=folder, trust_remote_code=True)(doc, question="w5 w6", max_new_tokens=5)
+    summary = pipeline("summarization", model=folder, trust_remote_code=True)(doc, max_new_tokens=5)
+    assert capsys.readouterr().out == answer[0]["summary_text"] + "\n" != summary[0]["summary_text"] + "\n"
+
+
+def test_summarize_command_refuses_questions_it_cannot_ask(tmp_path, capsys):
+    from workflow_helpers import save_tiny_locost
+
+    folder = str(save_tiny_locost(tmp_path / "locost"))
+    (tmp_path / "doc.txt").write_text(document(30))
+    (tmp_path / "corpus.jsonl").write_text(json.dumps({"text": document(30), "q": "w1"}) + "\n")
+    for argv, message in [
+        ([str(tmp_path / "doc.txt"), "--question", "w1"],
+         "--question: LocostForConditionalGeneration (locost) has no question format; it only summarizes"),
+        (["--input", str(tmp_path / "corpus.jsonl"), "--output", str(tmp_path / "out.jsonl"), "--question_column", "q"],
+         "--question_column: LocostForConditionalGeneration (locost) has no question format"),
+        (["--input", str(tmp_path / "corpus.jsonl"), "--output", str(tmp_path / "out.jsonl"), "--question", "w1",
+          "--question_column", "q"], "--question asks one question of every document, --question_column one per"),
+        (["--input", str(tmp_path / "doc.txt"), "--output", str(tmp_path / "out.jsonl"), "--question_column", "q"],
+         "--question_column apply to table files and Hub datasets"),
+        ([str(tmp_path / "doc.txt"), "--question_column", "q"], "are for a corpus"),
+    ]:
+        assert cli_main(["summarize", "--model", folder, *argv]) == 2, argv
+        assert message in capsys.readouterr().err, argv
+    assert not (tmp_path / "out.jsonl").exists()
 
 
 # ---------------------------------------------------------------------------------------------------------------------
