@@ -63,8 +63,8 @@ def pad_inputs_to_multiple(summarizer, multiple: int):
     mask 0) to a multiple of ``multiple`` tokens; returns a function that undoes it."""
     original = summarizer._prepare_inputs
 
-    def padded(documents, max_input_length):
-        inputs, dropped = original(documents, max_input_length)
+    def padded(documents, max_input_length, *questions):
+        inputs, dropped = original(documents, max_input_length, *questions)
         extra = -inputs["input_ids"].shape[1] % multiple
         if extra:
             pad_id = summarizer.model.config.pad_token_id

@@ -514,8 +514,12 @@ def summarize_corpus(
 def _summarize_batch(summarizer, corpus: Corpus, batch: list[int], max_input_length, generate_kwargs) -> list[dict]:
     import torch
 
-    questions = None if corpus.questions is None else [corpus.questions[i] for i in batch]
-    inputs, dropped = summarizer._prepare_inputs([corpus.texts[i] for i in batch], max_input_length, questions)
+    documents, questions = [corpus.texts[i] for i in batch], None
+    if corpus.questions is None:
+        inputs, dropped = summarizer._prepare_inputs(documents, max_input_length)
+    else:
+        questions = [corpus.questions[i] for i in batch]
+        inputs, dropped = summarizer._prepare_inputs(documents, max_input_length, questions)
     with torch.inference_mode():
         output_ids = summarizer.model.generate(**inputs, **generate_kwargs)
     if not summarizer.model.config.is_encoder_decoder:
