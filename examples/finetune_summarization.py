@@ -224,6 +224,10 @@ def run(model_args: ModelArguments, data_args: DataArguments, training_args: Seq
             raise ValueError(f"--{option} must be a positive number of tokens, got {getattr(data_args, option)}.")
     check_not_the_model_folder(training_args.output_dir, "--model_name_or_path", model_args.model_name_or_path)
     set_seed(training_args.seed)
+    if not training_args.predict_with_generate and argv is not None and "--predict_with_generate" in {
+            argument.split("=")[0] for argument in argv}:
+        raise ValueError("--predict_with_generate false: this script evaluates the summaries it generates (ROUGE); "
+                         "leave the option out (evaluation always generates).")
     training_args.predict_with_generate = True
     if training_args.generation_max_length is None:  # counts the decoder start token: max_target_length new tokens
         training_args.generation_max_length = data_args.max_target_length + 1

@@ -304,6 +304,9 @@ def test_finetune_summarization_refuses_what_would_lose_work_or_train_nothing(tm
          "--do_eval needs validation data: pass --validation_file"),
         (["--model_name_or_path", str(model), "--output_dir", str(tmp_path / "o"), "--metric_for_best_model",
           "rougeL"], "--metric_for_best_model rougeL: the evaluation computes ['gen_len', 'loss', 'rouge1'"),
+        # was turned back on without a word
+        (["--model_name_or_path", str(model), "--output_dir", str(tmp_path / "o"), "--predict_with_generate",
+          "false"], "--predict_with_generate false: this script evaluates the summaries it generates (ROUGE)"),
     ]
     for arguments, message in cases:
         with pytest.raises(ValueError, match=re.escape(message)):
