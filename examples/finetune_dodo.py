@@ -4,7 +4,7 @@ scorer ϕ and the soft prompt, jointly, on (context, target) pairs. The base Lla
 
 Each example is a context, compressed into nuggets, and a target the decoder learns to produce from the nuggets
 (``DodoDataCollator`` batches them; one ``model(**batch)`` call compresses and decodes, so one backward pass reaches
-both adapters, the scorer and the soft prompt). Three tasks:
+both adapters, the scorer and the soft prompt). Four tasks:
 
 * ``continuation`` (default): ``--context_column`` and ``--target_column`` (+ an optional ``--prompt_column``: the
   target is then ``prompt + target`` with the loss on the target only; without it the decoder starts from BOS, as
@@ -12,6 +12,9 @@ both adapters, the scorer and the soft prompt). Three tasks:
 * ``summarization``: the document (``--context_column``) in the paper's prompt of Appendix D.3, exactly as
   ``pipeline("summarization")`` lays it out at inference (``model.prepare_summarization_inputs``), and the summary
   (``--target_column``) as the target;
+* ``question_answering``: the document (``--context_column``) and a question (``--question_column``) in the paper's
+  prompt of Appendix D.2, exactly as ``pipeline("summarization", ...)(document, question=...)`` lays them out at
+  inference (``model.prepare_question_inputs``), and the answer (``--target_column``) as the target;
 * ``autoencoding``: the target is the context itself (the paper's pre-training objective).
 
 Data comes from local JSON / JSON-lines files or a Hub dataset. The result is saved Hub-ready (weights of the base,
@@ -92,7 +95,7 @@ from longreach.finetuning import (
 )
 from longreach.hub import push_folder_to_hub, write_model_card
 
-TASKS = ("continuation", "summarization", "autoencoding")
+TASKS = ("continuation", "summarization", "question_answering", "autoencoding")
 
 
 @dataclass
@@ -124,6 +127,7 @@ class DataArguments:
     prompt_column: str | None = field(
         default=None, metadata={"help": "continuation: optional column with a prompt put before the target (no loss)."}
     )
+    question_column: str = field(default="question", metadata={"help": "question_answering: column with the questions."})
     max_context_length: int = field(default=2048, metadata={"help": "Context tokens kept (BOS included)."})
     max_target_length: int = field(default=512, metadata={"help": "Decoder tokens kept (prompt included)."})
     max_train_samples: int | None = field(default=None, metadata={"help": "Use only the first N training examples."})
@@ -271,12 +275,13 @@ class ExampleEncoder:
         args = self.args
         contexts = batch[args.context_column]
         features = {"context_input_ids": [], "input_ids": [], "prompt_length": []}
-        if args.task == "summarization":
-            # the layout pipeline("summarization") uses at inference: BOS + "[INST]\n" + document, prompt of D.3
-            inputs, dropped = self.model.prepare_summarization_inputs(
-                self.tokenizer, list(contexts), max_input_length=args.max_context_length)
+        if args.task in ("summarization", "question_answering"):
+            # the layout pipeline("summarization") uses at inference: BOS + "[INST]\n" + document, then the prompt of
+            # D.3 (summaries) or D.2 (the question; the prompts are left-padded, their padding dropped here)
+            inputs, dropped = model_inputs(self.model, self.tokenizer, args, list(contexts),
+                                           batch[args.question_column] if args.task == "question_answering" else None)
             self.cut_contexts += sum(count > 0 for count in dropped)
-            prompts = inputs["input_ids"].tolist()
+            prompts = [ids[mask.bool()].tolist() for ids, mask in zip(inputs["input_ids"], inputs["attention_mask"])]
             for ids, mask in zip(inputs["context_input_ids"], inputs["context_attention_mask"]):
                 features["context_input_ids"].append(ids[mask.bool()].tolist())
             targets = self._tokens(batch[args.target_column])
@@ -299,11 +304,19 @@ class ExampleEncoder:
         return features
 
 
+def model_inputs(model, tokenizer, data_args: DataArguments, documents: list[str], questions: list[str] | None):
+    """The pipeline's inputs for ``documents``: the summarization prompt, or, with ``questions``, the question one."""
+    if questions is None:
+        return model.prepare_summarization_inputs(tokenizer, documents, max_input_length=data_args.max_context_length)
+    return model.prepare_question_inputs(tokenizer, list(questions), documents,
+                                         max_input_length=data_args.max_context_length)
+
+
 def generation_inputs(tokenizer, model, data_args: DataArguments, row: dict) -> dict[str, torch.Tensor]:
     """``generate()`` inputs for one example, laid out as in training."""
-    if data_args.task == "summarization":
-        inputs, _ = model.prepare_summarization_inputs(tokenizer, [row[data_args.context_column]],
-                                                       max_input_length=data_args.max_context_length)
+    if data_args.task in ("summarization", "question_answering"):
+        question = [row[data_args.question_column]] if data_args.task == "question_answering" else None
+        inputs, _ = model_inputs(model, tokenizer, data_args, [row[data_args.context_column]], question)
         return inputs
     encoder = ExampleEncoder(model, tokenizer, data_args)
     context = encoder._context(encoder._tokens([row[data_args.context_column]])[0])
@@ -376,10 +389,12 @@ def run(model_args: ModelArguments, data_args: DataArguments, training_args: Dod
             needed.append(data_args.target_column)
         if data_args.task == "continuation" and data_args.prompt_column:
             needed.append(data_args.prompt_column)
+        if data_args.task == "question_answering":
+            needed.append(data_args.question_column)
         missing = [column for column in needed if column not in dataset.column_names]
         if missing:
             raise ValueError(f"The {split} data has no column {missing} (columns: {dataset.column_names}); set "
-                             "--context_column / --target_column / --prompt_column.")
+                             "--context_column / --target_column / --prompt_column / --question_column.")
         if limit is not None:
             dataset = dataset.select(range(min(limit, len(dataset))))
         check_text_columns(dataset, needed, split)

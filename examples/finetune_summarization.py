@@ -26,6 +26,11 @@ Examples::
     # VCC-T5 (the VIP mask is built by the model's prepare_summarization_inputs, exactly as at inference)
     python examples/finetune_summarization.py --model_name_or_path vcc-t5-hf --train_file train.jsonl ...
 
+    # VCC-T5 answering questions: each example's question is the VIP tokens, as pipeline(..., question=...) lays it
+    # out at inference (prepare_question_inputs); --summary_column holds the answers
+    python examples/finetune_summarization.py --model_name_or_path vcc-t5-hf --train_file qa.jsonl \
+        --text_column context --question_column question --summary_column answer ...
+
     # ... and upload the result (code files, tokenizer and model card included) with --push_to_hub --hub_model_id you/name
 
     # the CI smoke test: a tiny LOCOST and a tiny dataset built on the fly, a few steps, offline
@@ -102,6 +107,9 @@ class DataArguments:
     validation_file: str | None = field(default=None, metadata={"help": "Validation file (same kinds)."})
     text_column: str = field(default="document", metadata={"help": "Column with the documents."})
     summary_column: str = field(default="summary", metadata={"help": "Column with the reference summaries."})
+    question_column: str | None = field(
+        default=None, metadata={"help": "Column with a question per example (VCC-T5: its VIP tokens); the summary "
+                                        "column then holds the answers."})
     max_source_length: int = field(default=4096, metadata={"help": "Document tokens kept for training."})
     max_target_length: int = field(default=512, metadata={"help": "Summary tokens kept (training and generation)."})
     max_train_samples: int | None = field(default=None, metadata={"help": "Use only the first N training examples."})
@@ -114,16 +122,21 @@ class DataArguments:
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-def encode_documents(model, tokenizer, documents: list[str], max_source_length: int) -> tuple[dict, int]:
+def encode_documents(model, tokenizer, documents: list[str], max_source_length: int,
+                     questions: list[str] | None = None) -> tuple[dict, int]:
     """Token features of ``documents``, as the model wants them at inference (``prepare_summarization_inputs``: for
-    VCC-T5 the task prefix and its VIP mask), one unpadded list per document and per feature; and how many documents
-    were cut to ``max_source_length``."""
-    prepare = getattr(model, "prepare_summarization_inputs", None)
-    if prepare is None:
+    VCC-T5 the task prefix and its VIP mask; with ``questions``, ``prepare_question_inputs``: the question as the VIP
+    tokens), one unpadded list per document and per feature; and how many documents were cut to
+    ``max_source_length``."""
+    if questions is not None:
+        inputs, dropped = model.prepare_question_inputs(tokenizer, list(questions), documents,
+                                                        max_input_length=max_source_length)
+    elif getattr(model, "prepare_summarization_inputs", None) is None:
         encoded = tokenizer(documents, truncation=True, max_length=max_source_length)
         full = tokenizer(documents)["input_ids"]
         return dict(encoded), sum(len(ids) > max_source_length for ids in full)
-    inputs, dropped = prepare(tokenizer, documents, max_input_length=max_source_length)
+    else:
+        inputs, dropped = model.prepare_summarization_inputs(tokenizer, documents, max_input_length=max_source_length)
     keep = inputs["attention_mask"].bool().cpu()
     features = {
         name: [row[mask].tolist() for row, mask in zip(tensor.cpu(), keep)]
@@ -232,6 +245,9 @@ def run(model_args: ModelArguments, data_args: DataArguments, training_args: Seq
     if training_args.generation_max_length is None:  # counts the decoder start token: max_target_length new tokens
         training_args.generation_max_length = data_args.max_target_length + 1
     model, tokenizer = load_model_and_tokenizer(model_args)
+    if data_args.question_column is not None and getattr(model, "prepare_question_inputs", None) is None:
+        raise ValueError(f"--question_column {data_args.question_column}: {type(model).__name__} has no question format "
+                         "(VCC-T5 has: the question as its VIP tokens); leave the option out to train summaries.")
     raw = load_raw_datasets(data_args)
     if argv is not None:
         decide_what_to_run(training_args, raw, argv)
@@ -246,18 +262,21 @@ def run(model_args: ModelArguments, data_args: DataArguments, training_args: Seq
         if split not in raw:
             return None
         dataset = raw[split]
-        for column in (data_args.text_column, data_args.summary_column):
+        columns = [data_args.text_column, data_args.summary_column] + (
+            [data_args.question_column] if data_args.question_column else [])
+        for column in columns:
             if column not in dataset.column_names:
                 raise ValueError(f"The {split} data has no column {column!r} (columns: {dataset.column_names}); "
-                                 "set --text_column / --summary_column.")
+                                 "set --text_column / --summary_column / --question_column.")
         if limit is not None:
             dataset = dataset.select(range(min(limit, len(dataset))))
-        check_text_columns(dataset, [data_args.text_column, data_args.summary_column], split)
+        check_text_columns(dataset, columns, split)
         cut, cut_summaries = [0], [0]
 
         def preprocess(batch):
-            encoded, num_cut = encode_documents(model, tokenizer, batch[data_args.text_column],
-                                                data_args.max_source_length)
+            encoded, num_cut = encode_documents(
+                model, tokenizer, batch[data_args.text_column], data_args.max_source_length,
+                batch[data_args.question_column] if data_args.question_column else None)
             cut[0] += num_cut
             summaries = batch[data_args.summary_column]
             cut_summaries[0] += sum(len(ids) > data_args.max_target_length
@@ -307,7 +326,9 @@ def run(model_args: ModelArguments, data_args: DataArguments, training_args: Seq
             write_model_card(
                 training_args.output_dir, model.config.model_type,
                 training_note=f"Fine-tuned with `examples/finetune_summarization.py` on "
-                f"{data_args.dataset_name or data_args.train_file} ({len(train_dataset)} documents).",
+                f"{data_args.dataset_name or data_args.train_file} ({len(train_dataset)} documents"
+                + (f", answering the questions of its `{data_args.question_column}` column: pass `question=` to the "
+                   "pipeline)." if data_args.question_column else ")."),
             )
         trainer.accelerator.wait_for_everyone()  # the folder is complete before any process reads it
     if training_args.do_eval and eval_dataset is not None:
@@ -382,8 +403,13 @@ def main(argv: list[str] | None = None) -> dict:
         if row is not None:
             document = raw[split][row][data_args.text_column]
             which = "the first" if row == 0 else f"the first non-empty (row {row})"
-            print(f"summary of {which} {split} document:",
-                  summarizer(document, max_new_tokens=data_args.max_target_length)[0]["summary_text"])
+            if data_args.question_column:
+                question = raw[split][row][data_args.question_column]
+                print(f"answer to {which} {split} question ({question!r}):", summarizer(
+                    document, question=question, max_new_tokens=data_args.max_target_length)[0]["summary_text"])
+            else:
+                print(f"summary of {which} {split} document:",
+                      summarizer(document, max_new_tokens=data_args.max_target_length)[0]["summary_text"])
     print(json.dumps({key: value for key, value in metrics.items() if isinstance(value, (int, float))}))
     return metrics
 

@@ -215,6 +215,82 @@ def test_finetune_summarization_trains_with_an_eval_strategy_and_a_rerun_resumes
     assert metrics["eval_rouge1"] == json.loads((output_dir / "eval_results.json").read_text())["eval_rouge1"]
 
 
+def test_finetune_summarization_trains_vcc_t5_to_answer_questions(tmp_path, monkeypatch, capsys):
+    """--question_column: each example's question is its VIP tokens, laid out as `pipeline(..., question=...)` does at
+    inference (`prepare_question_inputs`); the summary column holds the answers. LOCOST refuses the option."""
+    from tokenizer_helpers import word_level_tokenizer
+
+    from longreach import VCCT5Config, VCCT5ForConditionalGeneration
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    example = _load_example("finetune_summarization", monkeypatch)
+    tokenizer = word_level_tokenizer(vocab_size=64)
+    torch.manual_seed(0)
+    model = VCCT5ForConditionalGeneration(VCCT5Config(
+        vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=3, num_decoder_layers=2, num_heads=4,
+        decoder_start_token_id=0, dropout_rate=0.0, num_vanilla_layers=1, segment_length=32, num_vip_slots=8,
+        block_size=4, num_refined_blocks=3))
+    model.save_pretrained(tmp_path / "vcc")
+    tokenizer.save_pretrained(tmp_path / "vcc")
+    rows = [{"context": " ".join(f"w{3 + (k * 7 + i) % 58}" for i in range(40 + k)), "question": f"w{3 + k} w{4 + k}?"
+             if k % 2 else f"w{5 + k}", "answer": f"w{3 + (k * 7) % 58}"} for k in range(10)]
+    for name, part in (("train.jsonl", rows[:8]), ("validation.jsonl", rows[8:])):
+        (tmp_path / name).write_text("".join(json.dumps(row) + "\n" for row in part))
+
+    documents, questions = [row["context"] for row in rows[:3]], [row["question"] for row in rows[:3]]
+    features, cut = example.encode_documents(model, tokenizer, documents, 30, questions)
+    inputs, dropped = model.prepare_question_inputs(tokenizer, questions, documents, max_input_length=30)
+    assert cut == 3 and dropped[0] > 0
+    for row, question in enumerate(questions):
+        keep = inputs["attention_mask"][row].bool()
+        assert features["input_ids"][row] == inputs["input_ids"][row][keep].tolist()
+        assert features["vip_mask"][row] == inputs["vip_mask"][row][keep].tolist()
+        assert sum(features["vip_mask"][row]) == len(tokenizer(question)["input_ids"])  # the question, its EOS too
+
+    common = ["--text_column", "context", "--question_column", "question", "--summary_column", "answer",
+              "--train_file", str(tmp_path / "train.jsonl"), "--validation_file", str(tmp_path / "validation.jsonl"),
+              "--report_to", "none", "--use_cpu", "--save_strategy", "no", "--max_source_length", "64",
+              "--max_target_length", "4", "--max_steps", "2", "--per_device_train_batch_size", "4"]
+    metrics = example.main(["--model_name_or_path", str(tmp_path / "vcc"), "--output_dir", str(tmp_path / "qa"),
+                            *common])
+    assert metrics["train_loss"] > 0 and "eval_rouge1" in metrics
+    assert "answer to the first validation question ('w13'):" in capsys.readouterr().out
+    card = ModelCard.load(tmp_path / "qa" / "README.md").text
+    assert "answering the questions of its `question` column: pass `question=` to the pipeline" in card
+
+    locost = _load_example("finetune_summarization", monkeypatch).smoke_arguments(str(tmp_path / "ft"))
+    locost_model = locost[locost.index("--model_name_or_path") + 1]
+    with pytest.raises(ValueError, match=re.escape("--question_column question: LocostForConditionalGeneration has "
+                                                   "no question format")):
+        example.main(["--model_name_or_path", locost_model, "--output_dir", str(tmp_path / "o"), *common])
+    assert not (tmp_path / "o").exists()
+
+
+def test_finetune_dodo_question_answering_lays_examples_out_as_the_pipeline_asks(monkeypatch):
+    """--task question_answering: the context as the pipeline compresses it, the paper's D.2 prompt with the question
+    as the decoder prompt (questions of different lengths: no padding left in it), then the answer and EOS."""
+    from test_workflows_vcc_t5_dodo import llama_word_tokenizer, tiny_dodo
+
+    example = _load_example("finetune_dodo", monkeypatch)
+    model, tokenizer = tiny_dodo(), llama_word_tokenizer()
+    data_args = example.DataArguments(task="question_answering", max_context_length=12)
+    batch = {"context": ["w1 w2 w3 w4 w5", "w6 w7 " * 10], "question": ["w8", "w9 w10 w11 w12"],
+             "target": ["w13 w14", "w15"]}
+    features = example.ExampleEncoder(model, tokenizer, data_args)(batch)
+    for row in range(2):
+        inputs, _ = model.prepare_question_inputs(tokenizer, batch["question"][row], [batch["context"][row]],
+                                                  max_input_length=12)
+        prompt = inputs["input_ids"][0].tolist()
+        assert tokenizer.decode(prompt).endswith(batch["question"][row] + " [/INST]")
+        assert features["context_input_ids"][row] == inputs["context_input_ids"][0].tolist()
+        answer = tokenizer(batch["target"][row], add_special_tokens=False)["input_ids"]
+        assert features["input_ids"][row] == prompt + answer + [tokenizer.eos_token_id]
+        assert features["prompt_length"][row] == len(prompt)
+    assert len(features["context_input_ids"][1]) == 12  # cut to --max_context_length, as at inference
+    generation = example.generation_inputs(tokenizer, model, data_args, {key: value[1] for key, value in batch.items()})
+    assert generation["input_ids"][0].tolist() == features["input_ids"][1][:features["prompt_length"][1]]
+
+
 def test_finetune_summarization_final_evaluation_honours_generation_max_length(tmp_path, monkeypatch):
     """The last evaluation generated --max_target_length new tokens whatever --generation_max_length said (the
     evaluations during training honoured it); both count the decoder start token, as Seq2SeqTrainer does."""
