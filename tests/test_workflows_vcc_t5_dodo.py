@@ -399,6 +399,7 @@ def remote(uploads, tmp_path_factory):
         for name, job in {jobs!r}.items():
             summarizer = pipeline("summarization", model=job["folder"], trust_remote_code=True)
             record = summarizer({doc!r}, max_new_tokens=6, return_tensors=True)[0]
+            answer = summarizer({doc!r}, question="w4 w5", max_new_tokens=6, return_tensors=True)[0]
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
                 summarizer({doc!r}, max_new_tokens=2, max_input_length=50)
@@ -409,6 +410,7 @@ def remote(uploads, tmp_path_factory):
                 usage_outputs += namespace["outputs"]
             results[name] = {{
                 "summary": record["summary_text"], "ids": record["summary_token_ids"].tolist(),
+                "answer_ids": answer["summary_token_ids"].tolist(),
                 "pipeline_class": type(summarizer).__module__ + "." + type(summarizer).__name__,
                 "model_module": type(summarizer.model).__module__,
                 "warnings": [str(w.message) for w in caught if "dropped" in str(w.message)],
@@ -430,6 +432,8 @@ def test_pipeline_from_the_uploaded_files_works_where_longreach_cannot_be_import
     expected = _summarizer(tiny, name)(doc, max_new_tokens=6, return_tensors=True)[0]
     assert result["ids"] == expected["summary_token_ids"].tolist() and result["summary"] == expected["summary_text"]
     assert len(result["ids"]) > 1
+    answer = _summarizer(tiny, name)(doc, question="w4 w5", max_new_tokens=6, return_tensors=True)[0]
+    assert result["answer_ids"] == answer["summary_token_ids"].tolist()  # questions work from the Hub files too
     from_folder = pipeline("summarization", model=str(uploads[name][1]), trust_remote_code=True)
     assert from_folder(doc, max_new_tokens=6)[0]["summary_text"] == expected["summary_text"]
     dropped = 400 + 2 - 50  # VCC: <unk> + words + </s>; Dodo: <s> [INST] + words
