@@ -422,7 +422,8 @@ def summarize_corpus_command(args: argparse.Namespace) -> int:
     kind = corpus_module.input_kind(args.input)
     given = getattr(args, "table_options_given", [])
     if kind in ("folder", "text") and given:
-        raise UsageError(f"longreach summarize: {' / '.join(given)} apply to table files and Hub datasets, not to "
+        raise UsageError(f"longreach summarize: {' / '.join(given)} appl{'ies' if len(given) == 1 else 'y'} to table "
+                         "files and Hub datasets, not to "
                          f"--input {args.input} (a {'folder of text files' if kind == 'folder' else 'text file'}); "
                          "leave them out")
     if args.question is not None and args.question_column is not None:
@@ -453,7 +454,8 @@ def summarize_corpus_command(args: argparse.Namespace) -> int:
                                            question_column=args.question_column)
     except corpus_module.CorpusError as error:
         raise UsageError(str(error)) from None
-    _progress(f"{len(corpus.ids)} documents in {args.input}" + (f" ({len(corpus.errors)} unreadable)" if corpus.errors
+    unusable = "unreadable" if args.question_column is None else "unreadable or without a question"
+    _progress(f"{len(corpus.ids)} documents in {args.input}" + (f" ({len(corpus.errors)} {unusable})" if corpus.errors
                                                                  else ""))
     summarizer = load_summarizer(args.model, args.tokenizer, device, args.dtype)
     _check_generation_options(args, summarizer.model)
@@ -622,7 +624,8 @@ def build_parser() -> argparse.ArgumentParser:
                                  "GPU generate() then compiles the decoding step (CUDA graphs). A new batch shape "
                                  "may compile again: worth it on long runs.")
     generation.add_argument("--max_input_length", type=positive_int, default=None,
-                            help="Keep at most this many document tokens (a warning reports what is dropped; with "
+                            help="Keep at most this many input tokens (VCC-T5 with a question: the question's too; a "
+                                 "warning reports what is dropped; with "
                                  "--input, each record's \"truncated\" field, and a count at the end).")
     summarize_parser.add_argument("--device", default=None, help="e.g. cpu, cuda, cuda:1 (default: cuda if present).")
     summarize_parser.add_argument("--dtype", default=None, choices=DTYPES,

@@ -18,7 +18,7 @@ models answer the question instead of summarizing; the answer is the record's ``
 * Several processes (``torchrun`` / ``accelerate launch``: ``RANK`` and ``WORLD_SIZE``) split the documents; each
   appends to its own ``OUT.part-R-of-W.jsonl`` (resumable on its own) and rank 0 merges the parts into ``OUT``.
 * With a reference column, ROUGE-1/2/Lsum (``rouge-score``) is printed and written to ``OUT.metrics.json``.
-* What makes a summary (model, tokenizer, ``--max_input_length``, generation options) is kept in
+* What makes a summary (model, tokenizer, ``--max_input_length``, generation options, the question) is kept in
   ``OUT.settings.json``; a rerun with other settings is refused rather than mixing two runs in ``OUT``.
 """
 

@@ -262,7 +262,7 @@ def test_options_that_do_not_apply_are_refused(model_folder, tmp_path, capsys):
     write_jsonl(tmp_path / "corpus.jsonl", 2)
     cases = [
         (summarize_args(model_folder, folder, tmp_path / "o.jsonl", "--reference_column", "summary"),
-         "--reference_column apply to table files"),
+         "--reference_column applies to table files"),
         (summarize_args(model_folder, folder / "a.txt", tmp_path / "o.jsonl", "--text_column", "body", "--split", "x"),
          "--split / --text_column apply to table files"),
         (summarize_args(model_folder, tmp_path / "corpus.jsonl", tmp_path / "o.jsonl", "--split", "validation"),

@@ -257,6 +257,36 @@ def test_bad_questions_are_refused(tiny, call, message):
         _summarizer(tiny, "dodo_llama")([document(30), document(20)], **call)
     with pytest.raises(ValueError, match=re.escape("`question` is a list of 2 questions for a single document")):
         _summarizer(tiny, "vcc_t5")(document(30), question=["w1", "w2"])
+    with pytest.raises(ValueError, match=re.escape("`question` is a list of 1 questions for a generator of documents")):
+        _summarizer(tiny, "vcc_t5")((doc for doc in [document(30)]), question=["w1"])
+
+
+def test_questions_from_a_dataset_column_and_questions_longer_than_the_vip_slots(tiny):
+    """From an audit: `question=dataset["question"]` (a 🤗 datasets Column, as `documents` may be) was refused; and a
+    VCC-T5 question longer than the model's VIP slots was compressed in part without a word."""
+    import datasets
+
+    rows = datasets.Dataset.from_dict({"context": [document(50), document(30, offset=2)], "question": ["w1", "w2 w3"]})
+    summarizer = _summarizer(tiny, "dodo_llama", max_new_tokens=3, return_tensors=True)
+    from_columns = summarizer(rows["context"], question=rows["question"], batch_size=2)
+    from_lists = summarizer(list(rows["context"]), question=["w1", "w2 w3"])
+    assert [r["summary_token_ids"].tolist() for r in from_columns] == [r["summary_token_ids"].tolist()
+                                                                       for r in from_lists]
+    model, tokenizer = tiny["vcc_t5"]
+    long_question = " ".join(f"w{i}" for i in range(3, 15))  # 12 words and EOS: 13 tokens for 8 slots
+    assert model.config.num_vip_slots == 8
+    with pytest.warns(UserWarning, match=re.escape(f"The question '{long_question}' takes 13 tokens (its EOS included) "
+                                                   "but this model keeps 8 uncompressed (config.num_vip_slots): its "
+                                                   "last 5 tokens are compressed")):
+        _summarizer(tiny, "vcc_t5", max_new_tokens=2)(document(40), question=long_question)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _summarizer(tiny, "vcc_t5", max_new_tokens=2)(document(40), question="w3 w4 w5 w6 w7 w8 w9")  # 8 tokens: fits
+    with pytest.raises(ValueError, match=re.escape("its question ('w3 w4 w5') takes 4 tokens (its EOS included); give "
+                                                   "a `max_input_length` above 4 or a shorter question")):
+        model.prepare_question_inputs(tokenizer, "w3 w4 w5", [document(10)], max_input_length=4)
+    with pytest.raises(ValueError, match=re.escape("Every document must be a string, got int 3 for document 1")):
+        model.prepare_question_inputs(tokenizer, "w3", [document(10), 3])
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -602,7 +632,7 @@ def test_corpus_answers_each_records_question(uploads, name, tmp_path, capsys):
                                                          max_new_tokens=4)[0]["summary_text"]
     (error,) = map(json.loads, (tmp_path / "out.errors.jsonl").read_text().splitlines())
     assert error["id"] == "c" and error["error"].startswith("no question")
-    capsys.readouterr()
+    assert f"2 documents in {source} (1 unreadable or without a question)" in capsys.readouterr().err
     # the output holds answers to the records' questions: another question, or none, is another run
     assert cli_main([*command, "--output", str(output), "--question", "w7"]) == 2
     assert "holds summaries made with other settings" in capsys.readouterr().err
@@ -637,7 +667,7 @@ def test_summarize_command_refuses_questions_it_cannot_ask(tmp_path, capsys):
         (["--input", str(tmp_path / "corpus.jsonl"), "--output", str(tmp_path / "out.jsonl"), "--question", "w1",
           "--question_column", "q"], "--question asks one question of every document, --question_column one per"),
         (["--input", str(tmp_path / "doc.txt"), "--output", str(tmp_path / "out.jsonl"), "--question_column", "q"],
-         "--question_column apply to table files and Hub datasets"),
+         "--question_column applies to table files and Hub datasets"),
         ([str(tmp_path / "doc.txt"), "--question_column", "q"], "are for a corpus"),
     ]:
         assert cli_main(["summarize", "--model", folder, *argv]) == 2, argv

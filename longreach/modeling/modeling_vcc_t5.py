@@ -28,6 +28,7 @@ segment then gets uniform, finite attention instead of NaN).
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -568,7 +569,7 @@ class VCCT5Encoder(nn.Module):
 
 def _encode_queries_and_contexts(
     tokenizer, queries, contexts, max_length=None, separator=QUERY_SEPARATOR, pad_token_id=None,
-    length_name="max_length",
+    length_name="max_length", query_name="query",
 ) -> tuple[dict[str, torch.Tensor], list[int]]:
     if isinstance(contexts, str):
         contexts = [contexts]
@@ -590,9 +591,9 @@ def _encode_queries_and_contexts(
         for row, vip_count in enumerate(vip_counts):
             if vip_count >= max_length:  # the cut row would hold the query alone (or part of it): no context at all
                 raise ValueError(
-                    f"`{length_name}`={max_length} leaves no room for the context of row {row}: its query takes "
-                    f"{vip_count} tokens (its EOS included); give a `{length_name}` above {vip_count} or a shorter "
-                    "query."
+                    f"`{length_name}`={max_length} leaves no room for the context of row {row}: its {query_name} "
+                    f"({_shorten(queries[row])}) takes {vip_count} tokens (its EOS included); give a `{length_name}` "
+                    f"above {vip_count} or a shorter {query_name}."
                 )
     rows, dropped = zip(*(cut_to_length(ids, max_length, tokenizer.eos_token_id) for ids in encoded))
     if pad_token_id is None:
@@ -602,6 +603,10 @@ def _encode_queries_and_contexts(
     for row, vip_count in enumerate(vip_counts):
         vip_mask[row, :vip_count] = attention_mask[row, :vip_count]
     return {"input_ids": input_ids, "attention_mask": attention_mask, "vip_mask": vip_mask}, list(dropped)
+
+
+def _shorten(text: str, limit: int = 60) -> str:
+    return repr(text if len(text) <= limit else text[: limit - 3] + "...")
 
 
 def prepare_vip_inputs(
@@ -756,12 +761,26 @@ class _VCCT5Seq2Seq(T5Seq2SeqLMMixin, VCCT5PreTrainedModel):
         """`generate()` kwargs to answer `question` (one string for every document, or one per document) from each
         document: `question + "\\n\\n\\n" + document`, the question's tokens (its EOS included) as VIP tokens, as
         the authors' query-based collators build them (see [`prepare_vip_inputs`]). `max_input_length` counts the
-        question's tokens too; the number of tokens dropped per document is returned."""
+        question's tokens too; the number of tokens dropped per document is returned. A question of more tokens than
+        `config.num_vip_slots` (its EOS included) gets a warning: its tokens beyond the slots are compressed like the
+        document's, as in the authors' code."""
         documents = summarization_documents(documents)
+        questions = question_per_document(question, len(documents))
         encoding, dropped = _encode_queries_and_contexts(
-            tokenizer, question_per_document(question, len(documents)), documents, max_input_length,
-            pad_token_id=self.config.pad_token_id, length_name="max_input_length",
+            tokenizer, questions, documents, max_input_length, pad_token_id=self.config.pad_token_id,
+            length_name="max_input_length", query_name="question",
         )
+        slots, distinct = self.config.num_vip_slots, list(dict.fromkeys(questions))
+        for text, ids in zip(distinct, tokenizer(distinct, add_special_tokens=True)["input_ids"]):
+            if len(ids) > slots:
+                warnings.warn(
+                    f"The question {_shorten(text)} takes {len(ids)} tokens (its EOS included) but this model keeps "
+                    f"{slots} uncompressed (config.num_vip_slots): its last {len(ids) - slots} tokens are compressed "
+                    "like the document's, as in the authors' code. Ask a shorter question, or use a model trained with "
+                    "more VIP slots.",
+                    UserWarning,
+                    stacklevel=2,
+                )
         return {name: tensor.to(self.device) for name, tensor in encoding.items()}, dropped
 
 

@@ -1063,6 +1063,10 @@ def summarization_documents(documents: str | list[str]) -> list[str]:
     documents = [documents] if isinstance(documents, str) else list(documents)
     if not documents:
         raise ValueError("`documents` must hold at least one document, got an empty list.")
+    for row, document in enumerate(documents):
+        if not isinstance(document, str):
+            raise ValueError(f"Every document must be a string, got {type(document).__name__} {document!r:.40} for "
+                             f"document {row}.")
     return documents
 
 

@@ -53,13 +53,14 @@ class LongSummarizationPipeline(Pipeline):
 
     Call parameters (also accepted by the constructor, as defaults for every call):
 
-    * ``max_input_length`` (`int`, *optional*): the most document tokens the model may read. Longer documents lose
-      their end, with a warning giving the number of dropped tokens. By default the model decides (LOCOST reads
-      any length).
+    * ``max_input_length`` (`int`, *optional*): the most tokens the model may read of each input (for VCC-T5 with a
+      question, the question's tokens count too). Longer documents lose their end, with a warning giving the number
+      of dropped tokens. By default the model decides (LOCOST reads any length).
     * ``question`` (`str` or `list[str]`, *optional*): ask this question of each document instead of summarizing
-      it (one string for every document, or a list of one question per document); ``summary_text`` is then the
-      answer. For models with a question format (VCC-T5: the question as VIP tokens; Dodo: the paper's
-      question-answering prompt).
+      it (one string for every document, or a list, or a 🤗 datasets column, of one question per document in a list
+      of documents); ``summary_text`` is then the answer. For models with a question format (VCC-T5: the question as
+      VIP tokens, warning when it is longer than the model's VIP slots; Dodo: the paper's question-answering
+      prompt). A question given to the constructor is asked in every call (a call may replace it, not remove it).
     * ``clean_up_tokenization_spaces`` (`bool`, defaults to `False`), ``return_text`` (`bool`, defaults to `True`),
       ``return_tensors`` (`bool`, defaults to `False`): the output holds ``summary_text`` and/or the token ids as
       ``summary_token_ids``.
@@ -160,9 +161,13 @@ class LongSummarizationPipeline(Pipeline):
             )
         given = documents
         question = kwargs.get("question")
+        if not isinstance(question, (str, dict, list, tuple)) and hasattr(question, "__len__") \
+                and hasattr(question, "__iter__"):
+            question = list(question)  # a column of a `datasets.Dataset`, an array of strings, ...
         if isinstance(question, (list, tuple)):  # one question per document: each travels with its document
             if not isinstance(documents, list) or len(question) != len(documents):
-                described = f"{len(documents)} documents" if isinstance(documents, list) else "a single document"
+                described = (f"{len(documents)} documents" if isinstance(documents, list) else "a single document"
+                             if isinstance(documents, str) else f"a {type(documents).__name__} of documents")
                 raise ValueError(f"`question` is a list of {len(question)} questions for {described}: give one "
                                  "question per document in a list of documents, or one string for all.")
             for row, text in enumerate(question):
@@ -196,9 +201,10 @@ class LongSummarizationPipeline(Pipeline):
         questions = model_inputs.get("question")
         if not isinstance(questions, list):
             questions = [questions] * len(documents)
-        questions = None if all(question is None for question in questions) else questions
-
-        inputs, dropped = self._prepare_inputs(documents, max_input_length, questions)
+        if all(question is None for question in questions):
+            inputs, dropped = self._prepare_inputs(documents, max_input_length)
+        else:
+            inputs, dropped = self._prepare_inputs(documents, max_input_length, questions)
         for document, count in zip(documents, dropped):
             if count > 0:
                 warnings.warn(
