@@ -84,6 +84,7 @@ from longreach.finetuning import (
     check_best_model_metric,
     check_not_the_model_folder,
     check_output_dir,
+    check_questions,
     check_text_columns,
     check_training_arguments,
     decide_what_to_run,
@@ -265,6 +266,10 @@ class ExampleEncoder:
         return ids
 
     def _decoder(self, prompt: list[int], target: list[int]) -> tuple[list[int], int]:
+        if prompt and len(prompt) >= self.args.max_target_length:  # the loss would fall on the prompt, not the target
+            raise ValueError(f"--max_target_length {self.args.max_target_length} leaves no room for the target after "
+                             f"a decoder prompt of {len(prompt)} tokens: raise it above {len(prompt)} (or shorten the "
+                             "prompts or questions).")
         ids = prompt + target + self.eos
         if len(ids) > self.args.max_target_length:
             self.cut_targets += 1
@@ -358,6 +363,10 @@ def run(model_args: ModelArguments, data_args: DataArguments, training_args: Dod
             raise ValueError(f"--{option} must be a positive number of tokens, got {getattr(data_args, option)}.")
     if data_args.task not in TASKS:
         raise ValueError(f"--task must be one of {TASKS}, got {data_args.task!r}.")
+    given = {argument.split("=")[0] for argument in argv or []}
+    for option, task in (("--prompt_column", "continuation"), ("--question_column", "question_answering")):
+        if option in given and data_args.task != task:
+            raise ValueError(f"{option} is read by --task {task} only, not by --task {data_args.task}.")
     if training_args.remove_unused_columns:
         raise ValueError("--remove_unused_columns must stay False: DodoDataCollator needs `prompt_length`.")
     # the optimizer checks only the default learning rate, not a parameter group's
@@ -398,6 +407,8 @@ def run(model_args: ModelArguments, data_args: DataArguments, training_args: Dod
         if limit is not None:
             dataset = dataset.select(range(min(limit, len(dataset))))
         check_text_columns(dataset, needed, split)
+        if data_args.task == "question_answering":
+            check_questions(dataset, data_args.question_column, split)
         encoder = ExampleEncoder(model, tokenizer, data_args)
         # `new_fingerprint` spares datasets from hashing the model the encoder holds.
         mapped = dataset.map(encoder, batched=True, batch_size=64, remove_columns=dataset.column_names,
@@ -430,7 +441,9 @@ def run(model_args: ModelArguments, data_args: DataArguments, training_args: Dod
                 training_args.output_dir, "dodo_llama",
                 training_note=f"Trained with `examples/finetune_dodo.py` ({data_args.task}) on {source} "
                 f"({len(train_dataset)} examples, {global_step} steps) from "
-                f"`{model_args.model_name_or_path or model_args.base_model_name_or_path}`.",
+                f"`{model_args.model_name_or_path or model_args.base_model_name_or_path}`."
+                + (" It answers questions: pass `question=` to the pipeline." if data_args.task == "question_answering"
+                   else ""),
             )
         trainer.accelerator.wait_for_everyone()  # the folder is complete before any process reads it
     if training_args.do_eval and eval_dataset is not None:

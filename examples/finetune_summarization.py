@@ -57,6 +57,7 @@ from longreach.finetuning import (
     check_config_fields,
     check_not_the_model_folder,
     check_output_dir,
+    check_questions,
     check_text_columns,
     check_training_arguments,
     decide_what_to_run,
@@ -271,6 +272,8 @@ def run(model_args: ModelArguments, data_args: DataArguments, training_args: Seq
         if limit is not None:
             dataset = dataset.select(range(min(limit, len(dataset))))
         check_text_columns(dataset, columns, split)
+        if data_args.question_column:
+            check_questions(dataset, data_args.question_column, split)
         cut, cut_summaries = [0], [0]
 
         def preprocess(batch):

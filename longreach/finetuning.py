@@ -227,6 +227,15 @@ def check_text_columns(dataset, columns: list[str], split: str) -> None:
                 raise ValueError(f"The {split} data: row {row} of column {column!r} is {value!r}, expected text.")
 
 
+def check_questions(dataset, column: str, split: str) -> None:
+    """Every question of ``column`` holds text (after :func:`check_text_columns`, which lets empty strings pass for
+    documents and summaries): an empty question would fail inside a batch of the tokenization, named by its place in
+    that batch."""
+    for row, value in enumerate(dataset[column]):
+        if not value.strip():
+            raise ValueError(f"The {split} data: row {row} of column {column!r} is {value!r}, expected a question.")
+
+
 def first_text(dataset, column: str) -> int | None:
     """The index of the first row whose ``column`` holds non-blank text, or None."""
     return next((row for row, value in enumerate(dataset[column]) if isinstance(value, str) and value.strip()), None)

@@ -258,6 +258,14 @@ def test_finetune_summarization_trains_vcc_t5_to_answer_questions(tmp_path, monk
     card = ModelCard.load(tmp_path / "qa" / "README.md").text
     assert "answering the questions of its `question` column: pass `question=` to the pipeline" in card
 
+    # an empty question is named by its row and column (it failed inside a tokenization batch, by its place there)
+    (tmp_path / "empty.jsonl").write_text("".join(json.dumps({**row, "question": "" if k == 6 else row["question"]})
+                                                  + "\n" for k, row in enumerate(rows[:8])))
+    with pytest.raises(ValueError, match=re.escape("The train data: row 6 of column 'question' is '', expected a "
+                                                   "question")):
+        example.main(["--model_name_or_path", str(tmp_path / "vcc"), "--output_dir", str(tmp_path / "o"), *common,
+                      "--train_file", str(tmp_path / "empty.jsonl")])
+
     locost = _load_example("finetune_summarization", monkeypatch).smoke_arguments(str(tmp_path / "ft"))
     locost_model = locost[locost.index("--model_name_or_path") + 1]
     with pytest.raises(ValueError, match=re.escape("--question_column question: LocostForConditionalGeneration has "
@@ -289,6 +297,26 @@ def test_finetune_dodo_question_answering_lays_examples_out_as_the_pipeline_asks
     assert len(features["context_input_ids"][1]) == 12  # cut to --max_context_length, as at inference
     generation = example.generation_inputs(tokenizer, model, data_args, {key: value[1] for key, value in batch.items()})
     assert generation["input_ids"][0].tolist() == features["input_ids"][1][:features["prompt_length"][1]]
+    # a decoder prompt that fills --max_target_length would put the loss on the question, the answer cut away
+    short = example.DataArguments(task="question_answering", max_context_length=12, max_target_length=12)
+    prompt_tokens = features["prompt_length"][1]
+    assert prompt_tokens >= 12
+    with pytest.raises(ValueError, match=re.escape(f"--max_target_length 12 leaves no room for the target after a "
+                                                   f"decoder prompt of {prompt_tokens} tokens")):
+        example.ExampleEncoder(model, tokenizer, short)(batch)
+
+
+def test_finetune_dodo_refuses_question_options_of_another_task(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    example = _load_example("finetune_dodo", monkeypatch)
+    for argv, message in ((["--question_column", "q"], "--question_column is read by --task question_answering only, "
+                                                        "not by --task continuation"),
+                          (["--task", "summarization", "--prompt_column", "p"],
+                           "--prompt_column is read by --task continuation only, not by --task summarization")):
+        with pytest.raises(ValueError, match=re.escape(message)):
+            example.main(["--base_model_name_or_path", str(tmp_path / "nowhere"), "--output_dir", str(tmp_path / "o"),
+                          "--report_to", "none", "--use_cpu", *argv])
+    assert not (tmp_path / "o").exists()
 
 
 def test_finetune_summarization_final_evaluation_honours_generation_max_length(tmp_path, monkeypatch):
