@@ -642,6 +642,31 @@ def test_corpus_answers_each_records_question(uploads, name, tmp_path, capsys):
     assert asked["c"]["summary"] == answerer(rows[2]["text"], question="w7", max_new_tokens=4)[0]["summary_text"]
 
 
+def test_torchrun_shards_answer_each_records_question_as_one_process(uploads, tmp_path):
+    """Two processes (gloo) split the records with their questions, and the merged answers are one process's."""
+    import os
+    import subprocess
+    import sys
+
+    source = tmp_path / "qa.jsonl"
+    source.write_text("".join(json.dumps({"id": f"r{k}", "text": document(20 + 9 * k, offset=k), "q": f"w{k + 3}"})
+                              + "\n" for k in range(6)))
+    arguments = ["summarize", "--model", str(uploads["dodo_llama"][1]), "--input", str(source), "--id_column", "id",
+                 "--question_column", "q", "--max_new_tokens", "3"]
+    assert cli_main([*arguments, "--output", str(tmp_path / "one.jsonl")]) == 0
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "longreach.cli",
+         *arguments, "--output", str(tmp_path / "two.jsonl")],
+        capture_output=True, text=True, timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": str(tmp_path), "HF_HUB_OFFLINE": "1"},
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    one, two = _read_records(tmp_path / "one.jsonl"), _read_records(tmp_path / "two.jsonl")
+    assert two == one and list(one) == [f"r{k}" for k in range(6)]
+    assert [record["question"] for record in one.values()] == [f"w{k + 3}" for k in range(6)]
+    assert len({record["summary"] for record in one.values()}) > 1
+
+
 def test_summarize_command_answers_a_question_about_one_file(uploads, tmp_path, capsys):
     folder = str(uploads["dodo_llama"][1])
     doc = document(80, offset=6)
