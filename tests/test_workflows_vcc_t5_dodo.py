@@ -275,10 +275,15 @@ def test_questions_from_a_dataset_column_and_questions_longer_than_the_vip_slots
     model, tokenizer = tiny["vcc_t5"]
     long_question = " ".join(f"w{i}" for i in range(3, 15))  # 12 words and EOS: 13 tokens for 8 slots
     assert model.config.num_vip_slots == 8
-    with pytest.warns(UserWarning, match=re.escape(f"The question '{long_question}' takes 13 tokens (its EOS included) "
-                                                   "but this model keeps 8 uncompressed (config.num_vip_slots): its "
-                                                   "last 5 tokens are compressed")):
+    with pytest.warns(UserWarning, match=re.escape("A question is longer than the 8 tokens this model keeps "
+                                                   "uncompressed (config.num_vip_slots, its EOS included): its tokens "
+                                                   "beyond them are compressed like the document's")):
         _summarizer(tiny, "vcc_t5", max_new_tokens=2)(document(40), question=long_question)
+    with warnings.catch_warnings(record=True) as caught:  # one text for every question: the default filter shows it once
+        warnings.simplefilter("default")
+        for row in range(3):
+            model.prepare_question_inputs(tokenizer, long_question + f" w{20 + row}", [document(30)])
+    assert len([w for w in caught if "config.num_vip_slots" in str(w.message)]) == 1
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         _summarizer(tiny, "vcc_t5", max_new_tokens=2)(document(40), question="w3 w4 w5 w6 w7 w8 w9")  # 8 tokens: fits

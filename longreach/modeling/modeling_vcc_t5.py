@@ -763,7 +763,8 @@ class _VCCT5Seq2Seq(T5Seq2SeqLMMixin, VCCT5PreTrainedModel):
         the authors' query-based collators build them (see [`prepare_vip_inputs`]). `max_input_length` counts the
         question's tokens too; the number of tokens dropped per document is returned. A question of more tokens than
         `config.num_vip_slots` (its EOS included) gets a warning: its tokens beyond the slots are compressed like the
-        document's, as in the authors' code."""
+        document's, as in the authors' code. (The warning's text is the same for every question, so that Python's
+        default filter shows it once, not once per question of a corpus.)"""
         documents = summarization_documents(documents)
         questions = question_per_document(question, len(documents))
         encoding, dropped = _encode_queries_and_contexts(
@@ -771,16 +772,15 @@ class _VCCT5Seq2Seq(T5Seq2SeqLMMixin, VCCT5PreTrainedModel):
             length_name="max_input_length", query_name="question",
         )
         slots, distinct = self.config.num_vip_slots, list(dict.fromkeys(questions))
-        for text, ids in zip(distinct, tokenizer(distinct, add_special_tokens=True)["input_ids"]):
-            if len(ids) > slots:
-                warnings.warn(
-                    f"The question {_shorten(text)} takes {len(ids)} tokens (its EOS included) but this model keeps "
-                    f"{slots} uncompressed (config.num_vip_slots): its last {len(ids) - slots} tokens are compressed "
-                    "like the document's, as in the authors' code. Ask a shorter question, or use a model trained with "
-                    "more VIP slots.",
-                    UserWarning,
-                    stacklevel=2,
-                )
+        if any(len(ids) > slots for ids in tokenizer(distinct, add_special_tokens=True)["input_ids"]):
+            warnings.warn(
+                f"A question is longer than the {slots} tokens this model keeps uncompressed (config.num_vip_slots, "
+                "its EOS included): its tokens beyond them are compressed like the document's, as in the authors' "
+                "code. Ask shorter questions, or use a model trained with more VIP slots (the authors' question-"
+                "answering configurations have 32 to 288).",
+                UserWarning,
+                stacklevel=2,
+            )
         return {name: tensor.to(self.device) for name, tensor in encoding.items()}, dropped
 
 
