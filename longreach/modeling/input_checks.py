@@ -109,6 +109,19 @@ def cut_to_length(ids: list[int], max_length: int | None, eos_token_id: int | No
     return ids[:max_length], dropped
 
 
+def summarization_documents(documents: str | list[str]) -> list[str]:
+    """``documents`` of ``prepare_summarization_inputs`` / ``prepare_question_inputs`` as a list of strings: a string
+    is one document (not its characters)."""
+    documents = [documents] if isinstance(documents, str) else list(documents)
+    if not documents:
+        raise ValueError("`documents` must hold at least one document, got an empty list.")
+    for row, document in enumerate(documents):
+        if not isinstance(document, str):
+            raise ValueError(f"Every document must be a string, got {type(document).__name__} {document!r:.40} for "
+                             f"document {row}.")
+    return documents
+
+
 def question_per_document(question, num_documents: int) -> list[str]:
     """``question`` of a ``prepare_question_inputs`` call as one question per document: a string is asked of every
     document; a list gives each document its own. Each must be a non-empty string."""

@@ -63,6 +63,7 @@ from .input_checks import (
     pad_right,
     question_per_document,
     reject_head_masks,
+    summarization_documents,
     take_cache_argument,
 )
 from .remote_code import HubReadyMixin
@@ -1487,7 +1488,7 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
         the prompt followed by the summary. ``max_input_length`` caps the context tokens; the number of document tokens
         dropped per document is returned (never truncated silently).
         """
-        documents = [documents] if isinstance(documents, str) else documents
+        documents = summarization_documents(documents)
         return self._prompted_inputs(tokenizer, documents, [SUMMARIZATION_PROMPT] * len(documents), max_input_length)
 
     def prepare_question_inputs(
@@ -1501,9 +1502,7 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
         padded where the questions differ in length. ``max_input_length`` caps the context tokens (the question is in
         the decoder prompt, outside that count); the number of document tokens dropped per document is returned.
         """
-        documents = [documents] if isinstance(documents, str) else documents
-        if not documents:
-            raise ValueError("`documents` must hold at least one document, got an empty list.")
+        documents = summarization_documents(documents)
         prompts = [QUESTION_PROMPT.format(question=text) for text in question_per_document(question, len(documents))]
         return self._prompted_inputs(tokenizer, documents, prompts, max_input_length)
 
@@ -1512,8 +1511,6 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
     ) -> tuple[dict[str, torch.Tensor], list[int]]:
         """Contexts ``BOS + "[INST]\\n" + document`` (right padded, the authors' layout) and one decoder prompt per
         document (left padded, so that every row's generation starts right after its prompt)."""
-        if not documents:
-            raise ValueError("`documents` must hold at least one document, got an empty list.")
         bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
         prefix = bos + tokenizer(SUMMARIZATION_CONTEXT_PREFIX, add_special_tokens=False)["input_ids"]
         if max_input_length is not None and (isinstance(max_input_length, bool)
@@ -1526,7 +1523,7 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
             )
         contexts, dropped = [], []
         for document in documents:
-            if not isinstance(document, str) or not document.strip():
+            if not document.strip():
                 raise ValueError(f"Every document must be a non-empty string, got {document!r}.")
             ids = tokenizer(document, add_special_tokens=False)["input_ids"]
             keep = len(ids) if max_input_length is None else min(len(ids), max_input_length - len(prefix))

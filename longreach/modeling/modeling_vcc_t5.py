@@ -52,6 +52,7 @@ from .input_checks import (
     pad_right,
     question_per_document,
     reject_head_masks,
+    summarization_documents,
     take_cache_argument,
 )
 from .remote_code import HubReadyMixin
@@ -66,7 +67,6 @@ from .t5_blocks import (
     last_dim_softmax,
     relative_position_bucket,
     returns_dict,
-    summarization_documents,
 )
 
 logger = logging.get_logger(__name__)
@@ -771,8 +771,8 @@ class _VCCT5Seq2Seq(T5Seq2SeqLMMixin, VCCT5PreTrainedModel):
             tokenizer, questions, documents, max_input_length, pad_token_id=self.config.pad_token_id,
             length_name="max_input_length", query_name="question",
         )
-        slots, distinct = self.config.num_vip_slots, list(dict.fromkeys(questions))
-        if any(len(ids) > slots for ids in tokenizer(distinct, add_special_tokens=True)["input_ids"]):
+        slots = self.config.num_vip_slots
+        if int(encoding["vip_mask"].sum(dim=1).max()) > slots:  # each row's question tokens, its EOS included
             warnings.warn(
                 f"A question is longer than the {slots} tokens this model keeps uncompressed (config.num_vip_slots, "
                 "its EOS included): its tokens beyond them are compressed like the document's, as in the authors' "

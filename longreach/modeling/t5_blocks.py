@@ -33,7 +33,16 @@ from transformers.modeling_outputs import (
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.utils import logging
 
-from .input_checks import cache_field, cache_of, check_hidden_states, check_mask, check_token_ids, cut_to_length, pad_right
+from .input_checks import (
+    cache_field,
+    cache_of,
+    check_hidden_states,
+    check_mask,
+    check_token_ids,
+    cut_to_length,
+    pad_right,
+    summarization_documents,
+)
 
 logger = logging.get_logger(__name__)
 
@@ -1056,18 +1065,6 @@ def init_t5_module(module: nn.Module, config, init) -> bool:
     else:
         return False
     return True
-
-
-def summarization_documents(documents: str | list[str]) -> list[str]:
-    """``documents`` of ``prepare_summarization_inputs`` as a list: a string is one document (not its characters)."""
-    documents = [documents] if isinstance(documents, str) else list(documents)
-    if not documents:
-        raise ValueError("`documents` must hold at least one document, got an empty list.")
-    for row, document in enumerate(documents):
-        if not isinstance(document, str):
-            raise ValueError(f"Every document must be a string, got {type(document).__name__} {document!r:.40} for "
-                             f"document {row}.")
-    return documents
 
 
 class T5Seq2SeqLMMixin:
