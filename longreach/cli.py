@@ -10,7 +10,8 @@
 
 Progress goes to stderr, results to stdout. A mistake gets one line on stderr that names it and the fix, exit code 2
 for usage errors and 1 for failures; ``--debug`` shows the traceback instead (a bare ``longreach`` or ``longreach
-convert`` prints its usage). ``--version`` prints the version.
+convert`` prints its usage). A corpus run that finished with documents it could not summarize (``OUT.errors.jsonl``)
+exits with code 3, so that a script or scheduler sees that ``OUT`` is not complete. ``--version`` prints the version.
 """
 
 from __future__ import annotations
@@ -26,6 +27,9 @@ import sys
 import time
 import warnings
 from pathlib import Path
+
+#: A corpus run finished, but some documents are in its errors file (not 1 or 2: the run itself did not fail).
+INCOMPLETE_EXIT_CODE = 3
 
 #: ``longreach convert NAME`` -> the converter module (imported only when that converter is used).
 CONVERTERS = {
@@ -317,6 +321,9 @@ def _read_document(file: str) -> str:
 def summarize(args: argparse.Namespace) -> int:
     if (args.file is None) == (args.input is None):
         raise UsageError("longreach summarize: give one document as FILE, or a corpus as --input SRC --output OUT.jsonl")
+    for name in ("file", "input", "output"):  # "--output=~/x.jsonl": no shell expands a ~ after "="
+        if getattr(args, name) not in (None, "-") and getattr(args, name).startswith("~"):
+            setattr(args, name, os.path.expanduser(getattr(args, name)))
     if args.input is not None:
         return summarize_corpus_command(args)
     if args.output_jsonl_options_given:
@@ -377,6 +384,11 @@ def _run_settings(args: argparse.Namespace) -> dict:
     for option in ("question", "question_column"):  # only when given: settings recorded before them stay equal
         if getattr(args, option, None) is not None:
             settings[option] = getattr(args, option)
+    # Which documents, and which column is their text and which their id: ids alone key the finished summaries, so
+    # another input or column under the same ids would keep the first run's summaries of other texts.
+    settings.update(input=where(args.input), text_column=args.text_column, id_column=args.id_column)
+    if getattr(args, "input_kind", None) == "hub":
+        settings["split"] = args.split
     return settings
 
 
@@ -391,6 +403,19 @@ def _check_output_path(output: str) -> None:
     if not ancestor.is_dir():
         raise UsageError(f"longreach summarize: --output {output}: {ancestor} is a file, so no folder can hold the "
                          "summaries there; choose another path")
+
+
+def process_device(device: str | None, world_size: int) -> str | None:
+    """The device of this process: under torchrun / accelerate launch (``world_size > 1``), with no ``--device`` or
+    with ``--device cuda``, the GPU of its ``LOCAL_RANK`` (``cuda`` alone would put every process on GPU 0), or the CPU
+    without one; otherwise ``device`` as given."""
+    if world_size > 1 and device in (None, "cuda"):
+        import torch
+
+        if device == "cuda" or torch.cuda.is_available():
+            return f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
+        return "cpu"
+    return device
 
 
 def _documents(count: int) -> str:
@@ -442,12 +467,9 @@ def summarize_corpus_command(args: argparse.Namespace) -> int:
         if importlib.util.find_spec(module) is None:
             raise CommandError(f"longreach summarize: {why}, and {module} is not installed: pip install "
                                "'longreach[train]'")
+    args.input_kind = kind
     rank, world_size = corpus_module.distributed_rank()
-    device = args.device
-    if device is None and world_size > 1:
-        import torch
-
-        device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available() else "cpu"
+    device = process_device(args.device, world_size)
     try:
         corpus = corpus_module.read_corpus(args.input, split=args.split, text_column=args.text_column,
                                            id_column=args.id_column, reference_column=args.reference_column,
@@ -478,6 +500,7 @@ def summarize_corpus_command(args: argparse.Namespace) -> int:
             dist.init_process_group("gloo")
         dist.barrier()  # every part is complete before rank 0 merges
     stats = _gather_run_statistics(stats, world_size)
+    exit_code = 0
     if rank == 0:
         total = corpus_module.merge_parts(args.output, corpus, world_size)
         by = f"{world_size} processes (the slowest's time, the largest peak)" if world_size > 1 else "this process"
@@ -492,7 +515,9 @@ def summarize_corpus_command(args: argparse.Namespace) -> int:
         errors_file = corpus_module.errors_path_of(Path(args.output))
         if errors_file.exists():
             count = len(corpus_module.json_lines(errors_file))
-            _progress(f"{_documents(count)} could not be summarized: see {errors_file}")
+            _progress(f"{_documents(count)} could not be summarized: see {errors_file} (exit code "
+                      f"{INCOMPLETE_EXIT_CODE})")
+            exit_code = INCOMPLETE_EXIT_CODE
         if args.reference_column:
             metrics = corpus_module.corpus_rouge(args.output, corpus)
             if metrics:
@@ -505,7 +530,7 @@ def summarize_corpus_command(args: argparse.Namespace) -> int:
 
         dist.barrier()
         dist.destroy_process_group()
-    return 0
+    return exit_code
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -18,8 +18,9 @@ models answer the question instead of summarizing; the answer is the record's ``
 * Several processes (``torchrun`` / ``accelerate launch``: ``RANK`` and ``WORLD_SIZE``) split the documents; each
   appends to its own ``OUT.part-R-of-W.jsonl`` (resumable on its own) and rank 0 merges the parts into ``OUT``.
 * With a reference column, ROUGE-1/2/Lsum (``rouge-score``) is printed and written to ``OUT.metrics.json``.
-* What makes a summary (model, tokenizer, ``--max_input_length``, generation options, the question) is kept in
-  ``OUT.settings.json``; a rerun with other settings is refused rather than mixing two runs in ``OUT``.
+* What makes a summary (model, tokenizer, ``--max_input_length``, generation options, the question, the input and its
+  text and id columns) is kept in ``OUT.settings.json``; a rerun with other settings is refused rather than mixing two
+  runs in ``OUT``.
 """
 
 from __future__ import annotations
@@ -54,6 +55,13 @@ class Corpus:
     questions: list[str] | None = None
 
     def add(self, record_id: str, text, reference=None, question=None) -> None:
+        fields = {"id": record_id, "text": text, "reference": reference, "question": question}
+        for name, value in fields.items():
+            if isinstance(value, str) and (position := _lone_surrogate(value)) is not None:
+                # a JSON escape such as "\ud800" alone: no UTF-8 for it, so it could be neither read nor written
+                self.errors.append({"id": _printable(record_id), "error": f"the {name} is not valid Unicode: a lone "
+                                    f"surrogate U+{ord(value[position]):04X} at character {position}"})
+                return
         if not isinstance(text, str) or not text.strip():
             self.errors.append({"id": record_id, "error": f"no text to summarize (got {type(text).__name__} "
                                                           f"{str(text)[:40]!r})"})
@@ -67,6 +75,20 @@ class Corpus:
         self.references.append(reference if isinstance(reference, str) and reference.strip() else None)  # "" = none
         if self.questions is not None:
             self.questions.append(question)
+
+
+def _lone_surrogate(text: str) -> int | None:
+    """The position of the first lone UTF-16 surrogate in ``text`` (None if it has none)."""
+    try:
+        text.encode("utf-8")
+        return None
+    except UnicodeEncodeError as error:
+        return error.start
+
+
+def _printable(text: str) -> str:
+    """``text`` with lone surrogates written as ``\\udXXX`` escapes, so that it can be written as UTF-8."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -135,7 +157,9 @@ def read_corpus(source: str, *, split: str = "train", text_column: str = "text",
             table = datasets.load_dataset(builder, **arguments)
             if builder == "csv":  # read again as text: ids such as 001 stay "001" (pandas' guess: 1, or 1.0 near a gap)
                 features = datasets.Features({name: datasets.Value("string") for name in table.column_names})
-                table = datasets.load_dataset(builder, features=features, **arguments)
+                # and as written: pandas' default missing-value words ("NA", "null", "nan", "None", ...) are text here
+                # (Namibia's code, a document that says "None"); only an empty cell is missing
+                table = datasets.load_dataset(builder, features=features, keep_default_na=False, **arguments)
             elif kind == "table" and builder == "json" and id_column and not _is_text_column(table, id_column):
                 # Arrow reads a column of JSON numbers with one float in it as floats: 1 becomes "1.0" (an id that
                 # changes when a 2.5 joins the file) and 2**53 + 1 becomes 2**53; numbers mixed with strings make a
@@ -250,8 +274,14 @@ def _holds_no_records(path: Path) -> bool:
 
 
 def _first_line(error: BaseException) -> str:
+    """The error's first line; with the first line of its cause where it has one (🤗 datasets wraps the reader's own
+    error, e.g. pandas' "Expected 2 fields in line 3, saw 3", in "An error occurred while generating the dataset")."""
     message = str(error).strip()
-    return message.splitlines()[0][:300] if message else type(error).__name__
+    line = message.splitlines()[0][:300] if message else type(error).__name__
+    cause = error.__cause__
+    if cause is not None and str(cause).strip() and str(cause).strip() not in message:
+        line += f" ({str(cause).strip().splitlines()[0][:300]})"
+    return line
 
 
 def _path_id(relative_path: str) -> str:
@@ -312,7 +342,9 @@ def finished_records(path: Path, repair: bool = True) -> dict[str, dict]:
     if not path.exists():
         return {}
     data = path.read_bytes()
-    complete, cut_short = data[: data.rfind(b"\n") + 1], data[data.rfind(b"\n") + 1:]
+    complete, tail = data[: data.rfind(b"\n") + 1], data[data.rfind(b"\n") + 1:]
+    # after a machine crash a file's last block may read back as NUL bytes (its size was written, its data was not)
+    cut_short = tail.rstrip(b"\0")
     records = {}
     # Split on "\n" only: str.splitlines() also splits on U+2028, U+2029 and U+0085, which ids and summaries may hold.
     for number, line in enumerate(complete.decode("utf-8", errors="replace").split("\n"), start=1):
@@ -329,7 +361,7 @@ def finished_records(path: Path, repair: bool = True) -> dict[str, dict]:
     if cut_short and not (cut_short.startswith(_RECORD_START) or _RECORD_START.startswith(cut_short)):
         raise CorpusError(f"{path} ends with a line that is not one of our summary records; move the file away or "
                           "choose another --output.")
-    if cut_short and repair:
+    if tail and repair:
         with open(path, "r+b") as handle:
             handle.truncate(len(complete))
     return records
@@ -377,18 +409,34 @@ def settings_path_of(output: Path) -> Path:
     return output.with_name(output.name.removesuffix(".jsonl") + ".settings.json")
 
 
+#: Run settings recorded since a later version (the input and its columns): an output whose settings file lacks them
+#: was written before, and is finished without comparing them.
+_ADDED_LATER = ("input", "text_column", "id_column", "split")
+
+
 def check_run_settings(output: str | os.PathLike, settings: dict) -> None:
-    """Record in ``OUT.settings.json`` what makes a summary (model, tokenizer, input length, generation options), or,
-    where ``OUT`` or its parts already hold summaries made with other settings, stop with a :class:`CorpusError` that
-    names them: a rerun finishes a run, it never mixes two. Output of a version that wrote no settings is accepted."""
+    """Record in ``OUT.settings.json`` what makes a summary (model, tokenizer, input length, generation options, the
+    input and its text and id columns), or, where ``OUT`` or its parts already hold summaries made with other
+    settings, stop with a :class:`CorpusError` that names them: a rerun finishes a run, it never mixes two. Output of
+    a version that wrote no settings is accepted. A file there that is not ours (``OUT``, its parts or its settings)
+    is refused before anything is written."""
     output = Path(output)
     path = settings_path_of(output)
+    for part in [output, *part_files(output)]:  # a file that is not our output is refused before anything is written
+        finished_records(part, repair=False)
     has_records = any(p.exists() and p.stat().st_size for p in [output, *part_files(output)])
-    if has_records and path.exists():
+    recorded = None
+    if path.exists():
         try:
             recorded = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, json.JSONDecodeError):
-            recorded = None
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+            pass
+        if not has_records and not (isinstance(recorded, dict) and {"model", "generation"} <= set(recorded)):
+            raise CorpusError(f"{path} exists and is not the settings file of a summary run; move it away or choose "
+                              "another --output.")
+    if has_records and path.exists():
+        if isinstance(recorded, dict):  # settings that this version records and an earlier one did not: not compared
+            settings = {key: value for key, value in settings.items() if key in recorded or key not in _ADDED_LATER}
         if recorded != settings:
             recorded = recorded if isinstance(recorded, dict) else {}
             changed = [f"{key}: {recorded.get(key)!r} then, {settings.get(key)!r} now"

@@ -65,7 +65,7 @@ def test_a_folder_corpus_equals_the_pipeline_and_reports_unreadable_files(model_
     monkeypatch.setattr(GenerationMixin, "generate", lambda self, *a, **k: calls.append(1) or generate(self, *a, **k))
     output = tmp_path / "out.jsonl"
     assert main(["summarize", "--model", str(model_folder), "--input", str(source), "--output", str(output),
-                 "--max_batch_tokens", "300", *GENERATION]) == 0
+                 "--max_batch_tokens", "300", *GENERATION]) == 3  # finished, with a document in the errors file
     records = read_output(output)
     assert list(records) == ["a.txt", "b.md", "sub/c.txt", "sub/d.txt"]  # corpus order, relative paths
     # the comparisons in this file mean something only if the tiny model writes summaries, and not all the same one
@@ -101,7 +101,8 @@ def test_a_jsonl_corpus_with_references_gets_rouge(model_folder, tmp_path, capsy
     truncated = sum(record["truncated"] for record in records.values())  # counted at the end, as the help says
     assert f"{truncated} document{'s' * (truncated != 1)} of this run cut to --max_input_length 50" in captured.err
     assert main(["summarize", "--model", str(model_folder), "--input", str(rows_bad), "--output",
-                 str(tmp_path / "bad-out.jsonl"), "--id_column", "doc_id", *GENERATION]) == 0
+                 str(tmp_path / "bad-out.jsonl"), "--id_column", "doc_id", *GENERATION]) == 3
+    assert "1 document could not be summarized: see" in capsys.readouterr().err
     assert list(read_output(tmp_path / "bad-out.jsonl")) == ["y"]
     assert "no text to summarize" in (tmp_path / "bad-out.errors.jsonl").read_text()
 
@@ -211,10 +212,16 @@ def test_a_file_that_is_not_our_output_is_refused_and_left_as_it_was(model_folde
     other = tmp_path / "mine.jsonl"  # someone's file, not summaries: neither read as finished nor cut short
     for content in ('{"doc_id": "a"}\n{"doc_id": "b"}', '{"id": "a", "text": "w1"}\n', '{"doc_id": "a"}'):
         other.write_text(content)
-        assert main(summarize_args(model_folder, source, other, "--id_column", "id")) == 1
+        assert main(summarize_args(model_folder, source, other, "--id_column", "id")) == 2
         assert "not one of our summary records" in capsys.readouterr().err
         assert other.read_text() == content
+        assert not (tmp_path / "mine.settings.json").exists()  # refused before anything was written beside it
     assert source.read_bytes() == before
+    # someone's file where the settings would go, beside an output not yet written: refused, left as it was
+    (tmp_path / "run.settings.json").write_text('{"lr": 0.1}')
+    assert main(summarize_args(model_folder, source, tmp_path / "run.jsonl", "--id_column", "id")) == 2
+    assert "run.settings.json exists and is not the settings file of a summary run" in capsys.readouterr().err
+    assert (tmp_path / "run.settings.json").read_text() == '{"lr": 0.1}' and not (tmp_path / "run.jsonl").exists()
 
 
 def test_ids_with_unicode_line_separators_and_undecodable_file_names_are_kept(model_folder, tmp_path):
@@ -239,13 +246,13 @@ def test_csv_ids_stay_text_and_bad_jsonl_lines_go_to_the_errors_file(model_folde
     table = tmp_path / "t.csv"
     table.write_text(f"id,text\n001,{document(6)}\n002,\n,{document(7)}\n1,{document(8)}\n")
     output = tmp_path / "csv.jsonl"
-    assert main(summarize_args(model_folder, table, output, "--id_column", "id")) == 0
+    assert main(summarize_args(model_folder, table, output, "--id_column", "id")) == 3
     assert list(corpus_module.finished_records(output)) == ["001", "1"]
     assert {e["id"] for e in corpus_module.json_lines(tmp_path / "csv.errors.jsonl")} == {"002", "<row 2>"}
     lines = tmp_path / "l.jsonl"
     lines.write_text(json.dumps({"id": "a", "text": document(6)}) + "\n{\"id\": \"b\", \"te\n[1, 2]\n"
                      + json.dumps({"id": "c", "text": document(9)}) + "\n")
-    assert main(summarize_args(model_folder, lines, tmp_path / "l-out.jsonl", "--id_column", "id")) == 0
+    assert main(summarize_args(model_folder, lines, tmp_path / "l-out.jsonl", "--id_column", "id")) == 3
     assert list(corpus_module.finished_records(tmp_path / "l-out.jsonl")) == ["a", "c"]
     errors = corpus_module.json_lines(tmp_path / "l-out.errors.jsonl")
     assert [e["id"] for e in errors] == ["<line 2>", "<line 3>"] and errors[0]["error"].startswith("not JSON")
@@ -424,3 +431,97 @@ def test_a_missing_datasets_or_rouge_score_is_named_before_the_model_loads(model
                      str(tmp_path / "out.jsonl"), "--id_column", "doc_id", *options, *GENERATION]) == 1
         assert f"{missing} is not installed: pip install 'longreach[train]'" in capsys.readouterr().err
     assert not loads and not (tmp_path / "out.jsonl").exists()
+
+
+def test_a_rerun_with_another_input_or_column_is_refused(model_folder, tmp_path, capsys):
+    """Ids alone key the finished summaries: another input file or text column under the same ids kept the first
+    run's summaries of other texts ("0 documents, 4 already done")."""
+    write_jsonl(tmp_path / "corpus.jsonl", 4)
+    (tmp_path / "other.jsonl").write_text((tmp_path / "corpus.jsonl").read_text())
+    arguments = summarize_args(model_folder, tmp_path / "corpus.jsonl", tmp_path / "out.jsonl", "--id_column", "doc_id")
+    assert main(arguments + ["--text_column", "summary"]) == 0
+    before = (tmp_path / "out.jsonl").read_bytes()
+    assert main(arguments) == 2
+    assert "(text_column: 'summary' then, 'text' now)" in capsys.readouterr().err
+    other = summarize_args(model_folder, tmp_path / "other.jsonl", tmp_path / "out.jsonl", "--id_column", "doc_id")
+    assert main(other + ["--text_column", "summary"]) == 2
+    assert f"input: {str(tmp_path / 'corpus.jsonl')!r} then, {str(tmp_path / 'other.jsonl')!r} now" in capsys.readouterr().err
+    assert (tmp_path / "out.jsonl").read_bytes() == before
+    # an output whose settings were recorded before the input was: finished as it was, not refused
+    settings = json.loads((tmp_path / "out.settings.json").read_text())
+    for key in ("input", "text_column", "id_column"):
+        del settings[key]
+    (tmp_path / "out.settings.json").write_text(json.dumps(settings))
+    (tmp_path / "out.jsonl").write_bytes(before.split(b"\n", 1)[1])  # one summary to redo
+    assert main(arguments + ["--text_column", "summary"]) == 0
+    assert (tmp_path / "out.jsonl").read_bytes() == before
+
+
+def test_lone_surrogates_go_to_the_errors_file_and_the_run_goes_on(model_folder, tmp_path, capsys):
+    """A JSON escape such as "\\ud800" alone has no UTF-8: in an id it stopped every run at the write, in a text it
+    stopped the whole corpus at the tokenizer."""
+    source = tmp_path / "s.jsonl"
+    records = [{"id": "\ud800x", "text": "w1 w2 w3"}, {"id": "b", "text": "w4 \udc00 w5"}, {"id": "c", "text": "w6 w7"}]
+    source.write_text("".join(json.dumps(record) + "\n" for record in records))  # JSON escapes: "\\ud800x"
+    output = tmp_path / "out.jsonl"
+    for _ in range(2):  # and a rerun goes on the same way
+        assert main(summarize_args(model_folder, source, output, "--id_column", "id")) == 3
+        assert list(corpus_module.finished_records(output)) == ["c"]
+        errors = corpus_module.json_lines(tmp_path / "out.errors.jsonl")
+        assert [(e["id"], e["error"]) for e in errors] == [
+            ("\\ud800x", "the id is not valid Unicode: a lone surrogate U+D800 at character 0"),
+            ("b", "the text is not valid Unicode: a lone surrogate U+DC00 at character 3")]
+    assert "2 documents could not be summarized" in capsys.readouterr().err
+
+
+def test_csv_words_that_pandas_reads_as_missing_stay_text_and_a_bad_row_is_named(tmp_path):
+    read = corpus_module.read_corpus
+    (tmp_path / "na.csv").write_text("id,text,ref\nNA,None,null\nnull,w2,NA\nnan,w3,\nN/A,w4,x\n,w5,x\n")
+    corpus = read(str(tmp_path / "na.csv"), id_column="id", reference_column="ref")
+    assert corpus.ids == ["NA", "null", "nan", "N/A"] and corpus.texts == ["None", "w2", "w3", "w4"]
+    assert corpus.references == ["null", "NA", None, "x"]  # only an empty cell is missing
+    assert corpus.errors == [{"id": "<row 4>", "error": "no id in --id_column 'id'"}]
+    (tmp_path / "bad.csv").write_text("id,text\na,w1 w2\nb,w3,extra\nc,w4\n")
+    with pytest.raises(corpus_module.CorpusError, match="Expected 2 fields in line 3, saw 3"):
+        read(str(tmp_path / "bad.csv"), id_column="id")
+
+
+def test_a_tilde_after_the_equals_sign_is_the_home_folder(model_folder, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "home").mkdir()
+    write_jsonl(tmp_path / "home" / "corpus.jsonl", 2)
+    assert main(["summarize", "--model", str(model_folder), "--input=~/corpus.jsonl", "--output=~/res/out.jsonl",
+                 "--id_column", "doc_id", *GENERATION]) == 0
+    assert len(corpus_module.finished_records(tmp_path / "home" / "res" / "out.jsonl")) == 2
+    assert not (tmp_path / "~").exists()
+    assert f"2 summaries in {tmp_path / 'home' / 'res' / 'out.jsonl'}" in capsys.readouterr().err
+
+
+def test_each_process_of_a_distributed_run_takes_its_own_gpu(monkeypatch):
+    """`--device cuda` under torchrun put every process on GPU 0."""
+    import torch
+
+    from longreach.cli import process_device
+
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    for available in (False, True):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: available)
+        assert process_device("cuda", 2) == "cuda:1"
+        assert process_device(None, 2) == ("cuda:1" if available else "cpu")
+        assert process_device("cpu", 2) == "cpu" and process_device("cuda:0", 2) == "cuda:0"
+        assert process_device("cuda", 1) == "cuda" and process_device(None, 1) is None
+
+
+def test_a_tail_of_nul_bytes_left_by_a_machine_crash_is_redone(model_folder, tmp_path):
+    write_jsonl(tmp_path / "corpus.jsonl", 3)
+    arguments = summarize_args(model_folder, tmp_path / "corpus.jsonl", tmp_path / "out.jsonl", "--id_column", "doc_id")
+    assert main(arguments) == 0
+    complete = (tmp_path / "out.jsonl").read_bytes()
+    first, second, _ = complete.split(b"\n", 2)
+    for tail in (b"\0" * 64, second[:10] + b"\0" * 64):
+        (tmp_path / "out.jsonl").write_bytes(first + b"\n" + tail)
+        assert list(corpus_module.finished_records(tmp_path / "out.jsonl")) == [json.loads(first)["id"]]
+        assert (tmp_path / "out.jsonl").read_bytes() == first + b"\n"  # the tail is gone, not appended to
+        assert main(arguments) == 0
+        assert (tmp_path / "out.jsonl").read_bytes() == complete
