@@ -415,10 +415,13 @@ def push_folder_to_hub(
     folder = Path(folder)
     names = hub_files(folder)
     config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
-    card = _card_for_upload(folder, config, repo_id, tags)
 
     api = HfApi(token=token, library_name="longreach", library_version=_longreach_version())
+    # the full id ("someone/name" for "name"): the card's code must name the repository users will load
     repo_id = api.create_repo(repo_id, private=private, exist_ok=True).repo_id
+    if revision is not None and not revision.startswith("refs/pr"):  # a new branch is made, as transformers does
+        api.create_branch(repo_id, branch=revision, exist_ok=True)
+    card = _card_for_upload(folder, config, repo_id, tags)
     operations = [CommitOperationAdd(path_in_repo=name, path_or_fileobj=str(folder / name)) for name in names]
     operations.append(CommitOperationAdd(path_in_repo=README, path_or_fileobj=card.encode("utf-8")))
     return api.create_commit(

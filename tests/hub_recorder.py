@@ -11,13 +11,19 @@ class RecordingHubApi:
 
     instances: list["RecordingHubApi"] = []
 
+    #: The namespace the Hub puts a repository id without one in (the user's).
+    user = "someone"
+
     def __init__(self, token=None, **kwargs):
-        self.token, self.repos, self.commits = token, [], []
+        self.token, self.repos, self.commits, self.branches = token, [], [], []
         RecordingHubApi.instances.append(self)
 
     def create_repo(self, repo_id, private=None, exist_ok=False, **kwargs):
         self.repos.append({"repo_id": repo_id, "private": private, "exist_ok": exist_ok})
-        return SimpleNamespace(repo_id=repo_id)
+        return SimpleNamespace(repo_id=repo_id if "/" in repo_id else f"{self.user}/{repo_id}")
+
+    def create_branch(self, repo_id, branch, exist_ok=False, **kwargs):
+        self.branches.append({"repo_id": repo_id, "branch": branch, "exist_ok": exist_ok})
 
     def create_commit(self, repo_id, operations, commit_message=None, **kwargs):
         files = {}

@@ -131,6 +131,24 @@ def test_model_push_uploads_exactly_what_hub_users_need(recorder):
     assert {"demo", "custom_code"} <= set(ModelCard(readme).data.tags)
 
 
+def test_a_push_names_the_full_repository_and_passes_every_upload_option_on(recorder, tmp_path):
+    """The card's code named "my-locost" where the Hub made "someone/my-locost"; `save_pretrained(push_to_hub=True)`
+    dropped `create_pr`, `commit_description` and `revision` (a commit straight to main); and a push to a branch that
+    did not exist yet failed (transformers creates it first)."""
+    tiny_locost().save_pretrained(tmp_path / "m", push_to_hub=True, repo_id="my-locost", create_pr=True,
+                                  commit_description="why", revision="dev")
+    (api,) = recorder.instances
+    commit = single_commit(recorder)
+    assert (commit["repo_id"], commit["create_pr"], commit["commit_description"], commit["revision"]) == (
+        "someone/my-locost", True, "why", "dev")
+    assert api.branches == [{"repo_id": "someone/my-locost", "branch": "dev", "exist_ok": True}]
+    readme = commit["files"]["README.md"].decode()
+    assert 'model="someone/my-locost"' in readme and 'model="my-locost"' not in readme
+    recorder.instances.clear()
+    tiny_locost().push_to_hub("someone/x", revision="refs/pr/3")  # a pull request's ref is not a branch to make
+    assert recorder.instances[0].branches == [] and single_commit(recorder)["revision"] == "refs/pr/3"
+
+
 def test_pipeline_push_includes_the_tokenizer(recorder):
     summarizer = pipeline("long-summarization", model=tiny_locost(), tokenizer=word_tokenizer())
     summarizer.push_to_hub("someone/locost-pipeline")

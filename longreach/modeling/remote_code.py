@@ -27,6 +27,8 @@ _RELATIVE_IMPORT = re.compile(r"^(?P<head>[ \t]*from[ \t]+)(?P<dots>\.+)(?P<name
 
 #: The summarization pipeline's class (see :func:`_pipeline_module_for` for its module).
 PIPELINE_CLASS = "LongSummarizationPipeline"
+#: ``save_pretrained(..., push_to_hub=True, **options)``: the options that belong to the upload (as in transformers).
+_PUSH_OPTIONS = ("repo_id", "commit_message", "commit_description", "token", "private", "revision", "create_pr", "tags")
 
 
 def _resolve_relative(module_name: str, dots: str, name: str, is_package: bool) -> str:
@@ -211,7 +213,7 @@ class HubReadyMixin:
         if os.path.isfile(save_directory):
             raise ValueError(f"`save_directory` must be a directory, got the file {save_directory!r}.")
         self.write_remote_code(save_directory)
-        hub_kwargs = {key: kwargs.pop(key) for key in ("repo_id", "commit_message", "token", "private") if key in kwargs}
+        hub_kwargs = {key: kwargs.pop(key) for key in _PUSH_OPTIONS if key in kwargs}
         result = super().save_pretrained(save_directory, *args, **kwargs)
         if push_to_hub:
             repo_id = hub_kwargs.pop("repo_id", Path(save_directory).name)
