@@ -374,3 +374,76 @@ def test_return_text_false_counts_the_constructors_return_tensors(model, tokeniz
     ids_only = pipeline("long-summarization", model=model, tokenizer=tokenizer, return_text=False, return_tensors=True)
     with pytest.raises(ValueError, match=re.escape("the output would be empty")):
         ids_only(document(50), max_new_tokens=3, return_tensors=False)
+
+
+def test_dodo_batches_with_a_tokenizer_without_a_pad_token():
+    """Llama-2's tokenizer has no pad token; Dodo pads its own inputs, but transformers' collation refused
+    `batch_size > 1` ("Pipeline with tokenizer without pad_token cannot do batching")."""
+    from test_workflows_vcc_t5_dodo import llama_word_tokenizer, tiny_dodo
+
+    tokenizer = llama_word_tokenizer()
+    summarizer = pipeline("long-summarization", model=tiny_dodo(), tokenizer=tokenizer, max_new_tokens=4,
+                          return_tensors=True)
+    documents = [document(40, offset=1), document(70, offset=3), document(25, offset=5)]
+    one_by_one = summarizer(documents)
+    tokenizer.pad_token = None
+    assert tokenizer.pad_token_id is None
+    batched = summarizer(documents, batch_size=3)
+    assert [r["summary_token_ids"].tolist() for r in batched] == [r["summary_token_ids"].tolist() for r in one_by_one]
+    question = summarizer(documents, batch_size=2, question=["w1 w2", "w3", "w4 w5 w6"])
+    assert len(question) == 3
+
+
+def test_a_plain_t5_summarizes_with_its_task_specific_parameters(tokenizer):
+    """transformers v4's summarization pipeline applied `task_specific_params["summarization"]` (T5 checkpoints:
+    the "summarize: " prefix, beams, lengths); v5 keeps them in the config only."""
+    torch.manual_seed(0)
+    t5 = T5ForConditionalGeneration(T5Config(
+        vocab_size=99, d_model=16, d_kv=4, d_ff=32, num_layers=1, num_heads=2, decoder_start_token_id=0,
+        task_specific_params={"summarization": {"prefix": "w90 w91 ", "num_beams": 3, "min_length": 5,
+                                                "max_length": 8, "no_repeat_ngram_size": 3}})).eval()
+    calls = []
+    generate = t5.generate
+    t5.generate = lambda **kwargs: calls.append(kwargs) or generate(**kwargs)
+    summarizer = LongSummarizationPipeline(model=t5, tokenizer=tokenizer)
+    doc = document(6)
+    summarizer(doc)
+    assert calls[-1]["input_ids"][0].tolist() == tokenizer("w90 w91 " + doc)["input_ids"]
+    options = {key: value for key, value in calls[-1].items() if key not in ("input_ids", "attention_mask")}
+    assert options == {"num_beams": 3, "min_length": 5, "max_length": 8, "no_repeat_ngram_size": 3,
+                       "max_new_tokens": None, "min_new_tokens": None}
+    with torch.no_grad():
+        expected = generate(**tokenizer("w90 w91 " + doc, return_tensors="pt"), num_beams=3, min_length=5,
+                            max_length=8, no_repeat_ngram_size=3)
+    assert summarizer(doc, return_tensors=True)[0]["summary_token_ids"].tolist() == expected[0].tolist()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no clash of the caller's length with the checkpoint's min_length
+        summarizer(doc, num_beams=1, max_new_tokens=2)  # the caller's options win, and a caller's length replaces all
+    options = {key: value for key, value in calls[-1].items() if key not in ("input_ids", "attention_mask")}
+    assert options == {"num_beams": 1, "no_repeat_ngram_size": 3, "max_new_tokens": 2}
+
+
+def test_stop_sequence_ends_the_summary_and_generate_output_dicts_are_read():
+    """v4 took `stop_sequence`; here it is transformers' text-generation meaning (`stop_strings`, with the pipeline's
+    tokenizer). `return_dict_in_generate=True` crashed on `.shape`."""
+    from tokenizer_helpers import byte_level_bpe_tokenizer
+
+    tokenizer = byte_level_bpe_tokenizer(["the cat sat on the mat. a dog ran to the park and back again."] * 20)
+    summarizer = pipeline("long-summarization", model=tiny_locost(vocab_size=len(tokenizer)), tokenizer=tokenizer)
+    words = [i for token, i in tokenizer.get_vocab().items() if token.lstrip("Ġ").isalpha() and len(token) > 3]
+
+    def sample(**options):
+        torch.manual_seed(0)  # sampled whole words: a varied summary, the same until it stops
+        return summarizer("the cat sat on the mat", max_new_tokens=12, min_new_tokens=12, do_sample=True,
+                          suppress_tokens=[i for i in range(len(tokenizer)) if i not in words], return_tensors=True,
+                          **options)[0]
+
+    full = sample()
+    ids = full["summary_token_ids"].tolist()
+    stop_at = next(k for k in range(2, len(ids)) if ids[k] not in ids[1:k])  # a word not generated before
+    stop = tokenizer.decode(ids[stop_at:stop_at + 1])
+    for options in ({"stop_sequence": stop}, {"stop_sequence": [stop, "zzz"]}, {"stop_strings": stop}):
+        assert sample(**options)["summary_token_ids"].tolist() == ids[:stop_at + 1]
+    assert sample(return_dict_in_generate=True, output_scores=True)["summary_text"] == full["summary_text"]
+    with pytest.raises(ValueError, match="`stop_sequence` must be a non-empty string"):
+        summarizer("the cat", stop_sequence="")

@@ -35,9 +35,6 @@ import warnings
 import torch
 from transformers import Pipeline
 
-#: Parameters consumed by the pipeline itself; everything else is passed to ``generate()``.
-_PIPELINE_PARAMETERS = ("max_input_length", "question", "clean_up_tokenization_spaces", "return_text", "return_tensors")
-
 
 class LongSummarizationPipeline(Pipeline):
     """Summarize (long) documents with ``generate()``.
@@ -66,7 +63,10 @@ class LongSummarizationPipeline(Pipeline):
       ``summary_token_ids``.
     * ``generate_kwargs`` (`dict`) and any other keyword (``max_new_tokens``, ``num_beams``, ``do_sample``,
       ``length_penalty``, ``no_repeat_ngram_size``, ``num_return_sequences``, ``streamer``, ...): passed to
-      ``model.generate``. The model's ``generation_config`` supplies everything not given. For decoder-only models
+      ``model.generate``. The model's ``generation_config`` supplies everything not given. ``stop_sequence`` (`str`
+      or `list[str]`) ends a summary where that text is generated (``stop_strings``, with the pipeline's tokenizer,
+      as transformers' text-generation pipeline does); ``return_dict_in_generate=True`` is accepted (the sequences
+      are read from it). For decoder-only models
       (Dodo), ``max_length`` and ``min_length`` count the summary's tokens: they are passed as ``max_new_tokens`` /
       ``min_new_tokens``, since the prompt the pipeline builds around a document is not the user's. For
       encoder-decoders they count the decoder start token too, as in transformers, and take precedence over the
@@ -89,10 +89,19 @@ class LongSummarizationPipeline(Pipeline):
         clean_up_tokenization_spaces=None,
         return_text=None,
         return_tensors=None,
+        stop_sequence=None,
         generate_kwargs=None,
         **more_generate_kwargs,
     ):
         preprocess_params, postprocess_params = {}, {}
+        if stop_sequence is not None:  # transformers' text-generation pipeline: `stop_strings`, with our tokenizer
+            sequences = [stop_sequence] if isinstance(stop_sequence, str) else stop_sequence
+            if not isinstance(sequences, (list, tuple)) or not sequences or not all(
+                    isinstance(text, str) and text for text in sequences):
+                raise ValueError(f"`stop_sequence` must be a non-empty string or list of them, got {stop_sequence!r}.")
+            if "stop_strings" in more_generate_kwargs or "stop_strings" in (generate_kwargs or {}):
+                raise ValueError("Pass `stop_sequence` or `stop_strings`, not both.")
+            more_generate_kwargs["stop_strings"] = list(sequences)
         if max_input_length is not None:
             if not isinstance(max_input_length, int) or isinstance(max_input_length, bool) or max_input_length < 1:
                 raise ValueError(f"`max_input_length` must be a positive integer, got {max_input_length!r}.")
@@ -118,6 +127,8 @@ class LongSummarizationPipeline(Pipeline):
                     "This pipeline never truncates on its own: pass `max_input_length=N` to keep at most N document "
                     f"tokens (a warning reports what is dropped); got `truncation={merged['truncation']!r}`."
                 )
+            if merged.get("stop_strings") is not None and merged.get("tokenizer") is None:
+                merged["tokenizer"] = self.tokenizer  # generate() finds stop strings in text through a tokenizer
             forward_params = merged  # one key per option, so that call options update constructor defaults
             if "eos_token_id" in merged:  # where `summary_token_ids` end
                 postprocess_params["eos_token_id"] = merged["eos_token_id"]
@@ -181,6 +192,27 @@ class LongSummarizationPipeline(Pipeline):
             return [records[0] for records in results]
         return results
 
+    def get_iterator(self, inputs, num_workers, batch_size, preprocess_params, forward_params, postprocess_params):
+        """transformers' iterator, except that batches need no pad token: ``preprocess`` yields text, which the
+        model's own input preparation pads (Dodo's Llama-2 tokenizer has none, and ``batch_size > 1`` was refused)."""
+        if batch_size == 1 or self.tokenizer is None or self.tokenizer.pad_token_id is not None:
+            return super().get_iterator(inputs, num_workers, batch_size, preprocess_params, forward_params,
+                                        postprocess_params)
+        from torch.utils.data import DataLoader
+        from transformers.pipelines.pt_utils import PipelineDataset, PipelineIterator
+
+        if hasattr(inputs, "__len__"):
+            dataset = PipelineDataset(inputs, self.preprocess, preprocess_params)
+        else:
+            dataset, num_workers = PipelineIterator(inputs, self.preprocess, preprocess_params), 1
+
+        def collate(items):  # one list per key: documents, questions and lengths, as transformers' collation gives
+            return {key: [item[key] for item in items] for key in items[0]}
+
+        loader = DataLoader(dataset, num_workers=num_workers, batch_size=batch_size, collate_fn=collate)
+        model_iterator = PipelineIterator(loader, self.forward, forward_params, loader_batch_size=batch_size)
+        return PipelineIterator(model_iterator, self.postprocess, postprocess_params)
+
     # Tokenization happens in `_forward`, on whole batches, because the model's own `prepare_summarization_inputs`
     # decides how documents are laid out together (padding side, prompts, extra masks). `preprocess` only validates.
     def preprocess(self, document, max_input_length=None, question=None):
@@ -214,6 +246,16 @@ class LongSummarizationPipeline(Pipeline):
                     stacklevel=2,
                 )
 
+        if all(question is None for question in questions) and self._summarization_task_parameters() \
+                and "generation_config" not in generate_kwargs:
+            # a plain model (e.g. a T5 checkpoint) with transformers v4's `task_specific_params["summarization"]`:
+            # its generation settings, under the caller's, as v4's summarization pipeline applied them (its lengths
+            # only when the caller gives none: a caller's max_new_tokens=2 and the checkpoint's min_length=30 clash)
+            lengths = ("max_length", "min_length", "max_new_tokens", "min_new_tokens")
+            caller_length = any(key in generate_kwargs for key in lengths)
+            defaults = {key: value for key, value in self._summarization_task_parameters().items()
+                        if key != "prefix" and not (caller_length and key in lengths)}
+            generate_kwargs = {**defaults, **generate_kwargs}
         for total, new_tokens in (("max_length", "max_new_tokens"), ("min_length", "min_new_tokens")):
             if total in generate_kwargs and new_tokens not in generate_kwargs:
                 generate_kwargs = dict(generate_kwargs)
@@ -225,6 +267,8 @@ class LongSummarizationPipeline(Pipeline):
                     # the prompt is ours, not the user's: a summary's max_length / min_length count the summary alone
                     generate_kwargs[new_tokens] = generate_kwargs.pop(total)
         output_ids = self.model.generate(**inputs, **generate_kwargs)
+        if not isinstance(output_ids, torch.Tensor):  # `return_dict_in_generate=True`: a GenerateOutput
+            output_ids = output_ids.sequences
         if not self.model.config.is_encoder_decoder:
             output_ids = output_ids[:, inputs["input_ids"].shape[1] :]  # decoder-only: drop the prompt
         # generate() returns num_return_sequences rows per document, wherever that number was set (a call option, a
@@ -253,6 +297,15 @@ class LongSummarizationPipeline(Pipeline):
         device = self.model.device
         return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}, dropped
 
+    def _summarization_task_parameters(self) -> dict:
+        """``config.task_specific_params["summarization"]`` of a plain model (a v4-era T5 checkpoint: its prefix,
+        beams and lengths), or ``{}``; longreach models prepare their inputs themselves."""
+        if getattr(self.model, "prepare_summarization_inputs", None) is not None:
+            return {}
+        parameters = getattr(self.model.config, "task_specific_params", None)
+        parameters = parameters.get("summarization") if isinstance(parameters, dict) else None
+        return dict(parameters) if isinstance(parameters, dict) else {}
+
     def _check_takes_questions(self):
         if getattr(self.model, "prepare_question_inputs", None) is None:
             raise ValueError(
@@ -266,7 +319,7 @@ class LongSummarizationPipeline(Pipeline):
         right for encoder-decoders and on the left for decoder-only models. (The models' own helpers in
         ``input_checks`` are not imported: this file also serves models that ship without them.)"""
         config = self.model.config
-        prefix = getattr(config, "prefix", None) or ""
+        prefix = self._summarization_task_parameters().get("prefix") or getattr(config, "prefix", None) or ""
         if max_input_length is None:
             for name in ("max_position_embeddings", "n_positions", "max_source_positions"):
                 limit = getattr(config, name, None)
