@@ -1,8 +1,9 @@
 """Converters never leave a half-written folder and say in one line what is wrong with a bad input.
 
-A conversion writes into a hidden sibling folder and renames it into place only after the reload check: killed at any
+A conversion writes into a hidden staging folder and puts it in place only after the reload check: killed at any
 moment (SIGKILL while the weights are written, and after they are written), it leaves nothing under the output's
-name, and a rerun into the same path succeeds. Truncated or foreign inputs get one line naming the cause.
+name, and a rerun into the same path succeeds; SIGTERM removes the staging folder; an existing empty output folder is
+kept (a mount point, a folder's mode and group). Truncated or foreign inputs get one line naming the cause.
 """
 
 from __future__ import annotations
@@ -306,3 +307,57 @@ def test_an_unusable_tokenizer_is_named_with_the_whole_cause(fixtures_dir, tmp_p
     assert error.startswith(f"error: --tokenizer_name_or_path {tokenizer}: Couldn't instantiate the backend tokenizer")
     assert "(1) a `tokenizers` library serialization file" in error  # not cut after the first line
     assert not (tmp_path / "out").exists()
+
+
+def test_an_existing_empty_output_folder_is_kept_with_its_mode_and_group(fixtures_dir, tmp_path):
+    """An existing empty output (a container's volume mount, a team folder) was removed and replaced by a renamed
+    one: a mount point cannot be (the whole conversion was thrown away), and the folder's mode and setgid bit were
+    lost; the weights were 0600 where the other files follow the umask."""
+    output = tmp_path / "team" / "out"
+    output.mkdir(parents=True)
+    output.chmod(0o2770)
+    before = output.stat()
+    locost_converter.convert_locost_checkpoint(fixtures_dir / "locost" / "hf_checkpoint", output)
+    after = output.stat()
+    assert (after.st_ino, after.st_mode) == (before.st_ino, before.st_mode)  # the same folder, not a replacement
+    modes = {path.name: path.stat().st_mode & 0o777 for path in output.iterdir()}
+    assert {"config.json", "model.safetensors"} <= set(modes) and not any(name.startswith(".") for name in modes)
+    assert set(modes.values()) == {0o666 & ~_umask()}
+
+
+def test_sigterm_during_a_conversion_leaves_nothing(tmp_path):
+    """A scheduler's time limit or `docker stop` (SIGTERM) left the hidden staging folder, full size, behind."""
+    code = textwrap.dedent("""
+        import os, signal, sys, time
+        from pathlib import Path
+        from longreach.conversion.conversion_utils import staged_output
+        with staged_output(Path(sys.argv[1])) as staging:
+            (staging / "model.safetensors").write_bytes(b"0" * 1000)
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(30)
+    """)
+    for output in (tmp_path / "new" / "out", tmp_path / "empty"):
+        if output.name == "empty":
+            output.mkdir()
+        result = subprocess.run([sys.executable, "-c", code, str(output)], cwd=REPO, capture_output=True, timeout=120)
+        assert result.returncode == 128 + signal.SIGTERM, result.stderr[-2000:]
+        assert sorted(p.name for p in tmp_path.rglob("*")) == (["empty"] if output.name == "empty" else [])
+
+
+def test_input_paths_with_a_tilde_and_a_missing_config_path_are_named(fixtures_dir, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    shutil.copytree(fixtures_dir / "locost" / "hf_checkpoint", tmp_path / "ckpt")
+    assert main(["convert", "locost", "--checkpoint_path=~/ckpt", "--config_path=~/ckpt/config.json",
+                 "--pytorch_dump_folder_path=~/out"]) == 0  # no shell expands a ~ after "="
+    assert (tmp_path / "out" / "model.safetensors").is_file()
+    assert main(["convert", "locost", "--checkpoint_path", str(tmp_path / "ckpt"), "--config_path", "nope.json",
+                 "--pytorch_dump_folder_path", str(tmp_path / "out2")]) == 1
+    assert "--config_path nope.json does not exist or is not a file" in capsys.readouterr().err
+
+
+def test_a_staging_folder_left_inside_an_output_folder_by_a_killed_run_is_removed(fixtures_dir, tmp_path):
+    output = tmp_path / "out"
+    (output / ".incomplete-999999999-x").mkdir(parents=True)  # no such process
+    (output / ".incomplete-999999999-x" / "model.safetensors").write_bytes(b"0")
+    locost_converter.convert_locost_checkpoint(fixtures_dir / "locost" / "hf_checkpoint", output)
+    assert not any(path.name.startswith(".") for path in output.iterdir())

@@ -570,3 +570,25 @@ def test_peft_route_numeric_flags_are_checked(dodo_fixtures, tmp_path, capsys, f
                         "--soft_prompt_length", "0", "--pytorch_dump_folder_path", str(tmp_path / "out"), flag, value])
     assert message in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("option, value", [("use_rslora", True), ("use_dora", True), ("alpha_pattern", {"q_proj": 64}),
+                                           ("rank_pattern", {"v_proj": 4}), ("fan_in_fan_out", True)])
+def test_peft_adapters_with_options_beyond_plain_lora_are_refused(dodo_fixtures, tmp_path, option, value):
+    """`use_rslora` adapters converted with the plain scale alpha / r (1.0 instead of PEFT's alpha / sqrt(r), 5.66
+    here), silently: another model. Options that change what LoRA computes are refused, naming the file."""
+    import json
+    import shutil
+
+    adapters = tmp_path / "adapters"
+    shutil.copytree(dodo_fixtures / "adapters", adapters)
+    config_file = adapters / "encoder" / "adapter_config.json"
+    config = json.loads(config_file.read_text())
+    config[option] = value
+    config_file.write_text(json.dumps(config))
+    with pytest.raises(ConversionError, match=rf"adapter_config.json sets {option}=.*plain LoRA"):
+        converter.convert_dodo_peft_folders(adapters / "encoder", adapters / "decoder", dodo_fixtures / "scorer.pt",
+                                            dodo_fixtures / "base", tmp_path / "out", soft_prompt_length=0)
+    assert not (tmp_path / "out").exists()
+    assert converter.unsupported_lora_options({"use_rslora": False, "alpha_pattern": {}, "modules_to_save": None,
+                                               "bias": "none", "layer_replication": None}) == []

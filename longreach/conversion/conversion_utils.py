@@ -8,9 +8,11 @@ Rules every converter follows:
   source lacks, stops the conversion with a message naming them. Tied duplicates are dropped only after checking
   that they equal their source tensor.
 * The output folder must be new or empty and must not overlap the input; the input is never written to.
-* Everything is written into a hidden sibling folder (``.NAME.incomplete-PID-*``), reloaded from there and every
-  tensor compared bit for bit with the source; only then is that folder renamed to the output. A conversion that
-  fails or is killed never leaves a folder under the output's name, and a rerun into the same path works.
+* Everything is written into a hidden staging folder (``.NAME.incomplete-PID-*`` beside a new output folder,
+  ``.incomplete-PID-*`` inside an existing empty one, which is kept with its mount, mode and group), reloaded from
+  there and every tensor compared bit for bit with the source; only then is that folder renamed to the output (or its
+  files moved into it, ``config.json`` last). A conversion that fails, is interrupted or gets SIGTERM removes it; one
+  killed outright never leaves a folder that loads under the output's name, and a rerun into the same path works.
 """
 
 from __future__ import annotations
@@ -20,7 +22,10 @@ import logging
 import os
 import re
 import shutil
+import signal
+import stat
 import tempfile
+import threading
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -174,6 +179,8 @@ def load_state_dict_from_folder(folder: str | os.PathLike) -> dict[str, torch.Te
 
 def load_folder_checkpoint(folder: Path, config_path: Path | None = None) -> tuple[dict[str, torch.Tensor], dict]:
     """``(state dict, config dict)`` of a ``save_pretrained`` folder; ``config_path`` replaces its config.json."""
+    if config_path is not None and not Path(config_path).is_file():
+        raise ConversionError(f"--config_path {config_path} does not exist or is not a file.")
     config_file = config_path or folder / "config.json"
     if not config_file.is_file():
         raise ConversionError(f"No config.json in {folder} (pass --config_path).")
@@ -358,6 +365,7 @@ def prepare_output_folder(output: str | os.PathLike, inputs: Iterable[str | os.P
     if output.exists():
         if not output.is_dir():
             raise ConversionError(f"--pytorch_dump_folder_path {output} exists and is not a folder.")
+        _remove_stale_staging(output, _STAGING_PREFIX)  # left inside it by a killed conversion into it
         if any(output.iterdir()):
             raise ConversionError(
                 f"--pytorch_dump_folder_path {output} is not empty; refusing to overwrite. Pass a new or empty folder."
@@ -371,11 +379,29 @@ def prepare_output_folder(output: str | os.PathLike, inputs: Iterable[str | os.P
         raise ConversionError(f"--pytorch_dump_folder_path {output}: cannot write in {ancestor}.")
     if not output.parent.is_dir():
         return output  # its parent folders are created by staged_output, once the conversion gets that far
-    for stale in output.parent.glob(f".{output.name}.incomplete-*"):
-        pid = stale.name.split("-")[-2] if stale.name.count("-") >= 2 else ""
+    _remove_stale_staging(output.parent, f".{output.name}{_STAGING_PREFIX}")
+    return output
+
+
+#: Staging folders are named PREFIX + "PID-" + random (beside a new output folder: "." + its name + PREFIX ...).
+_STAGING_PREFIX = ".incomplete-"
+
+
+def _remove_stale_staging(folder: Path, prefix: str) -> None:
+    """Remove the staging folders in ``folder`` whose conversion process is gone."""
+    for stale in folder.glob(f"{prefix}*"):
+        pid = stale.name[len(prefix):].split("-")[0]
         if stale.is_dir() and not (pid.isdigit() and _process_alive(int(pid))):
             shutil.rmtree(stale, ignore_errors=True)
-    return output
+
+
+def expand_user_paths(args):
+    """``args`` with a leading ``~`` of every option expanded: ``--checkpoint_path=~/ckpt`` reaches us with its ``~``
+    (no shell expands it after "=")."""
+    for name, value in vars(args).items():
+        if isinstance(value, str) and value.startswith("~"):
+            setattr(args, name, os.path.expanduser(value))
+    return args
 
 
 def check_push_target(repo_id: str | None) -> None:
@@ -411,19 +437,35 @@ def _process_alive(pid: int) -> bool:
 
 @contextmanager
 def staged_output(output: Path) -> Iterator[Path]:
-    """Yield a hidden sibling folder of ``output`` to write into; when the block succeeds, rename it to ``output``
-    (an empty ``output`` folder is replaced), and when it fails remove it."""
-    created = [folder for folder in [output.parent, *output.parent.parents] if not folder.exists()]
+    """Yield a hidden folder to write into; when the block succeeds, its files become ``output``, and when it fails
+    (an exception, Ctrl-C, or SIGTERM: a scheduler's time limit, ``docker stop``) it is removed.
+
+    A new ``output`` is a sibling folder renamed into place. An existing (empty) ``output`` folder is kept, with its
+    mount (a container's volume: a rename over it fails), mode and group: the staging folder is made inside it, and
+    its files are moved into it at the end, ``config.json`` last (a folder without one does not load).
+    """
+    keep_folder = output.is_dir()
+    created = [] if keep_folder else [folder for folder in [output.parent, *output.parent.parents]
+                                      if not folder.exists()]
     output.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{output.name}.incomplete-{os.getpid()}-", dir=output.parent))
+    prefix = _STAGING_PREFIX if keep_folder else f".{output.name}{_STAGING_PREFIX}"
+    staging = Path(tempfile.mkdtemp(prefix=f"{prefix}{os.getpid()}-", dir=output if keep_folder else output.parent))
     umask = os.umask(0)
     os.umask(umask)
-    staging.chmod(0o777 & ~umask)  # mkdtemp makes it private; the converted folder gets the usual permissions
+    # mkdtemp makes it private; the converted folder gets the usual permissions (and in a setgid folder, its group)
+    staging.chmod((0o777 & ~umask) | (staging.parent.stat().st_mode & stat.S_ISGID))
+    previous_handler = _exit_on_sigterm()
     try:
         yield staging
-        if output.is_dir():
-            output.rmdir()  # empty (checked by prepare_output_folder); rmdir refuses anything else
-        os.rename(staging, output)
+        for path in staging.rglob("*"):
+            if path.is_file() and not path.is_symlink():
+                path.chmod(0o666 & ~umask)  # as other files are made (safetensors writes its weights 0600)
+        if keep_folder:
+            for name in sorted(os.listdir(staging), key=lambda name: name == "config.json"):
+                os.replace(staging / name, output / name)
+            staging.rmdir()
+        else:
+            os.rename(staging, output)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         for folder in created:  # the parent folders this conversion made, innermost first, if still empty
@@ -432,6 +474,23 @@ def staged_output(output: Path) -> Iterator[Path]:
             except OSError:
                 break
         raise
+    finally:
+        if previous_handler is not None:
+            signal.signal(signal.SIGTERM, previous_handler)
+
+
+def _exit_on_sigterm():
+    """In the main thread: SIGTERM raises ``SystemExit(143)`` (so that the staging folder is removed, as on Ctrl-C);
+    returns the handler it replaced, or None where none was installed."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+
+    def terminate(signum, frame):
+        raise SystemExit(128 + signum)
+
+    previous = signal.getsignal(signal.SIGTERM)
+    signal.signal(signal.SIGTERM, terminate)
+    return previous if previous is not None else signal.SIG_DFL
 
 
 def find_local_tokenizer(*candidates: str | os.PathLike | None) -> str | None:

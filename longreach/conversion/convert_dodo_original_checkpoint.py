@@ -54,19 +54,20 @@ from ..modeling.modeling_dodo import DodoLlamaForCausalLM
 from .conversion_utils import (
     ConversionError,
     KeyMap,
-    find_local_tokenizer,
     check_floating_dtypes,
     check_push_target,
     check_state_dict,
+    expand_user_paths,
+    find_local_tokenizer,
     finish_conversion,
     load_state_dict_from_folder,
     load_weights_file,
     one_line,
-    read_json,
-    widest_floating_dtype,
     prepare_output_folder,
+    read_json,
     safe_torch_load,
     staged_output,
+    widest_floating_dtype,
 )
 
 logger = logging.getLogger(__name__)
@@ -364,6 +365,25 @@ def _adapter_number(adapter_config: dict, key: str, default, kind: type, config_
     raise ConversionError(f"{config_file}: {key}={value!r}, expected {expected}.")
 
 
+#: PEFT LoraConfig fields whose non-default values change what an adapter computes, beyond Dodo's plain LoRA
+#: (the default each must have: rank-stabilised scaling, DoRA, per-module ranks or alphas, transposed weights, biases,
+#: trained copies of whole modules, replicated layers).
+_PLAIN_LORA_DEFAULTS = {"use_rslora": False, "use_dora": False, "rank_pattern": {}, "alpha_pattern": {},
+                        "fan_in_fan_out": False, "bias": "none", "lora_bias": False, "modules_to_save": None,
+                        "layer_replication": None}
+
+
+def unsupported_lora_options(adapter_config: dict) -> list[str]:
+    """``name=value`` of each option of a PEFT ``adapter_config.json`` that plain LoRA does not compute (absent, or
+    ``null`` / empty for the patterns and lists, is the default)."""
+    found = []
+    for name, default in _PLAIN_LORA_DEFAULTS.items():
+        value = adapter_config.get(name, default)
+        if value != default and not (value in (None, {}, [], "none") and default in (None, {}, "none")):
+            found.append(f"{name}={value!r}")
+    return found
+
+
 def lora_targets_from_adapter_config(
     adapter_config: dict, num_hidden_layers: int
 ) -> tuple[list[str], list[int] | None]:
@@ -511,6 +531,11 @@ def _build_and_save(
     check_floating_dtypes(model, converted, source)
     # One dtype for the whole model: by default the widest of the sources (lossless: the authors keep float32 adapters)
     target_dtype = getattr(torch, dtype) if dtype else widest_floating_dtype(converted.values())
+    source_dtypes = sorted({str(t.dtype).removeprefix("torch.") for t in converted.values() if t.is_floating_point()})
+    if dtype is None and len(source_dtypes) > 1:  # e.g. a bfloat16 base with float32 adapters: the file grows
+        logger.info("The sources hold %s tensors: the converted model is %s throughout (lossless); --dtype %s keeps "
+                    "a smaller file instead.", " and ".join(source_dtypes), str(target_dtype).removeprefix("torch."),
+                    next(name for name in source_dtypes if getattr(torch, name) != target_dtype))
     converted = {
         key: tensor.to(target_dtype) if tensor.is_floating_point() else tensor for key, tensor in converted.items()
     }
@@ -638,6 +663,13 @@ def convert_dodo_peft_folders(
     adapter_folders = {"encoder": encoder_adapter_path, "decoder": decoder_adapter_path}
     for name, (adapter_config, _) in adapters.items():
         config_file = adapter_folders[name] / "adapter_config.json"
+        unsupported = unsupported_lora_options(adapter_config)
+        if unsupported:
+            raise ConversionError(
+                f"{config_file} sets {', '.join(unsupported)}: Dodo's adapters are plain LoRA (W + (alpha / r) B A on "
+                "the target modules), so these weights would convert into another model. Convert an adapter trained "
+                "without them."
+            )
         try:
             modules, lora_layers = lora_targets_from_adapter_config(adapter_config, layers)
         except ConversionError as error:
@@ -815,7 +847,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="Allow torch.load(weights_only=False) for trusted pickles that hold other objects: this can "
         "execute arbitrary code.",
     )
-    args = parser.parse_args(argv)
+    args = expand_user_paths(parser.parse_args(argv))
     chosen = [name for name in ("checkpoint_path", "encoder_adapter_path", "export_peft_from") if getattr(args, name)]
     if len(chosen) != 1:
         parser.error("pass exactly one of --checkpoint_path, --encoder_adapter_path and --export_peft_from")

@@ -35,15 +35,16 @@ from ..modeling.modeling_locost import LocostForConditionalGeneration
 from .conversion_utils import (
     ConversionError,
     KeyMap,
-    find_local_tokenizer,
     check_push_target,
+    expand_user_paths,
+    find_local_tokenizer,
     finish_conversion,
     load_converted,
     load_folder_checkpoint,
     one_line,
     pickled_class_stand_in,
-    read_json,
     prepare_output_folder,
+    read_json,
     safe_torch_load,
     strip_prefix,
 )
@@ -193,7 +194,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--tokenizer_name_or_path", default=None, help="Tokenizer to save with the model (e.g. google/long-t5-local-base; default: one found beside the checkpoint).")
     parser.add_argument("--config_path", default=None, help="config.json to use instead of the checkpoint's own.")
     parser.add_argument("--push_to_hub", default=None, metavar="REPO_ID", help="Also upload the result to this Hub repo.")
-    return parser.parse_args(argv)
+    return expand_user_paths(parser.parse_args(argv))
 
 
 def main(argv: list[str] | None = None, *, debug: bool = False) -> int:

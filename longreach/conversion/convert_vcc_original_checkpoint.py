@@ -40,8 +40,9 @@ from ..modeling.modeling_vcc_t5 import VCCT5ForConditionalGeneration
 from .conversion_utils import (
     ConversionError,
     KeyMap,
-    find_local_tokenizer,
     check_push_target,
+    expand_user_paths,
+    find_local_tokenizer,
     finish_conversion,
     load_converted,
     load_folder_checkpoint,
@@ -288,7 +289,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     vcc.add_argument("--num_refined_blocks", type=int, default=None, help="Refined blocks per layer (num_fine_blocks).")
     vcc.add_argument("--scale_correction", type=_bool, default=None, help="true/false.")
     vcc.add_argument("--exploration_probability", type=float, default=None, help="Training-time exploration (explore_prob).")
-    return parser.parse_args(argv)
+    return expand_user_paths(parser.parse_args(argv))
 
 
 def main(argv: list[str] | None = None, *, debug: bool = False) -> int:
