@@ -83,6 +83,7 @@ from longreach import DodoDataCollator, DodoLlamaForCausalLM
 from longreach.finetuning import (
     check_best_model_metric,
     check_not_the_model_folder,
+    check_one_data_source,
     check_output_dir,
     check_questions,
     check_text_columns,
@@ -240,6 +241,7 @@ def load_model_and_tokenizer(model_args: ModelArguments):
 def load_raw_datasets(data_args: DataArguments):
     from datasets import load_dataset
 
+    check_one_data_source(data_args)
     if data_args.dataset_name is not None:
         return load_dataset(data_args.dataset_name, data_args.dataset_config_name)
     return load_data_files(data_args.train_file, data_args.validation_file)
@@ -451,7 +453,8 @@ def run(model_args: ModelArguments, data_args: DataArguments, training_args: Dod
         evaluation["eval_perplexity"] = math.exp(min(evaluation["eval_loss"], 50.0))
         trainer.save_metrics("eval", evaluation)
         metrics.update(evaluation)
-    trainer.log_metrics("all", metrics)
+    if metrics:  # none when a finished run was only loaded and not evaluated (log_metrics fails on none)
+        trainer.log_metrics("all", metrics)
     if before is not None:
         metrics["parameters_changed"] = parameter_changes(before, model)
         metrics["activation_checkpointing"] = model.is_activation_checkpointing

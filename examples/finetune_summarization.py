@@ -56,6 +56,7 @@ from longreach.finetuning import (
     check_best_model_metric,
     check_config_fields,
     check_not_the_model_folder,
+    check_one_data_source,
     check_output_dir,
     check_questions,
     check_text_columns,
@@ -225,6 +226,7 @@ def load_model_and_tokenizer(model_args: ModelArguments):
 def load_raw_datasets(data_args: DataArguments):
     from datasets import load_dataset
 
+    check_one_data_source(data_args)
     if data_args.dataset_name is not None:
         return load_dataset(data_args.dataset_name, data_args.dataset_config_name)
     return load_data_files(data_args.train_file, data_args.validation_file)
@@ -339,7 +341,8 @@ def run(model_args: ModelArguments, data_args: DataArguments, training_args: Seq
         evaluation = trainer.evaluate(max_new_tokens=training_args.generation_max_length - 1)
         trainer.save_metrics("eval", evaluation)
         metrics.update(evaluation)
-    trainer.log_metrics("all", metrics)
+    if metrics:  # none when a finished run was only loaded and not evaluated (log_metrics fails on none)
+        trainer.log_metrics("all", metrics)
     if push_to is not None and training_args.do_train and trainer.is_world_process_zero():
         commit = push_folder_to_hub(training_args.output_dir, push_to, private=training_args.hub_private_repo,
                                     token=training_args.hub_token)

@@ -75,6 +75,21 @@ def decide_what_to_run(training_args, raw, argv: list[str]) -> None:
             raise ValueError(f"{option} needs {split} data: pass {data} (or a --dataset_name with a {split} split).")
 
 
+def check_one_data_source(data_args) -> None:
+    """``--dataset_name`` or ``--train_file`` / ``--validation_file``: given both, the files were dropped unread."""
+    files = [f"--{name} {value}" for name in ("train_file", "validation_file")
+             if (value := getattr(data_args, name, None)) is not None]
+    if getattr(data_args, "dataset_name", None) is not None and files:
+        raise ValueError(f"--dataset_name {data_args.dataset_name} and {' and '.join(files)}: give a dataset or data "
+                         "files, not both (a dataset brings its own splits).")
+
+
+def _holds_optimizer_state(checkpoint: Path) -> bool:
+    """Whether a Trainer checkpoint can resume training as it was: its optimizer's state (``optimizer.pt``, FSDP's
+    ``optimizer_0``, DeepSpeed's ``global_step*``); ``--save_only_model`` writes none."""
+    return any(checkpoint.glob("optimizer*")) or any(checkpoint.glob("global_step*"))
+
+
 def resume_checkpoint(training_args) -> str | None:
     """The checkpoint ``Trainer.train`` resumes from: ``--resume_from_checkpoint PATH``; ``True`` or ``last`` for the
     last complete one in ``--output_dir``; and, when not given, that same last complete checkpoint if the folder holds
@@ -94,6 +109,11 @@ def resume_checkpoint(training_args) -> str | None:
         return None
     last_step = next(step for step, path in steps if path == complete[0])
     skipped = [path.name for step, path in steps if step > last_step]
+    if not _holds_optimizer_state(complete[0]) and not _finished(complete[0], training_args):
+        # resumed, it would go on with a new optimizer and a restarted learning-rate schedule: another loss curve
+        raise ValueError(f"--output_dir {output_dir}: {complete[0]} holds no optimizer state (saved with "
+                         "--save_only_model), so training cannot continue as it was; pass --resume_from_checkpoint "
+                         f"{complete[0]} to go on from its weights with a new optimizer, or another --output_dir.")
     if getattr(training_args, "process_index", 0) == 0:  # once, not once per process under torchrun
         print(f"Resuming from {complete[0]}" + (f" (skipping the incomplete {', '.join(skipped)})" if skipped else "")
               + "; pass another --output_dir to start over.", file=sys.stderr)
@@ -119,16 +139,24 @@ def check_checkpoint_matches(checkpoint: str | None, model, output_dir: str | Pa
 
 
 def finished_state(checkpoint: str | None, training_args):
-    """The ``TrainerState`` of ``checkpoint`` if it already reached ``--max_steps`` (None otherwise):
-    ``Trainer.train`` would still run one more step from it (transformers checks ``max_steps`` only after a step), so
-    a rerun of a finished command would train past ``--max_steps`` and replace the saved model."""
+    """The ``TrainerState`` of ``checkpoint`` if its run is finished (None otherwise): it reached ``--max_steps``, or,
+    for a run counted in epochs, the steps of its ``--num_train_epochs`` and as many epochs were asked for.
+    ``Trainer.train`` would still run one more step from it (transformers checks ``max_steps`` only after a step), or
+    none and save empty metrics over the run's, so a rerun of a finished command would replace what it saved."""
     from transformers import TrainerState
 
     state_file = Path(checkpoint) / "trainer_state.json" if checkpoint is not None else None
-    if state_file is None or training_args.max_steps <= 0 or not state_file.is_file():
+    if state_file is None or not state_file.is_file():
         return None
     state = TrainerState.load_from_json(str(state_file))
-    return state if state.global_step >= training_args.max_steps else None
+    if training_args.max_steps > 0:
+        return state if state.global_step >= training_args.max_steps else None
+    counted_in_epochs = state.max_steps > 0 and state.num_train_epochs >= training_args.num_train_epochs
+    return state if counted_in_epochs and state.global_step >= state.max_steps else None
+
+
+def _finished(checkpoint: Path, training_args) -> bool:
+    return finished_state(str(checkpoint), training_args) is not None
 
 
 def train_or_resume(trainer, training_args) -> tuple[dict, int]:
@@ -139,10 +167,17 @@ def train_or_resume(trainer, training_args) -> tuple[dict, int]:
     check_checkpoint_matches(checkpoint, trainer.model, training_args.output_dir)
     state = finished_state(checkpoint, training_args)
     if state is not None:
+        # with --load_best_model_at_end the run ended on its best checkpoint's weights, which are what it saved
+        best = state.best_model_checkpoint if training_args.load_best_model_at_end else None
+        weights = best if best is not None and Path(best).is_dir() else checkpoint
         if trainer.is_world_process_zero():
-            print(f"{checkpoint} already reached --max_steps {training_args.max_steps}: nothing to train, its weights "
-                  "are loaded (raise --max_steps to train further).", file=sys.stderr)
-        trainer._load_from_checkpoint(checkpoint)  # the weights, as train() loads them when it resumes
+            goal = (f"--max_steps {training_args.max_steps}" if training_args.max_steps > 0
+                    else f"--num_train_epochs {training_args.num_train_epochs:g}")
+            print(f"{checkpoint} already reached {goal}: nothing to train; the weights of {weights} are loaded. "
+                  f"Raising {goal.split()[0]} trains further from {checkpoint}, on the learning-rate schedule of the longer "
+                  "run (its first step keeps the finished run's last rate, 0 for a decaying schedule).",
+                  file=sys.stderr)
+        trainer._load_from_checkpoint(weights)  # the weights, as train() loads them when it resumes
         trainer.state = state  # its step and epoch, which the evaluation reports
         return {}, state.global_step
     result = trainer.train(resume_from_checkpoint=checkpoint)

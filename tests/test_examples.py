@@ -334,23 +334,68 @@ def test_finetune_summarization_final_evaluation_honours_generation_max_length(t
     assert calls[-1]["max_new_tokens"] == 2
 
 
+def test_a_rerun_of_a_finished_run_keeps_its_best_model_and_an_epoch_run_its_results(tmp_path, monkeypatch, capsys):
+    """From an audit: a rerun of a finished --load_best_model_at_end run loaded the last checkpoint and saved it over
+    the best model; a rerun of a finished --num_train_epochs run trained zero steps and wrote zeros over its
+    train_results.json (and then failed on the empty metrics)."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    example = _load_example("finetune_summarization", monkeypatch)
+    output_dir = tmp_path / "best"
+    argv = [a for a in example.smoke_arguments(str(output_dir)) if a not in ("--do_train", "--do_eval")]
+    argv += ["--max_steps", "4", "--learning_rate", "0.3", "--eval_strategy", "steps", "--eval_steps", "1",
+             "--save_strategy", "steps", "--save_steps", "1", "--load_best_model_at_end", "--metric_for_best_model",
+             "loss", "--greater_is_better", "true"]  # the highest loss: a best checkpoint that is not the last
+    first = example.main(argv)
+    best = json.loads((output_dir / "trainer_state.json").read_text())["best_model_checkpoint"]
+    assert Path(best).name != "checkpoint-4"  # (the test needs a best checkpoint that is not the last)
+    weights = (output_dir / "model.safetensors").read_bytes()
+    assert weights == (Path(best) / "model.safetensors").read_bytes()
+    again = example.main(argv)
+    assert (output_dir / "model.safetensors").read_bytes() == weights
+    assert again["eval_loss"] == first["eval_loss"]
+    assert f"the weights of {best} are loaded" in capsys.readouterr().err
+
+    output_dir = tmp_path / "epochs"
+    argv = [a for a in example.smoke_arguments(str(output_dir)) if a != "--do_eval"]
+    at = argv.index("--max_steps")
+    argv = argv[:at] + argv[at + 2:] + ["--num_train_epochs", "1", "--save_strategy", "epoch", "--do_eval", "false"]
+    trained = example.main(argv)
+    results = (output_dir / "train_results.json").read_text()
+    assert trained["train_loss"] > 0
+    assert example.main(argv) == {}  # nothing trained, nothing evaluated
+    assert "already reached --num_train_epochs 1: nothing to train" in capsys.readouterr().err
+    assert (output_dir / "train_results.json").read_text() == results
+
+
 def test_finetuning_helpers_keep_what_the_user_has(tmp_path):
     from types import SimpleNamespace
 
-    from longreach.finetuning import check_output_dir, load_data_files, resume_checkpoint
+    from longreach.finetuning import check_one_data_source, check_output_dir, load_data_files, resume_checkpoint
 
     (tmp_path / "README.md").write_text("my notes")
     with pytest.raises(ValueError, match="holds a README.md that is not a longreach model card"):
         check_output_dir(tmp_path)
     for step, complete in ((3, True), (7, True), (9, False)):  # checkpoint-9 was cut short by a crash
         (tmp_path / f"checkpoint-{step}").mkdir()
+        (tmp_path / f"checkpoint-{step}" / "optimizer.pt").write_bytes(b"")
         if complete:
-            (tmp_path / f"checkpoint-{step}" / "trainer_state.json").write_text("{}")
-    assert resume_checkpoint(SimpleNamespace(output_dir=str(tmp_path), resume_from_checkpoint=None)) == str(
-        tmp_path / "checkpoint-7")
-    assert resume_checkpoint(SimpleNamespace(output_dir=str(tmp_path), resume_from_checkpoint="last")) == str(
-        tmp_path / "checkpoint-7")
-    assert resume_checkpoint(SimpleNamespace(output_dir=str(tmp_path / "new"), resume_from_checkpoint=None)) is None
+            (tmp_path / f"checkpoint-{step}" / "trainer_state.json").write_text('{"global_step": %d}' % step)
+    args = dict(output_dir=str(tmp_path), max_steps=20, num_train_epochs=3)
+    assert resume_checkpoint(SimpleNamespace(**args, resume_from_checkpoint=None)) == str(tmp_path / "checkpoint-7")
+    assert resume_checkpoint(SimpleNamespace(**args, resume_from_checkpoint="last")) == str(tmp_path / "checkpoint-7")
+    assert resume_checkpoint(SimpleNamespace(**{**args, "output_dir": str(tmp_path / "new")},
+                                             resume_from_checkpoint=None)) is None
+    # a checkpoint saved with --save_only_model resumed with a new optimizer and schedule: another loss curve
+    (tmp_path / "checkpoint-8").mkdir()
+    (tmp_path / "checkpoint-8" / "trainer_state.json").write_text('{"global_step": 8}')
+    with pytest.raises(ValueError, match=r"checkpoint-8 holds no optimizer state \(saved with --save_only_model\)"):
+        resume_checkpoint(SimpleNamespace(**args, resume_from_checkpoint=None))
+    assert resume_checkpoint(SimpleNamespace(**args, resume_from_checkpoint=str(tmp_path / "checkpoint-8"))) == str(
+        tmp_path / "checkpoint-8")  # asked for by name: its weights, with a new optimizer
+    assert resume_checkpoint(SimpleNamespace(**{**args, "max_steps": 8}, resume_from_checkpoint=None)) == str(
+        tmp_path / "checkpoint-8")  # a finished run is loaded, not trained: nothing to resume
+    with pytest.raises(ValueError, match="--dataset_name d and --validation_file v.jsonl: give a dataset or data"):
+        check_one_data_source(SimpleNamespace(dataset_name="d", train_file=None, validation_file="v.jsonl"))
     (tmp_path / "train.csv").write_text("document,summary\n001 a b c,x y\n")
     (tmp_path / "empty.csv").write_text("")
     assert load_data_files(str(tmp_path / "train.csv"), None)["train"][0]["document"] == "001 a b c"
@@ -421,6 +466,7 @@ def test_finetune_summarization_refuses_what_would_lose_work_or_train_nothing(tm
     foreign.mkdir(parents=True)
     (foreign / "config.json").write_text(json.dumps({"model_type": "vcc_t5", "d_model": 8}))
     (foreign / "trainer_state.json").write_text(json.dumps({"global_step": 3}))
+    (foreign / "optimizer.pt").write_bytes(b"")
     with pytest.raises(ValueError, match=re.escape(f"{foreign} holds another model (model_type 'vcc_t5', this one's "
                                                    "'locost'), so training cannot resume from it")):
         example.main(["--model_name_or_path", str(model), "--output_dir", str(tmp_path / "reused"), "--max_steps",
