@@ -5,6 +5,7 @@ without a single real token (which would otherwise generate a repeated token sil
 from __future__ import annotations
 
 import argparse
+import logging
 import re
 
 import pytest
@@ -398,3 +399,81 @@ def test_config_changed_after_construction_is_validated_before_it_is_saved(tmp_p
     with pytest.raises(ValueError, match=re.escape(message)):
         config.save_pretrained(tmp_path)
     assert not (tmp_path / "config.json").exists()
+
+
+def test_token_ids_of_other_integer_dtypes_and_non_binary_masks_are_named():
+    """From an audit: int32 labels, uint8 or int16 ids failed deep inside torch (cross_entropy, the embedding); a
+    decoder_attention_mask of 0.5, and Dodo's attention_mask of 2 or context_attention_mask of 0.5, were read as
+    0 or 1 silently."""
+    for model in (tiny_locost(), tiny_vcc(), tiny_dodo()):
+        ids = torch.randint(3, vocab(model), (2, 12))
+        extra = {"context_input_ids": ids} if model.config.model_type == "dodo_llama" else {}
+        with pytest.raises(ValueError, match=r"`labels` must be a torch.long \(int64\) tensor, got a torch.int32"):
+            model(input_ids=ids[:, :5], labels=ids[:, :5].int(), **extra)
+        for dtype in (torch.uint8, torch.int16):
+            with pytest.raises(ValueError, match=rf"`input_ids` must be a torch.long \(int64\) tensor or int32, got a "
+                                                 rf"{dtype}"):
+                model(input_ids=ids.to(dtype), **({"decoder_input_ids": ids[:, :3]} if not extra else extra))
+        with torch.no_grad():  # int32 ids are what embeddings take: the same result
+            if extra:
+                same = model(input_ids=ids[:, :5].int(), **extra).logits, model(input_ids=ids[:, :5], **extra).logits
+            else:
+                same = (model(input_ids=ids.int(), decoder_input_ids=ids[:, :3]).logits,
+                        model(input_ids=ids, decoder_input_ids=ids[:, :3]).logits)
+        assert torch.equal(*same)
+    model, ids = tiny_locost(), torch.randint(3, vocab(tiny_locost()), (2, 8))
+    with pytest.raises(ValueError, match=r"`decoder_attention_mask` must hold 0 \(padding\) and 1 \(a token\) only, got "
+                                         r"the value 0.5"):
+        model(input_ids=ids, decoder_input_ids=ids[:, :3], decoder_attention_mask=torch.full((2, 3), 0.5))
+    dodo = tiny_dodo()
+    prompt, context = torch.randint(3, vocab(dodo), (2, 6)), torch.randint(3, vocab(dodo), (2, 20))
+    for name, value in (("attention_mask", 2), ("context_attention_mask", 0.5)):
+        masks = {"attention_mask": torch.ones_like(prompt), "context_attention_mask": torch.ones_like(context)}
+        masks[name] = torch.full_like(masks[name], value, dtype=torch.float)
+        with pytest.raises(ValueError, match=rf"`{name}` must hold 0 \(padding\) and 1 \(a token\) only, got the value "
+                                             rf"{value}"):
+            dodo(input_ids=prompt, context_input_ids=context, **masks)
+
+
+def test_dodo_checks_a_later_turns_prompt_and_takes_embeddings_of_another_dtype():
+    """A chat's next turn (a prompt after a cache) was not checked against the vocabulary (an IndexError); float16
+    `inputs_embeds` in a float32 model failed inside sdpa once nuggets were there (Llama takes them)."""
+    model = tiny_dodo()
+    size = vocab(model)
+    prompt, context = torch.randint(3, size, (1, 6)), torch.randint(3, size, (1, 20))
+    with torch.no_grad():
+        cache = model(input_ids=prompt, context_input_ids=context).past_key_values
+        later = torch.tensor([[5, size, 7]])
+        with pytest.raises(ValueError, match=rf"`input_ids` holds the token id {size}"):
+            model(input_ids=later, past_key_values=cache)
+        with pytest.raises(ValueError, match=rf"`input_ids` holds the token id {size}"):
+            model.generate(torch.cat([prompt, later], dim=1), context_input_ids=context, max_new_tokens=2)
+        embeds = model.get_input_embeddings()(prompt)
+        expected = model(inputs_embeds=embeds, context_input_ids=context).logits
+        for dtype in (torch.float16, torch.bfloat16):
+            logits = model(inputs_embeds=embeds.to(dtype), context_input_ids=context).logits
+            assert logits.dtype == torch.float32 and (logits - expected).abs().max() < 0.05
+
+
+def test_dodo_autoregressive_mode_warns_that_left_padded_rows_differ(caplog):
+    """The autoregressive mode compresses every row at the same columns (as `DodoLlamaConfig.recent_window` says): a
+    left-padded row got other nuggets than alone (logits 0.48 apart, another greedy output), without a word. It is
+    said once now; right padding keeps each row's result."""
+    from transformers.utils import logging as hf_logging
+    model = tiny_dodo(recent_window=4, compression_stride=6)
+    generator = torch.Generator().manual_seed(5)
+    long_row, short_row = (torch.randint(3, vocab(model), (1, n), generator=generator) for n in (20, 13))
+    pad = torch.zeros(1, 7, dtype=torch.long)
+    with torch.no_grad():
+        alone = model(short_row).logits[0]
+        right = model(torch.cat([long_row, torch.cat([short_row, pad], 1)]),
+                      attention_mask=torch.cat([torch.ones(1, 20), torch.cat([torch.ones(1, 13), pad], 1)]).long())
+        assert (right.logits[1, :13] - alone).abs().max() < 1e-5
+        hf_logging.enable_propagation()
+        logging.Logger.warning_once.cache_clear()  # said once per process: whatever an earlier test made it say
+        try:
+            model(torch.cat([long_row, torch.cat([pad, short_row], 1)]),
+                  attention_mask=torch.cat([torch.ones(1, 20), torch.cat([pad, torch.ones(1, 13)], 1)]).long())
+        finally:
+            hf_logging.disable_propagation()
+    assert "rows padded on the left (as generate() pads a batch) do not give the results they give alone" in caplog.text

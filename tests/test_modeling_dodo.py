@@ -713,7 +713,7 @@ def test_trainer_updates_only_adapters_scorer_and_soft_prompt(tmp_path):
 
 def checkpointing_batch(mode: str) -> dict[str, torch.Tensor]:
     """A compressor-mode batch (two contexts of different lengths: padded nugget slots; a prompt without loss) or an
-    autoregressive-mode text (a left-padded row; several compressions and θ recomputations)."""
+    autoregressive-mode text (a right-padded row, as the collator pads; several compressions and θ recomputations)."""
     torch.manual_seed(1)
     if mode in ("compressor", "reencode"):
         return DodoDataCollator()(
@@ -723,7 +723,7 @@ def checkpointing_batch(mode: str) -> dict[str, torch.Tensor]:
             ]
         )
     text, mask = ids(2, 27), torch.ones(2, 27, dtype=torch.long)
-    mask[1, :3] = 0
+    mask[1, -3:] = 0
     return {"input_ids": text, "attention_mask": mask, "labels": text.masked_fill(mask == 0, -100)}
 
 

@@ -78,7 +78,7 @@ class DodoLlamaConfig(FieldTypesCheckedOnAssignment, LlamaConfig):
             tokens: the last τ..τ+stride tokens stay uncompressed and older tokens are compressed into nuggets in
             chunks of `compression_stride` tokens (see [`DodoLlamaForCausalLM`]). The window counts columns: in a
             left-padded batch all rows are compressed at the same steps, so a padded row's chunks hold fewer real
-            tokens than the same row run alone.
+            tokens than the same row run alone (a warning says so; right padding keeps each row's result).
         compression_stride (`int`, *optional*):
             Tokens compressed at once in autoregressive mode; the uncompressed window then oscillates between τ and
             τ + stride tokens. Defaults to τ.

@@ -33,6 +33,11 @@ def check_token_ids(name: str, ids: torch.Tensor | None, *, allow_empty: bool = 
             f"`{name}` must hold integer token ids (torch.long), got {describe(ids)}. "
             "Did you pass embeddings or an attention mask by mistake?"
         )
+    # embeddings take int64 or int32 ids, the loss int64 labels only: anything else failed deep inside torch
+    accepted = (torch.long,) if ignore_index is not None else (torch.long, torch.int32)
+    if ids.dtype not in accepted:
+        raise ValueError(f"`{name}` must be a torch.long (int64) tensor{'' if len(accepted) == 1 else ' or int32'}, "
+                         f"got {describe(ids)}: pass `{name}.long()`.")
     if ids.dim() != 2:
         raise ValueError(f"`{name}` must have shape [batch, length], got {describe(ids)}.")
     if not allow_empty and (ids.shape[0] == 0 or ids.shape[1] == 0):
@@ -59,6 +64,16 @@ def check_mask(name: str, mask: torch.Tensor | None, like_name: str, like: torch
             f"`{name}` must have the shape [batch, length] = {tuple(like.shape[:2])} of `{like_name}`, "
             f"got {describe(mask)}."
         )
+
+
+def check_binary_mask(name: str, mask: torch.Tensor | None) -> None:
+    """A mask holds 0 (padding) and 1 (a token) only: a 0.5 or a 2 is not a weight, and was read as 0 or 1."""
+    if mask is None or not values_readable(mask) or mask.dtype == torch.bool:  # data-dependent
+        return
+    not_binary = (mask != 0) & (mask != 1)
+    if bool(not_binary.any()):  # one read-back
+        raise ValueError(f"`{name}` must hold 0 (padding) and 1 (a token) only, got the value "
+                         f"{mask[not_binary][0].item()!r}: a mask is not a weight.")
 
 
 def check_rows_not_empty(name: str, mask: torch.Tensor | None) -> None:

@@ -49,12 +49,13 @@ from transformers.generation import GenerationConfig, GenerationMixin
 from transformers.modeling_outputs import CausalLMOutputWithPast
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 from transformers.models.llama.modeling_llama import LlamaModel, LlamaPreTrainedModel
-from transformers.utils import ModelOutput
+from transformers.utils import ModelOutput, logging
 
 from ..configuration.config_overrides import check_config_fields
 from ..configuration.configuration_dodo import DodoLlamaConfig
 from .input_checks import (
     cache_field,
+    check_binary_mask,
     check_mask,
     check_hidden_states,
     check_rows_not_empty,
@@ -65,9 +66,11 @@ from .input_checks import (
     reject_head_masks,
     summarization_documents,
     take_cache_argument,
+    values_readable,
 )
 from .remote_code import HubReadyMixin
 
+logger = logging.get_logger(__name__)
 #: The name of ``LlamaModel.forward``'s key/value cache argument: ``cache`` from transformers 5.24 on (which deprecates
 #: the old name), ``past_key_values`` before.
 LLAMA_CACHE_ARGUMENT = "cache" if "cache" in inspect.signature(LlamaModel.forward).parameters else "past_key_values"
@@ -810,6 +813,7 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
         self._check_own_adapters()
         check_token_ids(ids_name, input_ids, vocab_size=self.get_input_embeddings().num_embeddings)
         check_mask(mask_name, attention_mask, ids_name, input_ids)
+        check_binary_mask(mask_name, attention_mask)
         mask = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
         if (mask.sum(dim=1) == 0).any():
             empty = (mask.sum(dim=1) == 0).nonzero().flatten().tolist()
@@ -1099,6 +1103,15 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
         window, stride = self.config.recent_window, self.config.effective_compression_stride
         batch, length = input_ids.shape
         if not cache.autoregressive:
+            if batch > 1 and values_readable(token_mask) and not bool(token_mask[:, 0].all()):
+                # compression happens at the same columns in every row (see `DodoLlamaConfig.recent_window`): a
+                # left-padded row is compressed at other points of its text than alone, and gives another result
+                logger.warning_once(
+                    "Dodo's autoregressive mode (`config.recent_window`) compresses every row at the same columns: rows "
+                    "padded on the left (as generate() pads a batch) do not give the results they give alone. Run "
+                    "them one at a time for those, pad on the right for forward(), or give the context as "
+                    "`context_input_ids` (compressor mode)."
+                )
             cache.autoregressive = True
             cache.pending_ids = input_ids.new_zeros(batch, 0)
             cache.pending_mask = token_mask.new_zeros(batch, 0)
@@ -1254,12 +1267,13 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
                 "nuggets."
             )
         past_tokens = 0 if cache is None else cache.seen_tokens
-        if cache is None:  # the caller's ids (later decoding steps feed back the model's own tokens)
+        if cache is None or length > 1:  # the caller's ids (decoding steps feed back the model's own token, one)
             check_token_ids("input_ids", input_ids, vocab_size=self.get_input_embeddings().num_embeddings)
         token_mask = self._full_attention_mask(
             "attention_mask", attention_mask, batch, past_tokens + length, reference.device
         )
         if cache is None:  # later steps only append the model's own tokens (and a check would sync with the host)
+            check_binary_mask("attention_mask", attention_mask)  # (before it became `token_mask`, of booleans)
             check_rows_not_empty("attention_mask", token_mask)
         new_token_mask = token_mask[:, past_tokens:]
 
@@ -1292,6 +1306,10 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
             hidden = self._autoregressive_forward(cache, input_ids, new_token_mask)
             outputs = None
         else:
+            if inputs_embeds is not None and inputs_embeds.dtype != self.model.embed_tokens.weight.dtype:
+                # in the model's dtype, as its own embeddings are: the nugget keys and the attention bias are in it
+                # (Llama computes in the weights' dtype from its first norm on: the same result)
+                inputs_embeds = inputs_embeds.to(self.model.embed_tokens.weight.dtype)
             embeds = self.model.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
             if position_ids is not None and tuple(position_ids.shape) != (batch, length):
                 raise ValueError(f"`position_ids` must have shape {(batch, length)}, got {describe(position_ids)}.")
@@ -1356,8 +1374,9 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
         if inputs is not None and input_ids is not None:
             raise ValueError("Pass the prompt once: as `inputs` (the first argument) or as `input_ids`, not both.")
         input_ids = inputs if inputs is not None else input_ids
-        # shapes only (no values read): generate() drops an all-ones mask before forward() could check it
-        check_token_ids("input_ids", input_ids)
+        # once per call: a prompt that continues a cache (a chat's next turn) is not checked by forward(), whose later
+        # steps only feed back the model's own tokens
+        check_token_ids("input_ids", input_ids, vocab_size=self.get_input_embeddings().num_embeddings)
         check_mask("attention_mask", kwargs.get("attention_mask"), "input_ids", input_ids)
         if generation_config is not None:
             kwargs["generation_config"] = generation_config

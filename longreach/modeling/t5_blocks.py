@@ -36,6 +36,7 @@ from transformers.utils import logging
 from .input_checks import (
     cache_field,
     cache_of,
+    check_binary_mask,
     check_hidden_states,
     check_mask,
     check_token_ids,
@@ -955,9 +956,12 @@ class T5DecoderStack(nn.Module):
             past_key_values = EncoderDecoderCache(DynamicCache(), DynamicCache())  # layers are added lazily
         # Tokens already cached: an int for a dynamic cache; for a static one a 0-d tensor once it holds any (0 before).
         past_length = past_key_values.get_seq_length() if past_key_values is not None else 0
-        if input_ids is not None and not torch.is_tensor(past_length) and past_length == 0:
-            # the caller's ids (later steps of generate() feed back the model's own tokens: not checked again)
+        first_call = not torch.is_tensor(past_length) and past_length == 0
+        if input_ids is not None and (first_call or input_ids.shape[1] > 1):
+            # the caller's ids (decoding steps feed back the model's own token, one: not checked again)
             check_token_ids("decoder_input_ids", input_ids, vocab_size=self.embed_tokens.num_embeddings)
+        if first_call:
+            check_binary_mask("decoder_attention_mask", attention_mask if torch.is_tensor(attention_mask) else None)
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
 
