@@ -216,6 +216,9 @@ def check_model_location(model_path: str, tokenizer_path: str | None) -> tuple[d
         if option == "--model":
             location = tokenizer_location = found
         else:
+            if Path(path).expanduser().is_file():  # from_pretrained would take a file's path for a Hub id
+                raise UsageError(f"--tokenizer {path} is a file; pass the folder that holds it (with "
+                                 "tokenizer_config.json), or a Hub id")
             tokenizer_location = found
     folder = Path(model_path).expanduser()
     if not folder.exists():
@@ -299,6 +302,8 @@ def _check_generation_options(args: argparse.Namespace, model) -> None:
 
 def _read_document(file: str) -> str:
     try:
+        if file == "-" and sys.stdin is None:  # started with standard input closed (`<&-`)
+            raise CommandError("FILE - reads standard input, which is closed; pipe a document in or pass a FILE")
         if file == "-":  # the bytes, decoded here: the locale's text stream may pass bad bytes on as surrogates
             stdin_bytes = getattr(sys.stdin, "buffer", None)  # (none where stdin was replaced by a text stream)
             document = sys.stdin.read() if stdin_bytes is None else stdin_bytes.read().decode("utf-8")
@@ -321,17 +326,25 @@ def _read_document(file: str) -> str:
 def summarize(args: argparse.Namespace) -> int:
     if (args.file is None) == (args.input is None):
         raise UsageError("longreach summarize: give one document as FILE, or a corpus as --input SRC --output OUT.jsonl")
-    for name in ("file", "input", "output"):  # "--output=~/x.jsonl": no shell expands a ~ after "="
+    for name in ("file", "input", "output", "model", "tokenizer"):  # "--output=~/x": no shell expands ~ after "="
         if getattr(args, name) not in (None, "-") and getattr(args, name).startswith("~"):
             setattr(args, name, os.path.expanduser(getattr(args, name)))
+    given = {name: getattr(args, name, None) for name in ("max_new_tokens", "min_new_tokens")}
+    if None not in given.values() and given["min_new_tokens"] > given["max_new_tokens"]:
+        raise UsageError(f"longreach summarize: --min_new_tokens {given['min_new_tokens']} is more than "
+                         f"--max_new_tokens {given['max_new_tokens']}; a summary cannot be both")
     if args.input is not None:
         return summarize_corpus_command(args)
     if args.output_jsonl_options_given:
         raise UsageError("longreach summarize: --split/--text_column/--id_column/--reference_column/--question_column/"
                          "--max_batch_tokens are for a corpus (--input SRC --output OUT.jsonl)")
+    if args.output == "-":  # standard output, as for FILE "-"
+        args.output = None
     if args.output and args.file != "-" and Path(args.output).resolve() == Path(args.file).resolve():
         raise UsageError(f"longreach summarize: --output {args.output} is the document FILE; choose another file for "
                          "the summary")
+    if args.output:  # before minutes of loading and generating, not after
+        _check_output_path(args.output, expected="the path of the file to write the summary to")
     start = time.perf_counter()
     document = _read_document(args.file)
     _progress(f"loading {args.model} ...")
@@ -360,6 +373,7 @@ def summarize(args: argparse.Namespace) -> int:
         output = Path(args.output)
         temporary = output.with_name(f".{output.name}.tmp-{os.getpid()}")  # renamed into place: never half-written
         try:
+            output.parent.mkdir(parents=True, exist_ok=True)
             temporary.write_text(summary + "\n", encoding="utf-8")
             os.replace(temporary, output)
         except OSError as error:
@@ -392,11 +406,12 @@ def _run_settings(args: argparse.Namespace) -> dict:
     return settings
 
 
-def _check_output_path(output: str) -> None:
-    """Before the corpus and the model are read: ``--output`` names a file that can be created where it is."""
+def _check_output_path(output: str, expected: str = "a file path ending in .jsonl") -> None:
+    """Before the corpus and the model are read: ``--output`` names a file that can be created where it is (its
+    missing folders are made)."""
     path = Path(output).expanduser()
     if path.is_dir():
-        raise UsageError(f"longreach summarize: --output {output} is a folder; give a file path ending in .jsonl")
+        raise UsageError(f"longreach summarize: --output {output} is a folder; give {expected}")
     ancestor = path.parent
     while not ancestor.exists() and ancestor != ancestor.parent:
         ancestor = ancestor.parent
@@ -656,8 +671,8 @@ def build_parser() -> argparse.ArgumentParser:
     summarize_parser.add_argument("--dtype", default=None, choices=DTYPES,
                                   help="Weights' dtype (default: the checkpoint's).")
     summarize_parser.add_argument("--output", default=None, type=non_empty,
-                                  help="One document: write the summary to this file instead of stdout. A corpus: the "
-                                       "JSONL file to append the summaries to.")
+                                  help="One document: write the summary to this file instead of stdout (\"-\": stdout). "
+                                       "A corpus: the JSONL file to append the summaries to.")
 
     push_parser = commands.add_parser("push", help="Upload a saved checkpoint folder with our model card.")
     push_parser.add_argument("folder", type=non_empty)

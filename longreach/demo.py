@@ -165,11 +165,16 @@ def _foreign_files(folder: Path, ours: set[str]) -> list[str]:
 def check_output_dir(output_dir: Path) -> None:
     """Before minutes of training: the demo may write ``output_dir`` (it does not exist, is empty, or holds an earlier
     demo model and nothing else) and ``<output_dir>-heldout`` beside it (the same), and can create them there."""
-    shown = str(output_dir)
+    shown, given = str(output_dir), output_dir.expanduser()
     output_dir = output_dir.expanduser().resolve()
     if output_dir == Path.cwd().resolve() or output_dir.parent == output_dir:
         raise OutputDirError(f"--output_dir {shown!r} is the current folder or a root; the demo replaces its folder "
                              "whole, so pass a folder of its own (e.g. --output_dir longreach-demo).")
+    for link in (given, held_out_dir(given)):
+        if link.is_symlink():  # the demo replaces the folder itself (the link), and checked the target's neighbour
+            raise OutputDirError(f"--output_dir {shown!r}: {str(link)!r} is a symbolic link (to "
+                                 f"{os.readlink(link)!r}); the demo replaces its folders whole, so pass the folder "
+                                 "itself or a new one.")
     ancestor = output_dir.parent
     while not ancestor.exists():
         ancestor = ancestor.parent

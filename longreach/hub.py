@@ -220,6 +220,10 @@ def write_reference_model_cards(output_dir: str | Path = "model_cards") -> list[
     if foreign:
         raise ValueError(f"`output_dir` {str(output_dir)!r} holds {', '.join(foreign)}, which are not longreach model "
                          "cards; move them away or pass another folder.")
+    edited = [path.name for path in paths if path.exists() and not card_is_unedited(path)]
+    if edited:  # (as push keeps a hand-edited card instead of rendering it again)
+        raise ValueError(f"`output_dir` {str(output_dir)!r} holds {', '.join(edited)}, edited by hand since they were "
+                         "generated; regenerating would lose the edits: move them away or pass another folder.")
     output_dir.mkdir(parents=True, exist_ok=True)
     for key, path in zip(MODEL_CARDS, paths):
         temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
@@ -236,7 +240,11 @@ def read_card_state(readme: str | Path) -> dict | None:
     path = Path(readme)
     if not path.is_file():
         return None
-    marker = _read_marker(path.read_text(encoding="utf-8"))
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:  # not one of ours (we write UTF-8), and not text this library could keep either
+        raise ValueError(f"{path} is not UTF-8 text, so not a longreach model card; move it away.") from None
+    marker = _read_marker(text)
     if marker is not None:
         marker.pop("sha256", None)  # the text's digest (see `card_is_unedited`), not a parameter
     return marker
@@ -295,6 +303,15 @@ def hub_files(folder: str | Path) -> list[str]:
         raise ValueError(
             f"{folder} holds no safetensors weights (found: {sorted(names)}); only safetensors are uploaded."
         )
+    for index in sorted(name for name in weights if name.endswith(".index.json")):  # a sharded checkpoint
+        try:
+            shards = set(json.loads((folder / index).read_text(encoding="utf-8"))["weight_map"].values())
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError):
+            raise ValueError(f"{folder / index} is not a shard index (no `weight_map`).") from None
+        missing = sorted(shards - names)
+        if missing:  # a folder still being written or copied: the repository could not be loaded
+            raise ValueError(f"{folder / index} names shards that are not in {folder}: {', '.join(missing[:3])}"
+                             f"{' ...' if len(missing) > 3 else ''}; upload a complete checkpoint.")
     selected = weights | (names & set(CONFIG_FILES)) | (names & set(TOKENIZER_FILES)) | _code_files(folder, config)
     if not names & set(TOKENIZER_FILES):
         logger.warning(

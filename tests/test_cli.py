@@ -132,9 +132,9 @@ def test_summarize_refuses_to_write_over_its_document(converted_locost, tmp_path
     assert "is the document FILE" in capsys.readouterr().err
     assert (tmp_path / "doc.txt").read_text() == before
     assert main(["summarize", "--model", str(converted_locost), str(tmp_path / "doc.txt"), "--max_new_tokens", "2",
-                 "--output", str(tmp_path / "absent-folder" / "s.txt")]) == 1
-    assert "cannot write --output" in capsys.readouterr().err
-    assert sorted(path.name for path in tmp_path.iterdir()) == ["doc.txt"]  # no temporary file left behind
+                 "--output", str(tmp_path / "new-folder" / "s.txt")]) == 0  # its folder is made, as a corpus's is
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["doc.txt", "new-folder"]
+    assert [path.name for path in (tmp_path / "new-folder").iterdir()] == ["s.txt"]  # no temporary file left behind
 
 
 def test_model_cards_keep_files_that_are_not_our_cards(tmp_path, capsys):

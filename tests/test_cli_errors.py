@@ -3,6 +3,7 @@ errors and 1 for failures, no traceback (``--debug`` shows it), and no network f
 
 from __future__ import annotations
 
+import os
 import shutil
 import time
 
@@ -54,7 +55,7 @@ def test_a_missing_local_model_path_never_asks_the_hub(text_file, capsys, monkey
     monkeypatch.setattr(hub, "hub_reachable", no_network)
     for typo in ("./modle", "models/locost/typo", "~/no-such-folder"):
         line = run(["summarize", "--model", typo, str(text_file)], capsys, 2)
-        assert typo in line and "no such file or folder" in line
+        assert os.path.expanduser(typo) in line and "no such file or folder" in line  # (~: the home folder's path)
 
 
 def test_a_hub_id_offline_fails_at_once(text_file, capsys, isolated_hf_env):
@@ -253,3 +254,61 @@ def test_a_hub_model_found_only_in_the_cache_checks_for_an_adapter_without_the_n
                  "--max_new_tokens", "2"]) == 0
     calls = [call for call in calls if call[0] == "someone/model"]  # (not the stand-in's own inner loads)
     assert calls == [("someone/model", True, None), ("someone/model", True, {"local_files_only": True})]
+
+
+def test_a_single_documents_output_and_paths_are_checked_before_the_model_loads(tiny_folder, text_file, tmp_path,
+                                                                                 capsys, monkeypatch):
+    """From an audit: a folder as --output failed after the whole generation, --model=~/m was taken for a Hub id, a
+    tokenizer.json file as --tokenizer went to the Hub (46 s of retries), conflicting lengths were accepted (the minimum
+    silently ignored), and a closed standard input gave an AttributeError."""
+    from longreach import cli
+
+    real_load = cli.load_summarizer
+    loads = []
+    monkeypatch.setattr(cli, "load_summarizer", lambda *a, **k: loads.append(1) or real_load(*a, **k))
+    (tmp_path / "outdir").mkdir()
+    assert "--output " + str(tmp_path / "outdir") + " is a folder; give the path of the file" in run(
+        ["summarize", "--model", str(tiny_folder), str(text_file), "--output", str(tmp_path / "outdir")], capsys, 2)
+    assert "--min_new_tokens 10 is more than --max_new_tokens 3" in run(
+        ["summarize", "--model", str(tiny_folder), str(text_file), "--max_new_tokens", "3", "--min_new_tokens", "10"],
+        capsys, 2)
+    assert loads == []  # refused before the model loaded
+    assert "is a file; pass the folder that holds it" in run(  # (checked before loading, and not on the Hub)
+        ["summarize", "--model", str(tiny_folder), str(text_file), "--tokenizer", str(tiny_folder / "tokenizer.json")],
+        capsys, 2)
+    monkeypatch.setattr("sys.stdin", None)
+    assert "standard input, which is closed" in run(["summarize", "--model", str(tiny_folder), "-"], capsys, 1)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    shutil.copytree(tiny_folder, tmp_path / "m")
+    assert main(["summarize", "--model=~/m", str(text_file), "--max_new_tokens", "3", "--output=~/new/s.txt"]) == 0
+    assert (tmp_path / "new" / "s.txt").read_text().strip()  # the folder is made, as for a corpus's output
+    capsys.readouterr()
+    assert main(["summarize", "--model", str(tiny_folder), str(text_file), "--max_new_tokens", "3",
+                 "--output", "-"]) == 0
+    assert capsys.readouterr().out.strip() == (tmp_path / "new" / "s.txt").read_text().strip()
+    assert not (tmp_path / "-").exists() and not any(p.name == "-" for p in tmp_path.parent.iterdir())
+
+
+def test_push_refuses_a_sharded_checkpoint_with_a_missing_shard(tmp_path, capsys, monkeypatch):
+    from workflow_helpers import tiny_locost, word_tokenizer
+
+    folder = tmp_path / "sharded"
+    tiny_locost().save_pretrained(folder, max_shard_size="100KB")
+    word_tokenizer().save_pretrained(folder)
+    shards = sorted(folder.glob("model-*.safetensors"))
+    assert len(shards) > 1
+    shards[-1].unlink()  # a folder still being written or copied
+    monkeypatch.setattr("longreach.cli.push_preflight", lambda: None)
+    message = run(["push", str(folder), "someone/tiny"], capsys, 2)
+    assert f"names shards that are not in {folder}: {shards[-1].name}" in message
+
+
+def test_model_cards_keeps_hand_edited_cards(tmp_path, capsys):
+    assert main(["model-cards", "--output_dir", str(tmp_path)]) == 0
+    card = tmp_path / "locost.md"
+    card.write_text(card.read_text() + "\nMY NOTES\n")
+    assert "locost.md, edited by hand since they were generated" in run(
+        ["model-cards", "--output_dir", str(tmp_path)], capsys, 2)
+    assert card.read_text().endswith("MY NOTES\n")
+    card.write_bytes(b"caf\xe9")
+    assert f"{card} is not UTF-8 text" in run(["model-cards", "--output_dir", str(tmp_path)], capsys, 2)

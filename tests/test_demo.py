@@ -14,6 +14,7 @@ from longreach import hub
 from longreach.cli import main
 from longreach.demo import (
     _DEMO_CARD_MARK,
+    OutputDirError,
     _replaced_atomically,
     build_corpus,
     clean_text,
@@ -223,3 +224,16 @@ def test_demo_refuses_before_training_what_a_rerun_would_lose_or_cannot_write(tm
         assert main(["demo", "--output_dir", output_dir]) == 2
         assert message in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "longreach-demo", "longreach-demo-heldout"]
+
+
+def test_an_output_dir_that_is_a_symbolic_link_is_refused(tmp_path):
+    """From an audit: the checks read the link's target and its neighbour, the writes replaced the link itself and
+    wrote the held-out set beside the link, over a file of the user's there."""
+    (tmp_path / "big" / "models").mkdir(parents=True)
+    (tmp_path / "mymodel").symlink_to(tmp_path / "big" / "models")
+    with pytest.raises(OutputDirError, match="is a symbolic link"):
+        check_output_dir(tmp_path / "mymodel")
+    (tmp_path / "plain-heldout").symlink_to(tmp_path / "big")
+    with pytest.raises(OutputDirError, match="plain-heldout' is a symbolic link"):
+        check_output_dir(tmp_path / "plain")
+    assert (tmp_path / "mymodel").is_symlink() and not any((tmp_path / "big" / "models").iterdir())
