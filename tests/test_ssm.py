@@ -344,3 +344,37 @@ def test_second_order_gradients_are_refused_not_silently_wrong():
         torch.autograd.grad(conv(x).sum(), [conv.log_dt], create_graph=True)
     (input_grad,) = torch.autograd.grad((conv(x) * weights).sum(), x)
     assert torch.isfinite(input_grad).all()
+
+
+def test_the_kernel_cache_serves_several_threads():
+    """From an audit: one model in eval mode serving four threads raised KeyError in the kernel cache (a lookup in
+    one thread, an eviction in another); each thread now gets the single-threaded result."""
+    import random
+    import threading
+
+    torch.manual_seed(0)
+    conv = BidirectionalS4DConvolution(16, 8).eval()
+    inputs = {length: torch.randn(1, length, 16) for length in (50, 60, 70, 80)}
+    with torch.no_grad():
+        expected = {length: conv(x) for length, x in inputs.items()}
+    conv.kernel_cache_lengths = 2  # fewer than the lengths in use: lookups and evictions interleave
+    failures = []
+
+    def serve(seed: int) -> None:
+        draw = random.Random(seed)
+        try:
+            with torch.no_grad():
+                for _ in range(1500):
+                    length = draw.choice(list(inputs))
+                    if not torch.allclose(conv(inputs[length]), expected[length], atol=1e-5):
+                        failures.append(f"wrong output at length {length}")
+                        return
+        except Exception as error:  # noqa: BLE001  reported below
+            failures.append(repr(error))
+
+    threads = [threading.Thread(target=serve, args=(seed,)) for seed in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert failures == []

@@ -52,6 +52,7 @@ tensor memory 1,369 against 1,422 MiB.)
 from __future__ import annotations
 
 import math
+import threading
 from collections import OrderedDict
 
 import torch
@@ -60,6 +61,11 @@ from torch import nn
 from transformers import initialization as init
 
 from .ssm_cpu_kernel import compiled_kernel_usable, compiled_s4d_kernel_values
+
+#: Guards every layer's kernel cache: one model in eval mode may serve several threads at once (a lookup and an eviction
+#: in two threads raised KeyError). The spectra themselves are computed outside it. Module-level, so that layers stay
+#: copyable and picklable.
+_KERNEL_CACHE_LOCK = threading.RLock()
 
 
 #: Channels whose kernels (and kernel gradients) are computed together on CPU (see `s4d_kernel`).
@@ -450,25 +456,28 @@ class BidirectionalS4DConvolution(Float32ParametersModule):
         if not self._cacheable():
             return torch.fft.rfft(self.circular_kernel(length), n=fft_size)[channels]
         key = (length, fft_size)
-        spectrum = self._kernel_cache.get(key) if self._kernel_cache_matches(channels) else None
-        # an inference-mode tensor cannot be saved for backward: recompute it when autograd records
-        if spectrum is not None and not (spectrum.is_inference() and torch.is_grad_enabled()
-                                         and not torch.is_inference_mode_enabled()):
-            self._kernel_cache.move_to_end(key)
-            return spectrum[channels]
+        with _KERNEL_CACHE_LOCK:
+            spectrum = self._kernel_cache.get(key) if self._kernel_cache_matches(channels) else None
+            # an inference-mode tensor cannot be saved for backward: recompute it when autograd records
+            if spectrum is not None and not (spectrum.is_inference() and torch.is_grad_enabled()
+                                             and not torch.is_inference_mode_enabled()):
+                self._kernel_cache.move_to_end(key)
+                return spectrum[channels]
         spectrum = torch.fft.rfft(self.circular_kernel(length), n=fft_size)
-        self._kernel_cache.pop(key, None)
-        if not self._kernel_cache_matches(slice(None)):
-            self.clear_kernel_cache()  # parameters changed: the old spectra are wrong now
-        size = spectrum.numel() * spectrum.element_size()
-        if size <= self.kernel_cache_bytes:
-            if self._kernel_cache_parameters is None:
-                self._kernel_cache_parameters = self._kernel_snapshot()
-            self._kernel_cache[key] = spectrum
-            while len(self._kernel_cache) > self.kernel_cache_lengths or self.kernel_cache_nbytes() > self.kernel_cache_bytes:
-                self._kernel_cache.popitem(last=False)
-        if not self._kernel_cache:
-            self._kernel_cache_parameters = None
+        with _KERNEL_CACHE_LOCK:
+            self._kernel_cache.pop(key, None)
+            if not self._kernel_cache_matches(slice(None)):
+                self.clear_kernel_cache()  # parameters changed: the old spectra are wrong now
+            size = spectrum.numel() * spectrum.element_size()
+            if size <= self.kernel_cache_bytes:
+                if self._kernel_cache_parameters is None:
+                    self._kernel_cache_parameters = self._kernel_snapshot()
+                self._kernel_cache[key] = spectrum
+                while (len(self._kernel_cache) > self.kernel_cache_lengths
+                       or self.kernel_cache_nbytes() > self.kernel_cache_bytes):
+                    self._kernel_cache.popitem(last=False)
+            if not self._kernel_cache:
+                self._kernel_cache_parameters = None
         return spectrum[channels]
 
     def _kernel_snapshot(self) -> tuple:
@@ -501,12 +510,14 @@ class BidirectionalS4DConvolution(Float32ParametersModule):
 
     def clear_kernel_cache(self) -> None:
         """Forget the cached kernel spectra (e.g. to time a cold forward)."""
-        self._kernel_cache.clear()
-        self._kernel_cache_parameters = None
+        with _KERNEL_CACHE_LOCK:
+            self._kernel_cache.clear()
+            self._kernel_cache_parameters = None
 
     def kernel_cache_nbytes(self) -> int:
         """Bytes held by the kernel cache of this layer."""
-        return sum(t.numel() * t.element_size() for t in self._kernel_cache.values())
+        with _KERNEL_CACHE_LOCK:
+            return sum(t.numel() * t.element_size() for t in self._kernel_cache.values())
 
     def kernel(self, length: int, channels: slice = slice(None)) -> torch.Tensor:
         """``K [directions, H, length]`` (float32): K_c[h, l] = 2·Re Σ_n Ĉ_chn z_hn^l with z = exp(ΔA) (``s4d_kernel``);
