@@ -549,3 +549,17 @@ def test_script_suite_reports_are_reused_only_for_the_same_options(run_all, tmp_
     assert run_all.script_suite("vcc_t5", float32, tmp_path, 10, run=False) == \
         "| table of --device cpu --dtype bfloat16 |"  # --report_only: the report as it is, nothing run
     assert len(runs) == 2
+
+
+def test_fft_size_benchmark_times_both_sizes_and_restores_the_default(monkeypatch, capsys):
+    """benchmarks/benchmark_fft_size.py at tiny sizes: one line per length, with both FFT sizes, and the module's
+    threshold as it was afterwards."""
+    from longreach.modeling import ssm
+
+    default = ssm.SMOOTH_FFT_FROM_LENGTH
+    monkeypatch.setattr(sys, "argv", ["benchmark_fft_size.py", "--channels", "4", "--lengths", "8", "13"])
+    load_benchmark("benchmark_fft_size").main()
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert [line.split(":")[0] for line in lines] == ["L=8", "L=13"]
+    assert "26 points" in lines[1] and "25 points" in lines[1]  # 2L, and the next 5-smooth size >= 2L - 1
+    assert ssm.SMOOTH_FFT_FROM_LENGTH == default

@@ -276,6 +276,33 @@ class _S4DKernel(torch.autograd.Function):
 FFT_BLOCK_ELEMENTS = 2**22
 
 
+#: From this input length on, the FFT convolution has the next 5-smooth number of points >= 2L − 1 instead of 2L: an FFT
+#: of a size with a large prime factor is several times slower (one layer's forward, 64 channels, one CPU core: 2.6x
+#: faster at 65,537 and 100,003 tokens, `benchmarks/benchmark_fft_size.py`). Up to it, 2L points as before: the same
+#: numbers to the last bit where the demo and the fixtures run.
+SMOOTH_FFT_FROM_LENGTH = 8193
+
+
+def next_5_smooth(target: int) -> int:
+    """The smallest 2^a · 3^b · 5^c >= ``target`` (what FFT libraries transform fastest)."""
+    best = 1 << max(target - 1, 0).bit_length()
+    power_of_5 = 1
+    while power_of_5 < best:
+        odd = power_of_5
+        while odd < best:
+            quotient = -(-target // odd)
+            best = min(best, odd << max(quotient - 1, 0).bit_length())
+            odd *= 3
+        power_of_5 *= 5
+    return best
+
+
+def exact_fft_size(length: int) -> int:
+    """Points of the FFT that convolves a length-L input with the packed bidirectional kernel exactly: 2L, or from
+    ``SMOOTH_FFT_FROM_LENGTH`` on the next 5-smooth size >= 2L − 1 (no lag wraps onto another)."""
+    return 2 * length if length < SMOOTH_FFT_FROM_LENGTH else next_5_smooth(2 * length - 1)
+
+
 def _fft_channel_blocks(signal: torch.Tensor, fft_size: int):
     """Slices of the channel dim (−2) of ``signal [..., h, L]`` with about ``FFT_BLOCK_ELEMENTS`` FFT elements each
     (an FFT runs along the last dim row by row: blocking the rows changes no value, bit for bit)."""
@@ -453,8 +480,9 @@ class BidirectionalS4DConvolution(Float32ParametersModule):
     def kernel_spectrum(self, length: int, fft_size: int, channels: slice = slice(None)) -> torch.Tensor:
         """``rfft(circular_kernel(length), n=fft_size)[channels]`` [h, fft_size//2 + 1], from the kernel cache when
         allowed."""
+        period = None if self.authors_fft_size else fft_size  # (the authors' path keeps its own period, 2L)
         if not self._cacheable():
-            return torch.fft.rfft(self.circular_kernel(length), n=fft_size)[channels]
+            return torch.fft.rfft(self.circular_kernel(length, period=period), n=fft_size)[channels]
         key = (length, fft_size)
         with _KERNEL_CACHE_LOCK:
             spectrum = self._kernel_cache.get(key) if self._kernel_cache_matches(channels) else None
@@ -463,7 +491,7 @@ class BidirectionalS4DConvolution(Float32ParametersModule):
                                              and not torch.is_inference_mode_enabled()):
                 self._kernel_cache.move_to_end(key)
                 return spectrum[channels]
-        spectrum = torch.fft.rfft(self.circular_kernel(length), n=fft_size)
+        spectrum = torch.fft.rfft(self.circular_kernel(length, period=period), n=fft_size)
         with _KERNEL_CACHE_LOCK:
             self._kernel_cache.pop(key, None)
             if not self._kernel_cache_matches(slice(None)):
@@ -532,19 +560,24 @@ class BidirectionalS4DConvolution(Float32ParametersModule):
         dtA, z, C_hat = self._discretized(channels)
         return s4d_kernel(dtA, z, C_hat, length, self.kernel_chunk_size)
 
-    def circular_kernel(self, length: int, channels: slice = slice(None)) -> torch.Tensor:
-        """The packed kernel ``[H, 2·length]`` of period 2L: causal lags at [0, L), 0 at L, anti-causal lags L−1..1 after.
+    def circular_kernel(self, length: int, channels: slice = slice(None), period: int | None = None) -> torch.Tensor:
+        """The packed kernel ``[H, period]`` (by default 2·length): causal lags at [0, L), zeros, then the anti-causal
+        lags L−1..1 in the last L−1 columns (lag l at period − l), so that a circular convolution over ``period >= 2L −
+        1`` points is the exact bidirectional one.
 
         Column 0 holds K_0[0] + K_1[0] (the authors' ``make_bidirectional``). Unidirectional: K_0 zero-padded.
         """
+        period = 2 * length if period is None else period
+        if period < 2 * length - 1:
+            raise ValueError(f"`period` must be at least 2 * length - 1 = {2 * length - 1} (lags overlap), got {period}.")
         kernels = self.kernel(length, channels)
         causal = kernels[0]
         if not self.bidirectional:
-            return nn.functional.pad(causal, (0, length))
+            return nn.functional.pad(causal, (0, period - length))
         anti_causal = kernels[1]
-        zero = causal.new_zeros(causal.shape[0], 1)
+        zeros = causal.new_zeros(causal.shape[0], period - 2 * length + 1)
         return torch.cat(
-            [causal[:, :1] + anti_causal[:, :1], causal[:, 1:], zero, anti_causal[:, 1:].flip(-1)], dim=-1
+            [causal[:, :1] + anti_causal[:, :1], causal[:, 1:], zeros, anti_causal[:, 1:].flip(-1)], dim=-1
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -574,14 +607,16 @@ class BidirectionalS4DConvolution(Float32ParametersModule):
             kernel_length = length + length % 2
             fft_size = max(2 * 2 ** math.ceil(math.log2(kernel_length)), 16)
         else:
-            kernel_length, fft_size = length, 2 * length  # the period of the packed kernel: exact convolution
+            kernel_length, fft_size = length, exact_fft_size(length)  # the packed kernel's period: exact convolution
         spectrum_bytes = self.channels * (fft_size // 2 + 1) * 2 * self.compute_dtype.itemsize  # complex
         if channels == slice(None) and self._records_kernel_graph():  # training: gradients flow into the kernel
-            y = _FFTConvolution.apply(signal, self.circular_kernel(kernel_length), None, fft_size)
+            period = None if self.authors_fft_size else fft_size
+            y = _FFTConvolution.apply(signal, self.circular_kernel(kernel_length, period=period), None, fft_size)
         else:
             if channels == slice(None) or (self._cacheable() and spectrum_bytes <= self.kernel_cache_bytes):
                 kernel_f = self.kernel_spectrum(kernel_length, fft_size, channels)  # all channels, cached when allowed
             else:  # a group of channels of a long input: computed for this group only
-                kernel_f = torch.fft.rfft(self.circular_kernel(kernel_length, channels), n=fft_size)
+                period = None if self.authors_fft_size else fft_size
+                kernel_f = torch.fft.rfft(self.circular_kernel(kernel_length, channels, period), n=fft_size)
             y = _FFTConvolution.apply(signal, None, kernel_f, fft_size)
         return y + signal * self.D.to(self.compute_dtype)[channels, None]
