@@ -299,8 +299,11 @@ def next_5_smooth(target: int) -> int:
 
 def exact_fft_size(length: int) -> int:
     """Points of the FFT that convolves a length-L input with the packed bidirectional kernel exactly: 2L, or from
-    ``SMOOTH_FFT_FROM_LENGTH`` on the next 5-smooth size >= 2L − 1 (no lag wraps onto another)."""
-    return 2 * length if length < SMOOTH_FFT_FROM_LENGTH else next_5_smooth(2 * length - 1)
+    ``SMOOTH_FFT_FROM_LENGTH`` on the next 5-smooth size >= 2L − 1 (no lag wraps onto another). A symbolic length
+    (``torch.compile`` with dynamic shapes) keeps 2L, an expression of it."""
+    if not isinstance(length, int) or length < SMOOTH_FFT_FROM_LENGTH:
+        return 2 * length
+    return next_5_smooth(2 * length - 1)
 
 
 def _fft_channel_blocks(signal: torch.Tensor, fft_size: int):
