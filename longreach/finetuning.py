@@ -174,8 +174,8 @@ def train_or_resume(trainer, training_args) -> tuple[dict, int]:
             goal = (f"--max_steps {training_args.max_steps}" if training_args.max_steps > 0
                     else f"--num_train_epochs {training_args.num_train_epochs:g}")
             print(f"{checkpoint} already reached {goal}: nothing to train; the weights of {weights} are loaded. "
-                  f"Raising {goal.split()[0]} trains further from {checkpoint}, on the learning-rate schedule of the longer "
-                  "run (its first step keeps the finished run's last rate, 0 for a decaying schedule).",
+                  f"Raising {goal.split()[0]} trains further from {checkpoint}, on the learning-rate schedule of the "
+                  "longer run (its first step keeps the finished run's last rate, 0 for a decaying schedule).",
                   file=sys.stderr)
         trainer._load_from_checkpoint(weights)  # the weights, as train() loads them when it resumes
         trainer.state = state  # its step and epoch, which the evaluation reports

@@ -445,7 +445,8 @@ def test_a_rerun_with_another_input_or_column_is_refused(model_folder, tmp_path,
     assert "(text_column: 'summary' then, 'text' now)" in capsys.readouterr().err
     other = summarize_args(model_folder, tmp_path / "other.jsonl", tmp_path / "out.jsonl", "--id_column", "doc_id")
     assert main(other + ["--text_column", "summary"]) == 2
-    assert f"input: {str(tmp_path / 'corpus.jsonl')!r} then, {str(tmp_path / 'other.jsonl')!r} now" in capsys.readouterr().err
+    changed = f"input: {str(tmp_path / 'corpus.jsonl')!r} then, {str(tmp_path / 'other.jsonl')!r} now"
+    assert changed in capsys.readouterr().err
     assert (tmp_path / "out.jsonl").read_bytes() == before
     # an output whose settings were recorded before the input was: finished as it was, not refused
     settings = json.loads((tmp_path / "out.settings.json").read_text())
