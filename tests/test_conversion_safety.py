@@ -361,3 +361,16 @@ def test_a_staging_folder_left_inside_an_output_folder_by_a_killed_run_is_remove
     (output / ".incomplete-999999999-x" / "model.safetensors").write_bytes(b"0")
     locost_converter.convert_locost_checkpoint(fixtures_dir / "locost" / "hf_checkpoint", output)
     assert not any(path.name.startswith(".") for path in output.iterdir())
+
+
+@pytest.mark.parametrize("model, folder", [("locost", "hf_checkpoint"), ("vcc", None)])
+def test_a_weights_file_of_a_folder_is_pointed_to_its_folder(fixtures_dir, tmp_path, capsys, model, folder):
+    """From an audit: model.safetensors or pytorch_model.bin as --checkpoint_path said "not a Lightning checkpoint"
+    with no hint (the converters read a save_pretrained folder whole, with its config.json)."""
+    source = fixtures_dir / model / folder if folder else next(
+        p for p in (fixtures_dir / model).iterdir() if p.is_dir() and (p / "config.json").is_file())
+    weights = next(p for p in source.iterdir() if p.suffix in (".safetensors", ".bin"))
+    assert main(["convert", model, "--checkpoint_path", str(weights), "--pytorch_dump_folder_path",
+                 str(tmp_path / "out")]) == 1
+    assert f"is a weights file of a save_pretrained folder; pass the folder that holds it and its config.json " \
+           f"({source})" in capsys.readouterr().err

@@ -395,6 +395,15 @@ def _remove_stale_staging(folder: Path, prefix: str) -> None:
             shutil.rmtree(stale, ignore_errors=True)
 
 
+def check_not_a_weights_file(checkpoint_path: Path) -> None:
+    """A ``save_pretrained`` weights file (``model.safetensors``, ``pytorch_model.bin``, a shard) given where a Lightning
+    ``.ckpt`` or a folder is expected: the converter reads the folder, with its config.json."""
+    name = checkpoint_path.name
+    if checkpoint_path.suffix == ".safetensors" or name.startswith("pytorch_model") or name.endswith(".index.json"):
+        raise ConversionError(f"--checkpoint_path {checkpoint_path} is a weights file of a save_pretrained folder; pass "
+                              f"the folder that holds it and its config.json ({checkpoint_path.parent}).")
+
+
 def expand_user_paths(args):
     """``args`` with a leading ``~`` of every option expanded: ``--checkpoint_path=~/ckpt`` reaches us with its ``~``
     (no shell expands it after "=")."""

@@ -35,6 +35,7 @@ from ..modeling.modeling_locost import LocostForConditionalGeneration
 from .conversion_utils import (
     ConversionError,
     KeyMap,
+    check_not_a_weights_file,
     check_push_target,
     expand_user_paths,
     find_local_tokenizer,
@@ -128,6 +129,7 @@ def read_original_checkpoint(checkpoint_path: Path, config_path: Path | None = N
         return load_folder_checkpoint(checkpoint_path, config_path)
     if not checkpoint_path.is_file():
         raise ConversionError(f"--checkpoint_path {checkpoint_path} does not exist.")
+    check_not_a_weights_file(checkpoint_path)
     stand_in = pickled_class_stand_in("models_config", "LOCOSTConfig")
     checkpoint = safe_torch_load(checkpoint_path, allowed_classes=[stand_in])
     if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint:

@@ -40,6 +40,7 @@ from ..modeling.modeling_vcc_t5 import VCCT5ForConditionalGeneration
 from .conversion_utils import (
     ConversionError,
     KeyMap,
+    check_not_a_weights_file,
     check_push_target,
     expand_user_paths,
     find_local_tokenizer,
@@ -193,6 +194,7 @@ def read_checkpoint(checkpoint_path: Path, config_path: Path | None = None) -> t
         return load_folder_checkpoint(checkpoint_path, config_path)
     if not checkpoint_path.is_file():
         raise ConversionError(f"--checkpoint_path {checkpoint_path} does not exist.")
+    check_not_a_weights_file(checkpoint_path)
     if config_path is None:
         raise ConversionError(
             f"{checkpoint_path} is a Lightning checkpoint, which holds no model config (the original never saves "
