@@ -447,3 +447,23 @@ def test_stop_sequence_ends_the_summary_and_generate_output_dicts_are_read():
     assert sample(return_dict_in_generate=True, output_scores=True)["summary_text"] == full["summary_text"]
     with pytest.raises(ValueError, match="`stop_sequence` must be a non-empty string"):
         summarizer("the cat", stop_sequence="")
+
+
+def test_the_text_ends_at_the_callers_end_token_batched_or_not():
+    """From an audit: `summary_token_ids` ended at the first end token but `summary_text` decoded the whole row, so
+    with a caller's end token that is not special (a newline, a period) a batched document's text ran on through the
+    rows' filling ("w64 w64 w64 ..." where alone it was "w64")."""
+    from test_workflows_vcc_t5_dodo import llama_word_tokenizer, tiny_dodo
+
+    model, tokenizer = tiny_dodo(), llama_word_tokenizer()
+    model.config.pad_token_id = model.generation_config.pad_token_id = None  # as a Llama-2 checkpoint: no pad id
+    summarizer = pipeline("long-summarization", model=model, tokenizer=tokenizer, max_new_tokens=8,
+                          return_tensors=True)
+    documents = [document(150), document(60, offset=4), document(90, offset=8)]
+    questions = ["w3 w4 w5 w6", "w7", "w9 w2"]
+    stop = tokenizer.convert_tokens_to_ids("w64")
+    alone = [summarizer(d, question=q, eos_token_id=stop)[0] for d, q in zip(documents, questions)]
+    batched = summarizer(documents, question=questions, eos_token_id=stop, batch_size=3)
+    assert any(record["summary_token_ids"].tolist()[-1] == stop for record in alone)  # (a row that stops early)
+    for one, row in zip(alone, batched):
+        assert one["summary_text"] == row["summary_text"] == tokenizer.decode(one["summary_token_ids"])

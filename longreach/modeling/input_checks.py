@@ -125,8 +125,9 @@ def cut_to_length(ids: list[int], max_length: int | None, eos_token_id: int | No
 
 
 def summarization_documents(documents: str | list[str]) -> list[str]:
-    """``documents`` of ``prepare_summarization_inputs`` / ``prepare_question_inputs`` as a list of strings: a string
-    is one document (not its characters)."""
+    """``documents`` of ``prepare_summarization_inputs`` / ``prepare_question_inputs`` as a list of non-empty strings:
+    a string is one document (not its characters); an empty one would be summarized or questioned from the prompt
+    alone."""
     documents = [documents] if isinstance(documents, str) else list(documents)
     if not documents:
         raise ValueError("`documents` must hold at least one document, got an empty list.")
@@ -134,6 +135,8 @@ def summarization_documents(documents: str | list[str]) -> list[str]:
         if not isinstance(document, str):
             raise ValueError(f"Every document must be a string, got {type(document).__name__} {document!r:.40} for "
                              f"document {row}.")
+        if not document.strip():
+            raise ValueError(f"Every document must be a non-empty string, got {document!r:.40} for document {row}.")
     return documents
 
 

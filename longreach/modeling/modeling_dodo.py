@@ -1558,7 +1558,7 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
             "context_input_ids": context_ids,
             "context_attention_mask": context_mask,
         }
-        return inputs, dropped
+        return {name: tensor.to(self.device) for name, tensor in inputs.items()}, dropped  # where the model is
 
     def export_peft_adapters(
         self, save_directory: str | os.PathLike, base_model_name_or_path: str | None = None

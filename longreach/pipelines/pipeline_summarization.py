@@ -360,10 +360,12 @@ class LongSummarizationPipeline(Pipeline):
         first = 1 if self.model.config.is_encoder_decoder else 0
         for ids in model_outputs["output_ids"][0]:
             record = {}
+            # Up to the first end of sequence: in a batch, finished rows are filled up to the longest one (with the pad
+            # id, or the end token itself), which a caller's end token that is not special would leave in the text
+            ends = [i for i, token in enumerate(ids.tolist()) if token in eos and i >= first]
+            ids = ids[: ends[0] + 1] if ends else ids
             if return_tensors:
-                # Up to the first end of sequence: in a batch, the finished rows are padded to the longest one.
-                ends = [i for i, token in enumerate(ids.tolist()) if token in eos and i >= first]
-                record["summary_token_ids"] = ids[: ends[0] + 1] if ends else ids
+                record["summary_token_ids"] = ids
             if return_text:
                 record["summary_text"] = self.tokenizer.decode(
                     ids, skip_special_tokens=True, clean_up_tokenization_spaces=clean_up_tokenization_spaces
