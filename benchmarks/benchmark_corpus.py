@@ -94,6 +94,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--quick", action="store_true", help="8 documents of 16 to 128 tokens (a smoke run).")
     parser.add_argument("--json", default=None, help="Also write the runs to this file.")
     args = parser.parse_args(argv)
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        parser.error(f"--device {args.device}: this machine has no CUDA device; use --device cpu")
     if args.rounds < 1:
         raise ValueError(f"`--rounds` must be positive, got {args.rounds}.")
     if args.pad_to_multiple_of < 1:

@@ -316,6 +316,10 @@ def main() -> None:
                              "of each).")
     parser.add_argument("--scorer_features", default="base_final_norm", choices=["base_final_norm", "encoder_hidden"])
     args = parser.parse_args()
+    if any(length < 1 for length in args.lengths) or args.steps < 1:
+        parser.error(f"--lengths and --steps must be positive, got --lengths {args.lengths} --steps {args.steps}")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        parser.error(f"--device {args.device}: this machine has no CUDA device; use --device cpu")
     if args.threads:
         torch.set_num_threads(args.threads)
     overrides = {}  # the decode-step run's model, where it differs from SIZES

@@ -37,6 +37,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--lengths", type=int, nargs="+", default=[65536, 65537, 100003])
     args = parser.parse_args()
+    if any(length < 1 for length in args.lengths) or args.channels < 1 or args.threads < 1:
+        parser.error(f"--lengths, --channels and --threads must be positive, got {args.lengths}, {args.channels}, "
+                     f"{args.threads}")
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     conv = ssm.BidirectionalS4DConvolution(args.channels, 16).eval()

@@ -603,7 +603,9 @@ def plot(cells: list[dict], out: Path) -> list[Path]:
         figure.suptitle(task)
         figure.tight_layout()
         path = out / f"{task}.png"
-        figure.savefig(path, dpi=100)
+        temporary = out / f".{task}.png.tmp"  # renamed into place: never a half-written plot
+        figure.savefig(temporary, dpi=100, format="png")
+        temporary.replace(path)
         plt.close(figure)
         written.append(path)
     return written
@@ -645,7 +647,17 @@ def parse_args(argv=None):
         bad = [value for value in getattr(args, name) if value < 1]
         if bad:
             parser.error(f"--{name} must be positive token counts, got {bad}")
+    check_device_here(parser, args.device)
     return args
+
+
+def check_device_here(parser, device: str) -> None:
+    """A CUDA ``--device`` on a machine without CUDA: one line now, not an error cell per cell or a traceback."""
+    import torch
+
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        parser.error(f"--device {device}: this machine has no CUDA device (torch {torch.__version__}); use --device "
+                     "cpu")
 
 
 def main(argv=None) -> Path:
@@ -673,6 +685,7 @@ def main(argv=None) -> Path:
             if cell_key(cell) in done:
                 continue
             result = run_counted_cell(cell, args.timeout, in_process=args.in_process)
+            done.add(cell_key(cell))  # a length given twice is measured once
             append_cell(results, result)
             print(json.dumps(result), flush=True)
     if args.cells_only:

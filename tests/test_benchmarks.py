@@ -30,8 +30,8 @@ def run_all():
 
 
 def test_quick_run_writes_cells_report_and_plot_and_resumes(run_all, tmp_path, monkeypatch):
-    argv = ["--quick", "--suites", "locost", "--models", "locost", "t5", "--tasks", "encode", "--lengths", "32",
-            "--threads", "1", "--out", str(tmp_path)]
+    argv = ["--quick", "--suites", "locost", "--models", "locost", "t5", "--tasks", "encode", "--lengths", "32", "32",
+            "--threads", "1", "--out", str(tmp_path)]  # a length given twice is measured once (it was twice)
     # cells in this process (a subprocess per cell costs seconds of imports; the command itself uses them)
     monkeypatch.setattr(run_all, "run_in_subprocess", lambda cell, timeout: run_all.run_cell(cell))
     report = run_all.main(argv)
@@ -51,6 +51,7 @@ def test_quick_run_writes_cells_report_and_plot_and_resumes(run_all, tmp_path, m
     capability = torch.backends.cpu.get_cpu_capability()
     assert all(f"CPUs ({capability});" in cell["machine"] for cell in cells) and f"CPUs ({capability});" in text
     assert (tmp_path / "encode.png").stat().st_size > 0
+    assert not list(tmp_path.glob(".*.tmp"))  # the plot was written beside and renamed into place
 
     def no_new_cells(cell, timeout):
         raise AssertionError(f"finished cell run again: {cell}")
@@ -76,9 +77,13 @@ def test_report_does_not_attribute_unrecorded_cells_to_this_machine(run_all, tmp
     assert run_all.host_description() not in header
 
 
-def test_bad_lengths_are_refused(run_all):
+def test_bad_lengths_are_refused(run_all, capsys):
     with pytest.raises(SystemExit):
         run_all.parse_args(["--lengths", "0"])
+    if not torch.cuda.is_available():  # one line before any cell, not an error cell per cell (or a traceback)
+        with pytest.raises(SystemExit):
+            run_all.parse_args(["--device", "cuda"])
+        assert "--device cuda: this machine has no CUDA device" in capsys.readouterr().err
 
 
 def test_logn_scaling_benchmark_runs_on_a_demo_model(tmp_path, monkeypatch, capsys):
