@@ -275,7 +275,7 @@ def run(model_args: ModelArguments, data_args: DataArguments, training_args: Seq
             dataset = dataset.select(range(min(limit, len(dataset))))
         check_text_columns(dataset, columns, split)
         if data_args.question_column:
-            check_questions(dataset, data_args.question_column, split)
+            check_questions(dataset, data_args.question_column, split, document_column=data_args.text_column)
         cut, cut_summaries = [0], [0]
 
         def preprocess(batch):

@@ -262,13 +262,18 @@ def check_text_columns(dataset, columns: list[str], split: str) -> None:
                 raise ValueError(f"The {split} data: row {row} of column {column!r} is {value!r}, expected text.")
 
 
-def check_questions(dataset, column: str, split: str) -> None:
+def check_questions(dataset, column: str, split: str, document_column: str | None = None) -> None:
     """Every question of ``column`` holds text (after :func:`check_text_columns`, which lets empty strings pass for
-    documents and summaries): an empty question would fail inside a batch of the tokenization, named by its place in
-    that batch."""
+    documents and summaries), and with ``document_column`` so does the document it is asked of: an empty one would
+    fail inside a batch of the tokenization (a question needs a document: VCC-T5's preparation refuses a blank one),
+    named by its place in that batch."""
     for row, value in enumerate(dataset[column]):
         if not value.strip():
             raise ValueError(f"The {split} data: row {row} of column {column!r} is {value!r}, expected a question.")
+    for row, value in enumerate(dataset[document_column] if document_column is not None else []):
+        if not value.strip():
+            raise ValueError(f"The {split} data: row {row} of column {document_column!r} is {value!r}, expected the "
+                             "document its question is asked of.")
 
 
 def first_text(dataset, column: str) -> int | None:

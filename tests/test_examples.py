@@ -546,3 +546,16 @@ def test_check_text_columns_names_the_row_and_skips_reading_a_clean_string_colum
 
     monkeypatch.setattr(datasets.arrow_dataset.Column, "__iter__", no_reading)
     check_text_columns(datasets.Dataset.from_dict({"document": ["a", ""] * 1000}), ["document"], "train")
+
+
+def test_question_data_needs_a_document_for_each_question():
+    """VCC-T5's question preparation refuses a blank document (it would answer from the question alone): the data
+    are checked first, naming the row, instead of failing inside a batch of the tokenization."""
+    from datasets import Dataset
+
+    from longreach.finetuning import check_questions
+
+    data = Dataset.from_dict({"context": ["w1 w2", " "], "question": ["w3", "w4"]})
+    check_questions(data, "question", "train")  # questions alone: fine
+    with pytest.raises(ValueError, match=r"The train data: row 1 of column 'context' is ' ', expected the document"):
+        check_questions(data, "question", "train", document_column="context")

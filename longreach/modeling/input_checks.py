@@ -124,10 +124,10 @@ def cut_to_length(ids: list[int], max_length: int | None, eos_token_id: int | No
     return ids[:max_length], dropped
 
 
-def summarization_documents(documents: str | list[str]) -> list[str]:
-    """``documents`` of ``prepare_summarization_inputs`` / ``prepare_question_inputs`` as a list of non-empty strings:
-    a string is one document (not its characters); an empty one would be summarized or questioned from the prompt
-    alone."""
+def summarization_documents(documents: str | list[str], allow_empty: bool = True) -> list[str]:
+    """``documents`` of ``prepare_summarization_inputs`` / ``prepare_question_inputs`` as a list of strings: a string
+    is one document (not its characters). ``allow_empty=False`` refuses a blank one (a question would be answered
+    from itself alone); training data may hold one, which fine-tuning reads through the same preparation."""
     documents = [documents] if isinstance(documents, str) else list(documents)
     if not documents:
         raise ValueError("`documents` must hold at least one document, got an empty list.")
@@ -135,7 +135,7 @@ def summarization_documents(documents: str | list[str]) -> list[str]:
         if not isinstance(document, str):
             raise ValueError(f"Every document must be a string, got {type(document).__name__} {document!r:.40} for "
                              f"document {row}.")
-        if not document.strip():
+        if not allow_empty and not document.strip():
             raise ValueError(f"Every document must be a non-empty string, got {document!r:.40} for document {row}.")
     return documents
 

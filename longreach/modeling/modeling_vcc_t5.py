@@ -765,7 +765,7 @@ class _VCCT5Seq2Seq(T5Seq2SeqLMMixin, VCCT5PreTrainedModel):
         `config.num_vip_slots` (its EOS included) gets a warning: its tokens beyond the slots are compressed like the
         document's, as in the authors' code. (The warning's text is the same for every question, so that Python's
         default filter shows it once, not once per question of a corpus.)"""
-        documents = summarization_documents(documents)
+        documents = summarization_documents(documents, allow_empty=False)
         questions = question_per_document(question, len(documents))
         encoding, dropped = _encode_queries_and_contexts(
             tokenizer, questions, documents, max_input_length, pad_token_id=self.config.pad_token_id,
