@@ -28,7 +28,9 @@ from pathlib import Path
 
 import torch
 from torch.autograd import DeviceType
-from run_all import MODELS, RELEASED, TASKS, TINY, build_model, machine_description, make_run, synchronize
+from run_all import (
+    MODELS, RELEASED, TASKS, TINY, build_model, check_device_here, machine_description, make_run, synchronize,
+)
 
 
 def profile_table(events, device: torch.device, rows: int) -> list[str]:
@@ -63,8 +65,7 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument("--quick", action="store_true", help="Tiny model (a smoke run, not a measurement).")
     parser.add_argument("--out", default=None, help="Append the table to this Markdown file.")
     args = parser.parse_args(argv)
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        parser.error(f"--device {args.device}: this machine has no CUDA device; use --device cpu")
+    check_device_here(parser, args.device)
     if args.length < 1:
         parser.error(f"--length must be at least 1, got {args.length}")
     if args.rows < 1:

@@ -109,7 +109,7 @@ def resume_checkpoint(training_args) -> str | None:
         return None
     last_step = next(step for step, path in steps if path == complete[0])
     skipped = [path.name for step, path in steps if step > last_step]
-    if not _holds_optimizer_state(complete[0]) and not _finished(complete[0], training_args):
+    if not _holds_optimizer_state(complete[0]) and finished_state(str(complete[0]), training_args) is None:
         # resumed, it would go on with a new optimizer and a restarted learning-rate schedule: another loss curve
         raise ValueError(f"--output_dir {output_dir}: {complete[0]} holds no optimizer state (saved with "
                          "--save_only_model), so training cannot continue as it was; pass --resume_from_checkpoint "
@@ -154,9 +154,6 @@ def finished_state(checkpoint: str | None, training_args):
     counted_in_epochs = state.max_steps > 0 and state.num_train_epochs >= training_args.num_train_epochs
     return state if counted_in_epochs and state.global_step >= state.max_steps else None
 
-
-def _finished(checkpoint: Path, training_args) -> bool:
-    return finished_state(str(checkpoint), training_args) is not None
 
 
 def train_or_resume(trainer, training_args) -> tuple[dict, int]:

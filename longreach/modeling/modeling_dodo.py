@@ -1273,8 +1273,7 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
             "attention_mask", attention_mask, batch, past_tokens + length, reference.device
         )
         if cache is None:  # later steps only append the model's own tokens (and a check would sync with the host)
-            check_binary_mask("attention_mask", attention_mask)  # (before it became `token_mask`, of booleans)
-            check_rows_not_empty("attention_mask", token_mask)
+            check_rows_not_empty("attention_mask", attention_mask)  # the caller's values, before `token_mask`'s bools
         new_token_mask = token_mask[:, past_tokens:]
 
         prepend_soft = False
@@ -1374,9 +1373,9 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
         if inputs is not None and input_ids is not None:
             raise ValueError("Pass the prompt once: as `inputs` (the first argument) or as `input_ids`, not both.")
         input_ids = inputs if inputs is not None else input_ids
-        # once per call: a prompt that continues a cache (a chat's next turn) is not checked by forward(), whose later
-        # steps only feed back the model's own tokens
-        check_token_ids("input_ids", input_ids, vocab_size=self.get_input_embeddings().num_embeddings)
+        # shapes only (no values read): forward() reads the prompt's ids, on the first step or when several tokens
+        # continue a cache (a chat's next turn); generate() drops an all-ones mask before forward() could check it
+        check_token_ids("input_ids", input_ids)
         check_mask("attention_mask", kwargs.get("attention_mask"), "input_ids", input_ids)
         if generation_config is not None:
             kwargs["generation_config"] = generation_config
@@ -1507,7 +1506,7 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
         the prompt followed by the summary. ``max_input_length`` caps the context tokens; the number of document tokens
         dropped per document is returned (never truncated silently).
         """
-        documents = summarization_documents(documents)
+        documents = summarization_documents(documents, allow_empty=False)
         return self._prompted_inputs(tokenizer, documents, [SUMMARIZATION_PROMPT] * len(documents), max_input_length)
 
     def prepare_question_inputs(
@@ -1521,7 +1520,7 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
         padded where the questions differ in length. ``max_input_length`` caps the context tokens (the question is in
         the decoder prompt, outside that count); the number of document tokens dropped per document is returned.
         """
-        documents = summarization_documents(documents)
+        documents = summarization_documents(documents, allow_empty=False)
         prompts = [QUESTION_PROMPT.format(question=text) for text in question_per_document(question, len(documents))]
         return self._prompted_inputs(tokenizer, documents, prompts, max_input_length)
 
@@ -1541,9 +1540,7 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
                 f"{max_input_length}."
             )
         contexts, dropped = [], []
-        for document in documents:
-            if not document.strip():
-                raise ValueError(f"Every document must be a non-empty string, got {document!r}.")
+        for document in documents:  # (non-empty: `summarization_documents`)
             ids = tokenizer(document, add_special_tokens=False)["input_ids"]
             keep = len(ids) if max_input_length is None else min(len(ids), max_input_length - len(prefix))
             dropped.append(len(ids) - keep)
