@@ -374,3 +374,98 @@ def test_a_weights_file_of_a_folder_is_pointed_to_its_folder(fixtures_dir, tmp_p
                  str(tmp_path / "out")]) == 1
     assert f"is a weights file of a save_pretrained folder; pass the folder that holds it and its config.json " \
            f"({source})" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Memory: the model exists once (benchmarks/benchmark_conversion_memory.py measures the peak)
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def _conversions(fixtures_dir):
+    from longreach.conversion import convert_dodo_original_checkpoint as dodo_converter
+    from longreach.conversion import convert_vcc_original_checkpoint as vcc_converter
+
+    dodo = fixtures_dir / "dodo"
+    return {
+        "locost": lambda out: locost_converter.convert_locost_checkpoint(
+            fixtures_dir / "locost" / "lightning" / "epoch=0-step=1.ckpt", out),
+        "vcc_t5": lambda out: vcc_converter.convert_vcc_checkpoint(fixtures_dir / "vcc" / "hf_ckpt", out),
+        "dodo_lightning": lambda out: dodo_converter.convert_dodo_checkpoint(dodo / "dodo_ckpt" / "weights.ckpt", out),
+        "dodo_peft": lambda out: dodo_converter.convert_dodo_peft_folders(
+            dodo / "adapters" / "encoder", dodo / "adapters" / "decoder", dodo / "scorer.pt", dodo / "base", out,
+            soft_prompt_path=dodo / "dodo_ckpt" / "weights.ckpt"),
+    }
+
+
+@pytest.mark.parametrize("route", ["locost", "vcc_t5", "dodo_lightning", "dodo_peft"])
+def test_the_converted_model_is_released_before_the_saved_folder_is_reloaded(fixtures_dir, tmp_path, monkeypatch,
+                                                                               route):
+    """A converter that kept its model while reloading the saved folder would hold it twice (three times with the
+    source): the in-memory model must be gone when from_pretrained runs, and it must never have had weights of its
+    own (built on the meta device, the converted tensors assigned to it)."""
+    import gc
+    import weakref
+
+    from transformers import PreTrainedModel
+
+    saved, at_reload = [], []
+    save_pretrained, from_pretrained = PreTrainedModel.save_pretrained, PreTrainedModel.from_pretrained.__func__
+
+    def recording_save(self, *args, **kwargs):
+        saved.append(weakref.ref(self))
+        return save_pretrained(self, *args, **kwargs)
+
+    def recording_load(cls, *args, **kwargs):
+        gc.collect()
+        at_reload.append([ref() is None for ref in saved])
+        return from_pretrained(cls, *args, **kwargs)
+
+    built_with_weights = []
+    init_weights = PreTrainedModel.post_init
+
+    def recording_post_init(self):
+        built_with_weights.append(any(not parameter.is_meta for parameter in self.parameters()))
+        return init_weights(self)
+
+    monkeypatch.setattr(PreTrainedModel, "save_pretrained", recording_save)
+    monkeypatch.setattr(PreTrainedModel, "from_pretrained", classmethod(recording_load))
+    monkeypatch.setattr(PreTrainedModel, "post_init", recording_post_init)
+    _conversions(fixtures_dir)[route](tmp_path / "out")
+    assert len(saved) == 1 and at_reload == [[True]]  # one save, and that model was gone at the one reload
+    # models built by the converter (before the reload) had only meta weights: no random initialisation, no copy
+    assert built_with_weights and not built_with_weights[0]
+
+
+def test_tensor_fingerprints_tell_every_bit():
+    import torch
+
+    from longreach.conversion.conversion_utils import tensor_fingerprint
+
+    base = torch.tensor([0.0, 1.5, float("nan")])
+    assert tensor_fingerprint(base) == tensor_fingerprint(base.clone())  # the same bits, NaN included
+    assert tensor_fingerprint(base) != tensor_fingerprint(torch.tensor([-0.0, 1.5, float("nan")]))  # equal values
+    assert tensor_fingerprint(base) != tensor_fingerprint(base.double())  # the dtype counts
+    assert tensor_fingerprint(base) != tensor_fingerprint(base.reshape(3, 1))  # and the shape
+    bfloat16 = torch.arange(6, dtype=torch.bfloat16).reshape(2, 3)
+    assert tensor_fingerprint(bfloat16.t()) == tensor_fingerprint(bfloat16.t().contiguous())  # any layout
+    assert tensor_fingerprint(torch.tensor(True)) != tensor_fingerprint(torch.tensor(False))  # 0-d and bool
+
+
+def test_a_checkpoint_of_torch_legacy_format_still_converts(fixtures_dir, tmp_path):
+    """torch.save's pre-1.6 format cannot be memory-mapped: it is read whole instead."""
+    import torch
+
+    from longreach.conversion import convert_vcc_original_checkpoint as vcc_converter
+
+    source = fixtures_dir / "vcc" / "hf_ckpt"
+    legacy = tmp_path / "legacy"
+    legacy.mkdir()
+    shutil.copy(source / "config.json", legacy / "config.json")
+    state_dict = torch.load(source / "pytorch_model.bin", weights_only=True)
+    torch.save(state_dict, legacy / "pytorch_model.bin", _use_new_zipfile_serialization=False)
+    with pytest.raises(RuntimeError, match="mmap"):  # what the converter falls back from
+        torch.load(legacy / "pytorch_model.bin", weights_only=True, mmap=True)
+    vcc_converter.convert_vcc_checkpoint(source, tmp_path / "reference")
+    vcc_converter.convert_vcc_checkpoint(legacy, tmp_path / "out")
+    assert (tmp_path / "out" / "model.safetensors").read_bytes() == (
+        tmp_path / "reference" / "model.safetensors").read_bytes()

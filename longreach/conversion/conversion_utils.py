@@ -8,6 +8,11 @@ Rules every converter follows:
   source lacks, stops the conversion with a message naming them. Tied duplicates are dropped only after checking
   that they equal their source tensor.
 * The output folder must be new or empty and must not overlap the input; the input is never written to.
+* The model exists once: it is built on the meta device and the converted tensors become its weights; ``torch.save``
+  files are memory-mapped (a Lightning checkpoint's optimizer states are never read); what is verified after saving
+  is each tensor's SHA-256, and the model is released before the saved folder is reloaded. The peak is about one copy
+  of the converted weights (``benchmarks/benchmark_conversion_memory.py``), where holding the source, the model and
+  the reloaded model at once needed three: for Dodo's 7B Llama in float32, 28 GB rather than 84.
 * Everything is written into a hidden staging folder (``.NAME.incomplete-PID-*`` beside a new output folder,
   ``.incomplete-PID-*`` inside an existing empty one, which is kept with its mount, mode and group), reloaded from
   there and every tensor compared bit for bit with the source; only then is that folder renamed to the output (or its
@@ -17,6 +22,8 @@ Rules every converter follows:
 
 from __future__ import annotations
 
+import gc
+import hashlib
 import json
 import logging
 import os
@@ -69,7 +76,12 @@ def safe_torch_load(path: str | os.PathLike, allowed_classes: Iterable[type] = (
     _check_is_file(path)
     with torch.serialization.safe_globals(list(allowed_classes)):
         try:
-            return torch.load(path, map_location="cpu", weights_only=True)
+            try:  # memory-mapped: tensors are read when used, and a checkpoint's optimizer states never are
+                return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            except RuntimeError as error:
+                if "mmap" not in str(error):  # a file of torch's legacy (non-zip) format cannot be mapped
+                    raise
+                return torch.load(path, map_location="cpu", weights_only=True)
         except pickle.UnpicklingError as error:
             # torch words it "Unsupported global: GLOBAL x.y" or "unsupported GLOBAL x.y whose module x is blocked"
             unsupported = re.search(r"unsupported (?:global:? )?GLOBAL (\S+)", str(error), flags=re.IGNORECASE)
@@ -283,12 +295,49 @@ def widest_floating_dtype(tensors: Iterable[torch.Tensor]) -> torch.dtype:
     return widest
 
 
+def empty_model(model_class: type, config) -> torch.nn.Module:
+    """``model_class(config)`` with its weights on the meta device: no memory and no random initialisation, since
+    every weight comes from the checkpoint (:func:`load_converted` makes the converted tensors the model's weights).
+    Non-persistent buffers (Llama's RoPE frequencies) stay on meta: a converter saves this model and never runs it;
+    what it returns and checks is the saved folder, reloaded."""
+    with torch.device("meta"):
+        return model_class(config)
+
+
+def convert_dtypes_in_place(tensors: dict[str, torch.Tensor], target_dtype) -> None:
+    """Cast the floating tensors of ``tensors`` to ``target_dtype(key)`` one at a time, replacing each entry: a source
+    tensor nothing else holds is freed as soon as its cast exists, so the peak is one copy plus one tensor."""
+    for key in list(tensors):
+        if tensors[key].is_floating_point():
+            tensors[key] = tensors[key].to(target_dtype(key))
+
+
+def assign_weights(model: torch.nn.Module, tensors: dict[str, torch.Tensor], tied: set[str], source: str) -> None:
+    """Make ``tensors`` the weights of ``model`` (``load_state_dict(assign=True)``: no copy), tie the tied ones
+    (``tied``: keys that come from their tie) and check that no weight is left empty."""
+    seen = set()
+    for key, tensor in tensors.items():  # two weights must not share memory (save_pretrained would drop one)
+        pointer = tensor.untyped_storage().data_ptr()
+        if tensor.numel() and pointer in seen:
+            tensors[key] = tensor.clone()
+        seen.add(pointer)
+    missing, unexpected = model.load_state_dict(tensors, strict=False, assign=True)
+    if set(missing) - tied or unexpected:
+        raise ConversionError(f"{source}: loading into the model failed: missing {sorted(set(missing) - tied)}, "
+                              f"unexpected {sorted(unexpected)}")
+    model.tie_weights()
+    empty = sorted(key for key, tensor in model.state_dict().items() if tensor.is_meta)
+    if empty:
+        raise ConversionError(f"{source}: no tensor for {empty} after loading and tying the weights.")
+
+
 def load_converted(model: torch.nn.Module, converted: dict[str, torch.Tensor], tied: set[str],
                    source: str) -> tuple[dict[str, torch.Tensor], torch.dtype]:
-    """Load ``converted`` (our names; ``tied`` keys come from their tie) into ``model`` in the checkpoint's own
-    precision (its widest floating dtype: a bfloat16 checkpoint gives a bfloat16 model, with the modules the model keeps
-    in float32 upcast, which loses nothing). Shapes are checked first and
-    every mismatch is named. Returns the tensors as loaded (the ones to verify after saving) and their dtype."""
+    """Load ``converted`` (our names; ``tied`` keys come from their tie) into ``model`` (best built with
+    :func:`empty_model`) in the checkpoint's own precision (its widest floating dtype: a bfloat16 checkpoint gives a
+    bfloat16 model, with the modules the model keeps in float32 upcast, which loses nothing). Shapes are checked first
+    and every mismatch is named. ``converted`` is cast in place and its tensors become the model's weights. Returns
+    it (the tensors to verify after saving) and the dtype."""
     shapes = {key: tuple(tensor.shape) for key, tensor in model.state_dict().items()}
     wrong = {key: (tuple(tensor.shape), shapes[key]) for key, tensor in converted.items()
              if key in shapes and tuple(tensor.shape) != shapes[key]}
@@ -308,17 +357,13 @@ def load_converted(model: torch.nn.Module, converted: dict[str, torch.Tensor], t
     def target_dtype(key: str) -> torch.dtype:
         return torch.float32 if float32_kept is not None and float32_kept.search(key) else dtype
 
-    converted = {key: tensor.to(target_dtype(key)) if tensor.is_floating_point() else tensor
-                 for key, tensor in converted.items()}
+    convert_dtypes_in_place(converted, target_dtype)
     model.to(dtype)
     if float32_kept is not None:
         for name, module in model.named_modules():
             if name and float32_kept.search(name):
                 module.float()
-    missing, unexpected = model.load_state_dict(converted, strict=False)
-    if set(missing) - tied or unexpected:
-        raise ConversionError(f"{source}: loading into the model failed: missing {sorted(set(missing) - tied)}, "
-                              f"unexpected {sorted(unexpected)}")
+    assign_weights(model, converted, tied, source)
     return converted, dtype
 
 
@@ -514,23 +559,46 @@ def find_local_tokenizer(*candidates: str | os.PathLike | None) -> str | None:
     return None
 
 
-def verify_tensors(model: torch.nn.Module, expected: dict[str, torch.Tensor], source: str) -> None:
-    """Every tensor of ``expected`` must be present in ``model`` and bit-identical (dtype and value)."""
+def tensor_fingerprint(tensor: torch.Tensor) -> tuple[str, tuple[int, ...], str]:
+    """``(dtype, shape, SHA-256 of the bytes)``: equal fingerprints mean bit-identical tensors, and comparing them
+    needs neither tensor to be kept."""
+    data = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+    return str(tensor.dtype), tuple(tensor.shape), hashlib.sha256(data.numpy()).hexdigest()
+
+
+def verify_tensors(model: torch.nn.Module, expected: dict[str, tuple], source: str) -> None:
+    """Every tensor fingerprinted in ``expected`` (:func:`tensor_fingerprint`) must be in ``model``, bit-identical
+    (dtype, shape and value)."""
     state_dict = model.state_dict()
     problems = []
-    for key, tensor in expected.items():
+    for key, fingerprint in expected.items():
         if key not in state_dict:
             problems.append(f"{key}: missing after reload")
-        elif state_dict[key].dtype != tensor.dtype or not torch.equal(state_dict[key].cpu(), tensor.cpu()):
+        elif tensor_fingerprint(state_dict[key]) != fingerprint:
             problems.append(f"{key}: differs after reload")
     if problems:
         raise ConversionError(f"Verification of {source} failed:\n" + "\n".join(problems))
 
 
+@dataclass
+class ConvertedModel:
+    """A converted model and the tensors it was loaded from, handed to :func:`finish_conversion` as their only
+    holder: it releases them once the model is saved, before the saved folder is reloaded (a converter that kept a
+    reference would hold the model twice at the reload)."""
+
+    model: torch.nn.Module | None
+    tensors: dict[str, torch.Tensor] | None
+
+    def release(self) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
+        model, tensors, self.model, self.tensors = self.model, self.tensors, None, None
+        if model is None or tensors is None:
+            raise RuntimeError("this ConvertedModel was already released")
+        return model, tensors
+
+
 def finish_conversion(
-    model,
+    converted_model: ConvertedModel,
     output: Path,
-    converted: dict[str, torch.Tensor],
     *,
     card_name: str,
     source: str,
@@ -541,9 +609,10 @@ def finish_conversion(
 ):
     """The common end of every converter; returns the reloaded model.
 
-    Saves ``model`` Hub-ready into ``output`` (safetensors, code files, ``auto_map``), adds the tokenizer if given and
-    the model card, reloads the folder with ``from_pretrained`` and checks every converted tensor bit for bit (plus
-    ``extra_check(reloaded)`` if given) *before* anything is reported or uploaded; then pushes in one commit if asked.
+    Saves the model of ``converted_model`` Hub-ready into ``output`` (safetensors, code files, ``auto_map``), adds the
+    tokenizer if given and the model card, releases the model, reloads the folder with ``from_pretrained`` and checks
+    every converted tensor bit for bit by its SHA-256 (plus ``extra_check(reloaded)`` if given) *before* anything is
+    reported or uploaded; then pushes in one commit if asked.
     """
     from ..hub import pretrained_location, push_folder_to_hub, write_model_card
 
@@ -563,15 +632,20 @@ def finish_conversion(
         logger.warning("No tokenizer given or found beside the checkpoint: the folder holds no tokenizer, so the "
                        "pipeline and `longreach summarize` will need one (--tokenizer).")
     with staged_output(output) as staging:
+        model, converted = converted_model.release()
+        model_class = type(model)
+        fingerprints = {key: tensor_fingerprint(tensor) for key, tensor in converted.items()}
         model.save_pretrained(staging)
         if tokenizer is not None:
             tokenizer.save_pretrained(staging)
         write_model_card(staging, card_name, converted_from=source)
-        reloaded = type(model).from_pretrained(staging, **(reload_kwargs or {}))
-        verify_tensors(reloaded, converted, source=str(output))
+        del model, converted
+        gc.collect()  # the model is gone before its saved copy is loaded: one copy at a time
+        reloaded = model_class.from_pretrained(staging, **(reload_kwargs or {}))
+        verify_tensors(reloaded, fingerprints, source=str(output))
         if extra_check is not None:
             extra_check(reloaded)
-    logger.info("Converted %s -> %s: %d tensors verified.", source, output, len(converted))
+    logger.info("Converted %s -> %s: %d tensors verified.", source, output, len(fingerprints))
     if push_to_hub:  # one commit: weights, code files, tokenizer and the model card, as verified above
         push_folder_to_hub(output, push_to_hub)
     return reloaded

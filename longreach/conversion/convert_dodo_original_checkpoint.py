@@ -53,10 +53,14 @@ from ..configuration.configuration_dodo import DodoLlamaConfig
 from ..modeling.modeling_dodo import DodoLlamaForCausalLM
 from .conversion_utils import (
     ConversionError,
+    ConvertedModel,
     KeyMap,
+    assign_weights,
     check_floating_dtypes,
     check_push_target,
     check_state_dict,
+    convert_dtypes_in_place,
+    empty_model,
     expand_user_paths,
     find_local_tokenizer,
     finish_conversion,
@@ -495,7 +499,7 @@ def read_soft_prompt(path: Path, allow_code_execution: bool = False) -> torch.Te
 
 
 def _build_and_save(
-    model: DodoLlamaForCausalLM,
+    config: DodoLlamaConfig,
     tensors: dict[str, torch.Tensor],
     base_path: Path,
     output: Path,
@@ -505,14 +509,15 @@ def _build_and_save(
     push_to_hub: str | None,
     dtype: str | None = None,
 ) -> Path:
-    """Load base + Dodo tensors into ``model``, save it Hub-ready, reload and verify every tensor."""
-    config = model.config
+    """Load base + Dodo tensors into a model of ``config``, save it Hub-ready, reload and verify every tensor."""
+    model = empty_model(DodoLlamaForCausalLM, config)
     expected = _expected_keys(model)
     converted = convert_base_state_dict(base_path, config, expected)
     overlap = set(converted) & set(tensors)
     if overlap:
         raise ConversionError(f"{source}: keys given twice: {sorted(overlap)}")
     converted.update(tensors)
+    tensors.clear()  # `converted` is their only holder now, so the cast below frees each source tensor in turn
     missing = sorted(expected - set(converted))
     unexpected = sorted(set(converted) - expected)
     if missing or unexpected:
@@ -536,11 +541,9 @@ def _build_and_save(
         logger.info("The sources hold %s tensors: the converted model is %s throughout (lossless); --dtype %s keeps "
                     "a smaller file instead.", " and ".join(source_dtypes), str(target_dtype).removeprefix("torch."),
                     next(name for name in source_dtypes if getattr(torch, name) != target_dtype))
-    converted = {
-        key: tensor.to(target_dtype) if tensor.is_floating_point() else tensor for key, tensor in converted.items()
-    }
+    convert_dtypes_in_place(converted, lambda key: target_dtype)
     model.to(target_dtype)
-    model.load_state_dict(converted, strict=not config.tie_word_embeddings)
+    assign_weights(model, converted, {"lm_head.weight"} if config.tie_word_embeddings else set(), source)
 
     generation_file = base_path / "generation_config.json"
     if generation_file.is_file():
@@ -560,8 +563,10 @@ def _build_and_save(
                 "Verification failed: base weights of the reloaded model are trainable (should be frozen)."
             )
 
+    converted_model = ConvertedModel(model, converted)
+    del model, converted  # finish_conversion holds them alone, and releases them before reloading the saved folder
     finish_conversion(
-        model, output, converted, card_name="dodo_llama", source=source, tokenizer_name_or_path=tokenizer_source,
+        converted_model, output, card_name="dodo_llama", source=source, tokenizer_name_or_path=tokenizer_source,
         push_to_hub=push_to_hub, reload_kwargs={"dtype": target_dtype}, extra_check=base_stays_frozen,
     )
     return output
@@ -606,11 +611,12 @@ def convert_dodo_checkpoint(
         if key in state_dict:
             logger.info("Dropping %s: %s.", key, reason)
     kept = {key: value for key, value in state_dict.items() if key not in DROPPED_LIGHTNING_KEYS}
-    model = DodoLlamaForCausalLM(config)
-    expected_trainable = {key for key in _expected_keys(model) if _is_dodo_key(key)}
+    expected_keys = _expected_keys(empty_model(DodoLlamaForCausalLM, config))
+    expected_trainable = {key for key in expected_keys if _is_dodo_key(key)}
     tensors = KeyMap(LIGHTNING_RULES).apply(kept, expected_trainable, source=str(checkpoint_path))
+    del state_dict, kept  # `tensors` holds the trainable tensors alone
     return _build_and_save(
-        model,
+        config,
         tensors,
         base_path,
         output,
@@ -739,9 +745,9 @@ def convert_dodo_peft_folders(
             f"{base_path} give an invalid Dodo configuration: {one_line(error)}"
         ) from None
     source = f"{encoder_adapter_path} + {decoder_adapter_path} + {scorer_path}"
-    model = DodoLlamaForCausalLM(config)
+    del adapters  # `tensors` holds their weights alone
     return _build_and_save(
-        model, tensors, base_path, output, source, max_new_tokens, tokenizer_name_or_path, push_to_hub, dtype
+        config, tensors, base_path, output, source, max_new_tokens, tokenizer_name_or_path, push_to_hub, dtype
     )
 
 

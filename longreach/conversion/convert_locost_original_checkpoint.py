@@ -34,9 +34,11 @@ from ..configuration.configuration_locost import LocostConfig
 from ..modeling.modeling_locost import LocostForConditionalGeneration
 from .conversion_utils import (
     ConversionError,
+    ConvertedModel,
     KeyMap,
     check_not_a_weights_file,
     check_push_target,
+    empty_model,
     expand_user_paths,
     find_local_tokenizer,
     finish_conversion,
@@ -171,18 +173,21 @@ def convert_locost_checkpoint(
         config_source = f"the config pickled in {checkpoint_path}"
     config = locost_config_from_original(original_config, config_source)
 
-    model = LocostForConditionalGeneration(config)
+    model = empty_model(LocostForConditionalGeneration, config)
     tied = set(model._tied_weights_keys) if config.tie_word_embeddings else set(model._tied_weights_keys) - {"lm_head.weight"}
     key_map = LOCOST_KEY_MAP
     if config.tie_word_embeddings:
         key_map = KeyMap(key_map.rules, {**key_map.tied, r"lm_head\.weight": "shared.weight"})
     expected_keys = [key for key in model.state_dict() if key not in tied]
     converted = key_map.apply(original_state_dict, expected_keys, source=str(checkpoint_path))
+    del original_state_dict  # its tensors are held by `converted` alone, so a cast frees each source tensor
     converted, dtype = load_converted(model, converted, tied, source=str(checkpoint_path))
     model.generation_config.max_new_tokens = 512  # the authors' evaluation setting (greedy, 512 new tokens)
 
+    converted_model = ConvertedModel(model, converted)
+    del model, converted  # finish_conversion holds them alone, and releases them before reloading the saved folder
     finish_conversion(
-        model, output, converted, card_name="locost", source=str(checkpoint_path),
+        converted_model, output, card_name="locost", source=str(checkpoint_path),
         tokenizer_name_or_path=tokenizer_name_or_path or find_local_tokenizer(checkpoint_path),
         push_to_hub=push_to_hub, reload_kwargs={"dtype": dtype},
     )

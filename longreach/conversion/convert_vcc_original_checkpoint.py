@@ -39,9 +39,11 @@ from ..configuration.configuration_vcc_t5 import VCC_FIELDS, VCC_T5_PRESETS, VCC
 from ..modeling.modeling_vcc_t5 import VCCT5ForConditionalGeneration
 from .conversion_utils import (
     ConversionError,
+    ConvertedModel,
     KeyMap,
     check_not_a_weights_file,
     check_push_target,
+    empty_model,
     expand_user_paths,
     find_local_tokenizer,
     finish_conversion,
@@ -240,7 +242,7 @@ def convert_vcc_checkpoint(
         source_config, shared.shape[0], vcc_preset, vcc_options, source=config_source
     )
 
-    model = VCCT5ForConditionalGeneration(config)
+    model = empty_model(VCCT5ForConditionalGeneration, config)
     tied_targets = set(model._tied_weights_keys) - (set() if config.tie_word_embeddings else {"lm_head.weight"})
     key_map = VCC_KEY_MAP
     if config.tie_word_embeddings:
@@ -251,13 +253,16 @@ def convert_vcc_checkpoint(
         source_state_dict = {**source_state_dict, "lm_head.weight": source_state_dict["shared.weight"].clone()}
     expected_keys = [key for key in model.state_dict() if key not in tied_targets]
     converted = key_map.apply(source_state_dict, expected_keys, source=str(checkpoint_path))
+    del source_state_dict, shared  # their tensors are held by `converted` alone, so a cast frees each source tensor
     converted, dtype = load_converted(model, converted, tied_targets, source=str(checkpoint_path))
     model.generation_config.num_beams = 1  # the paper evaluates with greedy decoding
     for name, value in generation.items():
         setattr(model.generation_config, name, value)
 
+    converted_model = ConvertedModel(model, converted)
+    del model, converted  # finish_conversion holds them alone, and releases them before reloading the saved folder
     finish_conversion(
-        model, output, converted, card_name="vcc_t5", source=str(checkpoint_path),
+        converted_model, output, card_name="vcc_t5", source=str(checkpoint_path),
         tokenizer_name_or_path=tokenizer_name_or_path or find_local_tokenizer(checkpoint_path),
         push_to_hub=push_to_hub, reload_kwargs={"dtype": dtype},
     )
