@@ -12,7 +12,8 @@ failing. The anonymous peak is what must fit in memory.
 * ``dodo``: the authors' Lightning ``weights.ckpt`` (float32 LoRA adapters, scorer and soft prompt, the format of
   ``shared/fixtures/dodo``) and a base Llama folder in float16 (as Llama-2's Hub weights): the converted model is
   float32 throughout (the widest source dtype), twice the size of the base.
-* ``vcc``: a plain transformers T5 folder in float32 with ``--vcc_preset base``.
+* ``vcc``: a plain transformers T5 folder in float32 with ``--vcc_preset base`` (its 4 segment-local layers, or
+  every layer of a T5 with fewer).
 
 Usage::
 
@@ -98,7 +99,8 @@ def write_vcc_source(folder: Path, hidden_size: int, num_layers: int, vocab_size
     model.save_pretrained(folder / "t5")
     converted_bytes = 4 * sum(p.numel() for p in model.parameters())
     del model
-    return {"argv": ["--checkpoint_path", str(folder / "t5"), "--vcc_preset", "base"],
+    return {"argv": ["--checkpoint_path", str(folder / "t5"), "--vcc_preset", "base",
+                     "--num_vanilla_layers", str(min(4, num_layers))],  # the preset's 4, or every layer of a tiny T5
             "converted_bytes": converted_bytes, "module": "longreach.conversion.convert_vcc_original_checkpoint"}
 
 
@@ -141,7 +143,7 @@ def measure(route: str, hidden_size: int, num_layers: int, vocab_size: int, work
     command = [sys.executable, "-c", CHILD, spec["module"], *spec["argv"], "--pytorch_dump_folder_path", str(output)]
     result = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "TOKENIZERS_PARALLELISM": "0"})
     line = next((line for line in result.stdout.splitlines() if line.startswith("RESULT ")), None)
-    if result.returncode != 0 or line is None:
+    if result.returncode != 0 or line is None or json.loads(line[len("RESULT "):])["code"] != 0:
         raise RuntimeError(f"{route} conversion failed:\n{result.stdout[-2000:]}\n{result.stderr[-4000:]}")
     measured = json.loads(line[len("RESULT "):])
     above = measured["peak_rss"] - measured["rss_before"]

@@ -469,3 +469,21 @@ def test_a_checkpoint_of_torch_legacy_format_still_converts(fixtures_dir, tmp_pa
     vcc_converter.convert_vcc_checkpoint(legacy, tmp_path / "out")
     assert (tmp_path / "out" / "model.safetensors").read_bytes() == (
         tmp_path / "reference" / "model.safetensors").read_bytes()
+
+
+def test_the_conversion_memory_benchmark_measures_both_converters(tmp_path):
+    """benchmarks/benchmark_conversion_memory.py at a tiny size: both conversions run, and their peaks are written
+    (atomically) with the converted weights' size they are measured against."""
+    import json
+
+    output = tmp_path / "memory.json"
+    result = subprocess.run([sys.executable, str(REPO / "benchmarks" / "benchmark_conversion_memory.py"),
+                             "--hidden_size", "64", "--num_layers", "2", "--vocab_size", "128", "--json", str(output)],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    rows = json.loads(output.read_text())
+    assert [row["route"] for row in rows] == ["dodo", "vcc"]
+    for row in rows:
+        assert row["code"] == 0 and row["converted_bytes"] > 0
+        assert row["peak_rss"] >= row["rss_before"] > 0 and row["peak_anonymous"] >= row["anonymous_before"] > 0
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["memory.json"]
