@@ -145,7 +145,55 @@ def test_compiled_once_then_loaded_from_the_cache(fresh_loader):
     ssm_cpu_kernel._library = None
     assert ssm_cpu_kernel.load() is not None
     assert [p.stat().st_mtime_ns for p in (fresh_loader / "kernels").glob("s4d_kernel_*.so")] == [stamp]
-    assert not [p for p in (fresh_loader / "kernels").iterdir() if p not in built]  # no temporary left behind
+    digest = built[0].with_name(built[0].name + ".sha256")
+    assert sorted((fresh_loader / "kernels").iterdir()) == sorted([built[0], digest])  # no temporary left behind
+
+
+# Loads the kernel with the cache folder of argv[1] and computes with it; prints where the library came from.
+LOAD_AND_COMPUTE = """
+import os, sys
+os.environ["LONGREACH_CACHE"] = sys.argv[1]
+os.environ["LONGREACH_SSM_KERNEL"] = "compiled"
+import torch
+from longreach.modeling import ssm_cpu_kernel
+from longreach.modeling.ssm import BidirectionalS4DConvolution
+torch.manual_seed(0)
+with torch.no_grad():
+    kernel = BidirectionalS4DConvolution(3, 8).kernel(50)
+print(ssm_cpu_kernel.load()._name, float(kernel.abs().sum()))
+"""
+
+
+def _load_in_a_process(cache) -> tuple[str, float]:
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, "-c", LOAD_AND_COMPUTE, str(cache)], capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, f"exit code {result.returncode}: {result.stderr[-2000:]}"  # -7: SIGBUS
+    name, total = result.stdout.split()
+    return name, float(total)
+
+
+@needs_compiler
+def test_a_truncated_library_in_the_cache_is_rebuilt_not_loaded(tmp_path):
+    """A cached library cut short (a copied cache, a full disk) killed the process that loaded it (SIGBUS)."""
+    name, expected = _load_in_a_process(tmp_path)
+    library = next((tmp_path / "kernels").glob("s4d_kernel_*.so"))
+    size = library.stat().st_size
+    library.write_bytes(library.read_bytes()[: size // 2])
+    assert _load_in_a_process(tmp_path) == (name, expected)
+    assert library.stat().st_size == size
+
+
+@needs_compiler
+def test_a_cache_folder_that_cannot_be_written_still_gets_the_compiled_kernel(fresh_loader, monkeypatch, caplog):
+    blocked = fresh_loader / "a-file"
+    blocked.write_text("not a folder")
+    monkeypatch.setenv("LONGREACH_CACHE", str(blocked))  # kernels would go in a-file/kernels: mkdir fails, even as root
+    with caplog.at_level(logging.WARNING, logger=ssm_cpu_kernel.__name__):
+        assert ssm_cpu_kernel.load() is not None
+    assert "cannot write the SSM kernel cache" in caplog.text and ssm_cpu_kernel.unavailable_reason() is None
 
 
 def test_without_a_compiler_auto_falls_back_with_a_warning(fresh_loader, monkeypatch, caplog):

@@ -14,7 +14,9 @@ of W against 4 of P, 8-wide vector accumulators, reduced at the end). Precision:
 
 The source is compiled once per machine with the system's C compiler (``$CC``, else ``cc``, ``gcc`` or ``clang``) with
 ``-O3 -march=native`` (the cache key includes the CPU's model and flags) into ``$LONGREACH_CACHE/kernels`` (default
-``~/.cache/longreach/kernels``), in about a second, and loaded with ``ctypes``. Blocks of channels run on
+``~/.cache/longreach/kernels``), in about a second, and loaded with ``ctypes``; its SHA-256 is written beside it and
+checked before every load (a truncated library would kill the process), and where the cache folder cannot be written
+the library is built for the process alone, in a temporary folder. Blocks of channels run on
 ``torch.get_num_threads()`` threads: with ``-fopenmp``, on torch's own OpenMP threads (the ``libgomp.so.1`` torch has
 loaded; threads of our own competed with its workers, which spin for a while after each parallel op: 32 against
 24 ms at 1K on 2 threads), else on a thread pool of ours (``ctypes`` releases the GIL). Where no compiler works the
@@ -311,10 +313,44 @@ def _compile(compiler: str) -> Path:
                                                                                       ["-mcpu=native"], [])]
     key = hashlib.sha256("\0".join([_C_SOURCE, compiler, version, platform.machine(), _cpu_identity()]).encode())
     folder = _cache_dir()
-    folder.mkdir(parents=True, exist_ok=True)
     library = folder / f"s4d_kernel_{key.hexdigest()[:20]}.so"
-    if library.exists():
+    if _verified(library):
         return library
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        return _build(compiler, attempts, folder, library)
+    except OSError as error:  # a read-only or full cache folder: a build for this process alone, still compiled
+        global _private_folder
+        logger.warning("longreach: cannot write the SSM kernel cache %s (%s); building the compiled kernel for this "
+                       "process only (point LONGREACH_CACHE at a writable folder to keep it).", folder, error)
+        if _private_folder is None:
+            _private_folder = tempfile.TemporaryDirectory(prefix="longreach-kernels-")
+        private = Path(_private_folder.name)
+        return _build(compiler, attempts, private, private / library.name)
+
+
+#: Where a process builds the kernel when the cache folder cannot be written (removed at exit).
+_private_folder: tempfile.TemporaryDirectory | None = None
+
+
+def _digest_file(library: Path) -> Path:
+    return library.with_name(library.name + ".sha256")
+
+
+def _verified(library: Path) -> bool:
+    """Whether ``library`` holds the bytes its build recorded beside it: a truncated or altered library (a cache
+    copied in part, a full disk, another tool) would kill the process when loaded (SIGBUS), not raise an error."""
+    try:
+        recorded = _digest_file(library).read_text().strip()
+        return recorded == hashlib.sha256(library.read_bytes()).hexdigest()
+    except OSError:
+        return False
+
+
+def _build(compiler: str, attempts: list[list[str]], folder: Path, library: Path) -> Path:
+    """Compile into ``folder`` with the first flags that build a library that loads here; written as ``library``
+    with its SHA-256 beside it, each renamed into place (a library without its digest, or with another one's, is
+    rebuilt, never loaded)."""
     with tempfile.TemporaryDirectory(dir=folder) as work:
         source = Path(work) / "s4d_kernel.c"
         source.write_text(_C_SOURCE)
@@ -324,6 +360,9 @@ def _compile(compiler: str) -> Path:
             result = subprocess.run([compiler, *flags, "-std=gnu11", "-fPIC", "-shared", "-o", str(built), str(source)],
                                     capture_output=True, text=True, timeout=300)
             if result.returncode == 0 and _loads(built):
+                digest = Path(work) / "digest"
+                digest.write_text(hashlib.sha256(built.read_bytes()).hexdigest() + "\n")
+                os.replace(digest, _digest_file(library))
                 os.replace(built, library)  # atomic: a concurrent process sees the whole library or none
                 return library
             errors.append(f"{' '.join(flags)}: {result.stderr.strip()[-500:]}")
