@@ -41,6 +41,7 @@ class BlocksT5ForConditionalGeneration(T5Seq2SeqLMMixin, PreTrainedModel, Genera
             encoder_outputs = self.encoder(input_ids=input_ids, attention_mask=attention_mask)
         return self._lm_head_output(
             encoder_outputs, attention_mask, decoder_input_ids, decoder_attention_mask, None, past_key_values, labels,
-            use_cache=bool(use_cache if use_cache is not None else labels is None), output_attentions=bool(output_attentions),
+            use_cache=bool(use_cache if use_cache is not None else self.config.use_cache),
+            output_attentions=bool(output_attentions),
             output_hidden_states=bool(output_hidden_states),
         )

@@ -629,6 +629,31 @@ def test_the_configs_output_attentions_applies_when_the_call_does_not_say(kind, 
 
 
 @pytest.mark.parametrize("kind", ["locost", "vcc"])
+def test_the_decoder_cache_is_returned_as_t5_returns_it_with_and_without_labels(kind):
+    """As transformers' T5: `use_cache` left unset follows `config.use_cache` with labels too (the cache came back
+    only without labels, so a `return_dict=False` tuple with labels had one entry fewer than T5's); True and False
+    return it and drop it, whether or not labels are given, as a dict and as a tuple."""
+    from longreach.modeling.input_checks import cache_of
+
+    tester = ModelTester(kind)
+    torch.manual_seed(0)
+    t5 = T5ForConditionalGeneration(T5Config(vocab_size=tester.vocab_size, d_model=16, d_kv=4, d_ff=32, num_layers=1,
+                                             num_heads=2, decoder_start_token_id=0)).eval()
+    inputs = tester.inputs()
+    labels = torch.randint(3, tester.vocab_size, (2, 5), generator=torch.Generator().manual_seed(2))
+    for targets in ({"labels": labels}, {"decoder_input_ids": labels}):
+        for use_cache in ({}, {"use_cache": True}, {"use_cache": False}):
+            with torch.no_grad():
+                ours, theirs = (model(**inputs, **targets, **use_cache) for model in (tester.model, t5))
+                ours_tuple, theirs_tuple = (model(**inputs, **targets, **use_cache, return_dict=False)
+                                            for model in (tester.model, t5))
+            case = f"{list(targets)[0]}, {use_cache or 'use_cache unset'}"
+            assert list(ours.keys()) == list(theirs.keys()), case
+            assert (cache_of(ours) is None) == (cache_of(theirs) is None), case
+            assert [type(item).__name__ for item in ours_tuple] == [type(item).__name__ for item in theirs_tuple], case
+
+
+@pytest.mark.parametrize("kind", ["locost", "vcc"])
 def test_trainer_predict_without_labels_drops_the_cache_from_the_predictions(kind, tmp_path):
     """`Trainer.predict` on inputs without labels, with the cache on: T5 returns its logits, because the Trainer drops
     the cache output (`cache` in transformers v5) named by `config.keys_to_ignore_at_inference`; the cache kept in the

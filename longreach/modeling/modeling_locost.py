@@ -359,8 +359,8 @@ class LocostForConditionalGeneration(_LocostSeq2Seq, GenerationMixin):
         output_hidden_states = bool(output_hidden_states if output_hidden_states is not None
                                     else self.config.output_hidden_states)
         output_attentions = bool(output_attentions if output_attentions is not None else self.config.output_attentions)
-        if use_cache is None:
-            use_cache = self.config.use_cache and labels is None
+        if use_cache is None:  # as T5: the config's, with labels too (training under checkpointing turns it off)
+            use_cache = self.config.use_cache
         check_token_ids("decoder_input_ids", decoder_input_ids)
         encoder_outputs = self._encode(input_ids, attention_mask, inputs_embeds, encoder_outputs, output_hidden_states)
         output = self._lm_head_output(
