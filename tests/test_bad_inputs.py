@@ -197,6 +197,45 @@ def test_seq2seq_decoder_rows_must_match_the_encoder_rows(seq2seq):
         seq2seq(input_ids, decoder_input_ids=decoder_rows.repeat(2, 1), labels=decoder_rows.repeat(2, 2))
 
 
+def test_seq2seq_cache_must_be_an_encoder_decoder_cache(seq2seq):
+    """A `DynamicCache` (what decoder-only examples pass) or a transformers 4 tuple failed deep inside, with
+    "'DynamicCache' object has no attribute 'is_updated'" (T5 takes the DynamicCache and writes the encoder's keys into
+    the decoder's self-attention cache: wrong logits, silently)."""
+    from transformers import DynamicCache, EncoderDecoderCache
+
+    from longreach.modeling.input_checks import cache_of
+
+    input_ids = torch.randint(3, vocab(seq2seq), (2, 40))
+    decoder_input_ids = torch.randint(3, vocab(seq2seq), (2, 3))
+    with torch.no_grad():
+        cache = cache_of(seq2seq(input_ids, decoder_input_ids=decoder_input_ids, use_cache=True))
+        assert isinstance(cache, EncoderDecoderCache)
+        legacy = tuple((layer.keys, layer.values) for layer in cache.self_attention_cache.layers)
+        for given, shown in ((DynamicCache(), "an empty DynamicCache"), (cache.self_attention_cache, "a DynamicCache"),
+                             (legacy, "a tuple")):
+            with pytest.raises(ValueError, match=re.escape(
+                    f"The cache (`cache`, or `past_key_values`) must be an EncoderDecoderCache (self-attention and "
+                    f"cross-attention caches, e.g. `EncoderDecoderCache(DynamicCache(), DynamicCache())`) or None; got "
+                    f"{shown}")):
+                seq2seq(input_ids, decoder_input_ids=decoder_input_ids[:, :1], past_key_values=given, use_cache=True)
+
+
+def test_dodo_autoregressive_mode_refuses_position_ids_it_would_ignore():
+    """The autoregressive mode numbers its tokens itself (they move when older ones are compressed): `position_ids`
+    passed to it, on the first call or on a decoding step, were ignored without a word (packed rows, a shifted
+    start); compressor mode uses them."""
+    model = tiny_dodo(recent_window=4, compression_stride=6)
+    tokens = torch.randint(3, vocab(model), (1, 8), generator=torch.Generator().manual_seed(3))
+    message = re.escape("`position_ids` are not taken in the autoregressive mode (`config.recent_window`), which "
+                        "numbers the tokens itself; got a torch.int64 tensor of shape (1, ")
+    with torch.no_grad():
+        with pytest.raises(ValueError, match=message):
+            model(tokens, position_ids=torch.arange(8)[None] + 5)
+        cache = model(tokens[:, :7], use_cache=True).past_key_values
+        with pytest.raises(ValueError, match=message):
+            model(tokens[:, 7:], past_key_values=cache, position_ids=torch.tensor([[7]]))
+
+
 def test_dodo_context_errors_name_the_context_arguments():
     model = tiny_dodo()
     generator = torch.Generator().manual_seed(1)

@@ -1219,7 +1219,8 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
         nuggets (`DodoNuggets`): output of `compress()`; the decoder attends to them. Without nuggets (and without
             `config.recent_window`) the model is the plain Llama with θ and no soft prompt.
         context_input_ids / context_attention_mask: a context to compress first (one graph: a joint training step).
-        position_ids: positions of the new tokens (default: `k_b + soft + index among the real tokens`).
+        position_ids: positions of the new tokens (default: `k_b + soft + index among the real tokens`); not taken
+            in autoregressive mode, which numbers the tokens itself.
         labels (`torch.LongTensor` of shape `[batch, length]`): next-token targets aligned with `input_ids` (shifted
             inside), -100 where ignored.
 
@@ -1301,6 +1302,11 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
             if input_ids is None:
                 raise ValueError(
                     "The autoregressive mode (config.recent_window) needs `input_ids`, not `inputs_embeds`."
+                )
+            if position_ids is not None:  # (they were ignored: the positions move as older tokens are compressed)
+                raise ValueError(
+                    "`position_ids` are not taken in the autoregressive mode (`config.recent_window`), which numbers "
+                    f"the tokens itself; got {describe(position_ids)}. Leave them out."
                 )
             hidden = self._autoregressive_forward(cache, input_ids, new_token_mask)
             outputs = None
