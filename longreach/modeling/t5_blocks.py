@@ -955,11 +955,9 @@ class T5DecoderStack(nn.Module):
         if past_key_values is not None and not isinstance(past_key_values, EncoderDecoderCache):
             # the cross-attention keys need a cache of their own (a DynamicCache failed deep inside; T5 writes them
             # into its self-attention cache, silently)
-            if isinstance(past_key_values, Cache):
-                filled = past_key_values.get_seq_length()
-                shown = f"a {type(past_key_values).__name__}" if filled else f"an empty {type(past_key_values).__name__}"
-            else:
-                shown = f"a {type(past_key_values).__name__}"
+            shown = f"a {type(past_key_values).__name__}"
+            if isinstance(past_key_values, Cache) and not past_key_values.get_seq_length():
+                shown = f"an empty {type(past_key_values).__name__}"
             raise ValueError(
                 "The cache (`cache`, or `past_key_values`) must be an EncoderDecoderCache (self-attention and "
                 "cross-attention caches, e.g. `EncoderDecoderCache(DynamicCache(), DynamicCache())`) or None; got "
