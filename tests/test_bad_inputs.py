@@ -494,28 +494,46 @@ def test_dodo_checks_a_later_turns_prompt_and_takes_embeddings_of_another_dtype(
             assert logits.dtype == torch.float32 and (logits - expected).abs().max() < 0.05
 
 
-def test_dodo_autoregressive_mode_warns_that_left_padded_rows_differ(caplog):
+def test_dodo_autoregressive_mode_refuses_left_padded_rows_once_they_would_differ():
     """The autoregressive mode compresses every row at the same columns (as `DodoLlamaConfig.recent_window` says): a
-    left-padded row got other nuggets than alone (logits 0.48 apart, another greedy output), without a word. It is
-    said once now; right padding keeps each row's result."""
-    from transformers.utils import logging as hf_logging
-    model = tiny_dodo(recent_window=4, compression_stride=6)
+    left-padded row got other nuggets than alone (logits 0.48 apart, another greedy output) with only a warning. Each
+    row's result is its own until the first compression, so a left-padded batch runs until a call would compress, and
+    is refused there (before the call changes the cache); right padding keeps each row's result."""
+    model = tiny_dodo(recent_window=4, compression_stride=6)  # the first compression after 4 + 6 columns
     generator = torch.Generator().manual_seed(5)
-    long_row, short_row = (torch.randint(3, vocab(model), (1, n), generator=generator) for n in (20, 13))
-    pad = torch.zeros(1, 7, dtype=torch.long)
+
+    def rows(lengths, side):
+        """The rows alone, and padded on `side` to one batch with its mask."""
+        tokens = [torch.randint(3, vocab(model), (1, n), generator=generator) for n in lengths]
+        order = 1 if side == "right" else -1  # [row, padding] or [padding, row]
+        pads = [torch.zeros(1, max(lengths) - n, dtype=torch.long) for n in lengths]
+        input_ids = torch.cat([torch.cat([row, pad][::order], 1) for row, pad in zip(tokens, pads)])
+        mask = torch.cat([torch.cat([torch.ones_like(row), pad][::order], 1) for row, pad in zip(tokens, pads)])
+        return tokens, input_ids, mask
+
+    message = re.escape("Dodo's autoregressive mode (`config.recent_window`) compresses all rows of a batch at the "
+                        "same columns, and this call reaches a compression (after 10 columns): rows padded on the "
+                        "left would not give the results they give alone. Pad the batch on the right "
+                        "(`tokenizer.padding_side = 'right'`)")
     with torch.no_grad():
-        alone = model(short_row).logits[0]
-        right = model(torch.cat([long_row, torch.cat([short_row, pad], 1)]),
-                      attention_mask=torch.cat([torch.ones(1, 20), torch.cat([torch.ones(1, 13), pad], 1)]).long())
-        assert (right.logits[1, :13] - alone).abs().max() < 1e-5
-        hf_logging.enable_propagation()
-        logging.Logger.warning_once.cache_clear()  # said once per process: whatever an earlier test made it say
-        try:
-            model(torch.cat([long_row, torch.cat([pad, short_row], 1)]),
-                  attention_mask=torch.cat([torch.ones(1, 20), torch.cat([pad, torch.ones(1, 13)], 1)]).long())
-        finally:
-            hf_logging.disable_propagation()
-    assert "rows padded on the left (as generate() pads a batch) do not give the results they give alone" in caplog.text
+        (long_row, short_row), input_ids, attention_mask = rows([20, 13], "right")
+        right = model(input_ids, attention_mask=attention_mask).logits
+        assert (right[1, :13] - model(short_row).logits[0]).abs().max() < 1e-5
+        (long_row, short_row), input_ids, attention_mask = rows([20, 13], "left")
+        with pytest.raises(ValueError, match=message):
+            model(input_ids, attention_mask=attention_mask)
+        # no compression yet: each left-padded row gives what it gives alone, in forward() and in generate()
+        (long_row, short_row), input_ids, attention_mask = rows([9, 5], "left")
+        left = model(input_ids, attention_mask=attention_mask).logits
+        assert (left[0] - model(long_row).logits[0]).abs().max() < 1e-5
+        assert (left[1, 4:] - model(short_row).logits[0]).abs().max() < 1e-5
+        (long_row, short_row), input_ids, attention_mask = rows([6, 3], "left")
+        options = dict(do_sample=False, pad_token_id=0)
+        batched = model.generate(input_ids, attention_mask=attention_mask, max_new_tokens=5, **options)  # 10 columns
+        assert torch.equal(batched[0], model.generate(long_row, max_new_tokens=5, **options)[0])
+        assert torch.equal(batched[1, 3:], model.generate(short_row, max_new_tokens=5, **options)[0])
+        with pytest.raises(ValueError, match=message):
+            model.generate(input_ids, attention_mask=attention_mask, max_new_tokens=6, **options)
 
 
 def test_inputs_are_prepared_where_the_model_is_and_empty_documents_are_refused():

@@ -76,9 +76,10 @@ class DodoLlamaConfig(FieldTypesCheckedOnAssignment, LlamaConfig):
             τ of the autoregressive mode (paper §2.2, Eq. 9-10). `None` disables the mode: a forward pass or
             `generate()` without nuggets is then the plain Llama with θ. When set, a call without nuggets streams its
             tokens: the last τ..τ+stride tokens stay uncompressed and older tokens are compressed into nuggets in
-            chunks of `compression_stride` tokens (see [`DodoLlamaForCausalLM`]). The window counts columns: in a
-            left-padded batch all rows are compressed at the same steps, so a padded row's chunks hold fewer real
-            tokens than the same row run alone (a warning says so; right padding keeps each row's result).
+            chunks of `compression_stride` tokens (see [`DodoLlamaForCausalLM`]). The window counts columns: all rows
+            of a batch are compressed at the same steps, so a left-padded row's chunks would hold fewer real tokens
+            than the same row run alone. A left-padded batch is refused (`ValueError`) once a call would compress;
+            right padding keeps each row's result.
         compression_stride (`int`, *optional*):
             Tokens compressed at once in autoregressive mode; the uncompressed window then oscillates between τ and
             τ + stride tokens. Defaults to τ.

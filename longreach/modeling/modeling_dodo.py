@@ -203,6 +203,7 @@ class DodoCache(DynamicCache):
         self.pending_mask: torch.Tensor | None = None
         self.compressed_tokens = 0
         self.compressed_real_tokens: torch.Tensor | None = None
+        self.left_padded = False  # some row starts with padding (refused at the first compression)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """The number of *token* columns processed (``seen_tokens``), as transformers' generation utilities read it
@@ -1103,19 +1104,23 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
         window, stride = self.config.recent_window, self.config.effective_compression_stride
         batch, length = input_ids.shape
         if not cache.autoregressive:
-            if batch > 1 and values_readable(token_mask) and not bool(token_mask[:, 0].all()):
-                # compression happens at the same columns in every row (see `DodoLlamaConfig.recent_window`): a
-                # left-padded row is compressed at other points of its text than alone, and gives another result
-                logger.warning_once(
-                    "Dodo's autoregressive mode (`config.recent_window`) compresses every row at the same columns: rows "
-                    "padded on the left (as generate() pads a batch) do not give the results they give alone. Run "
-                    "them one at a time for those, pad on the right for forward(), or give the context as "
-                    "`context_input_ids` (compressor mode)."
-                )
+            # rows padded on the left (read once, on the first call): see the check below
+            cache.left_padded = batch > 1 and values_readable(token_mask) and not bool(token_mask[:, 0].all())
             cache.autoregressive = True
             cache.pending_ids = input_ids.new_zeros(batch, 0)
             cache.pending_mask = token_mask.new_zeros(batch, 0)
             cache.compressed_real_tokens = torch.zeros(batch, dtype=torch.long, device=input_ids.device)
+        if cache.left_padded and cache.pending_ids.shape[1] + length > window + stride:
+            # Compression happens at the same columns in every row (see `DodoLlamaConfig.recent_window`): a row padded
+            # on the left would be compressed at other points of its text than alone, and give another result (before
+            # the first compression each row's result is its own). Refused before this call changes the cache.
+            raise ValueError(
+                f"Dodo's autoregressive mode (`config.recent_window`) compresses all rows of a batch at the same "
+                f"columns, and this call reaches a compression (after {window + stride} columns): rows padded on the "
+                "left would not give the results they give alone. Pad the batch on the right (`tokenizer.padding_side "
+                "= 'right'`) for forward(), run rows of different lengths one at a time (generate() pads on the "
+                "left), or give the context as `context_input_ids` (compressor mode)."
+            )
         hidden_blocks = []
         start = 0
         while start < length:
