@@ -568,8 +568,10 @@ def _summarize_batch(summarizer, corpus: Corpus, batch: list[int], max_input_len
     else:
         questions = [corpus.questions[i] for i in batch]
         inputs, dropped = summarizer._prepare_inputs(documents, max_input_length, questions)
+    # the caller's options, over a plain T5's `task_specific_params["summarization"]`, as the pipeline applies them
+    options = summarizer._generate_options(generate_kwargs, summarizing=questions is None)
     with torch.inference_mode():
-        output_ids = summarizer.model.generate(**inputs, **generate_kwargs)
+        output_ids = summarizer.model.generate(**inputs, **options)
     if not summarizer.model.config.is_encoder_decoder:
         output_ids = output_ids[:, inputs["input_ids"].shape[1]:]  # decoder-only: drop the prompt
     summaries = summarizer.tokenizer.batch_decode(output_ids, skip_special_tokens=True,

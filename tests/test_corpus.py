@@ -526,3 +526,41 @@ def test_a_tail_of_nul_bytes_left_by_a_machine_crash_is_redone(model_folder, tmp
         assert (tmp_path / "out.jsonl").read_bytes() == first + b"\n"  # the tail is gone, not appended to
         assert main(arguments) == 0
         assert (tmp_path / "out.jsonl").read_bytes() == complete
+
+
+def test_a_plain_t5_corpus_gets_its_task_specific_generation_settings_as_in_the_pipeline(tmp_path):
+    """A v4-era T5 checkpoint's `task_specific_params["summarization"]`: the corpus command applied its prefix (the
+    pipeline's input preparation) but not its beams and lengths, which the pipeline applies under the caller's own
+    options; the same summaries now, and the same `generate()` options."""
+    import torch
+    from transformers import T5Config, T5ForConditionalGeneration
+    from workflow_helpers import word_tokenizer
+
+    from longreach import LongSummarizationPipeline
+
+    tokenizer = word_tokenizer()
+    torch.manual_seed(0)
+    t5 = T5ForConditionalGeneration(T5Config(
+        vocab_size=len(tokenizer), d_model=16, d_kv=4, d_ff=32, num_layers=1, num_heads=2, decoder_start_token_id=0,
+        task_specific_params={"summarization": {"prefix": "w90 w91 ", "num_beams": 3, "min_length": 5,
+                                                "max_length": 8, "no_repeat_ngram_size": 3}})).eval()
+    calls = []
+    generate = t5.generate
+    t5.generate = lambda **kwargs: calls.append(kwargs) or generate(**kwargs)
+    summarizer = LongSummarizationPipeline(model=t5, tokenizer=tokenizer)
+    texts = [document(30), document(12, offset=4)]
+    for caller_options in ({}, {"num_beams": 1, "max_new_tokens": 3}):
+        expected = [summarizer(text, **caller_options)[0]["summary_text"] for text in texts]
+        pipeline_options = calls[-2:]
+        output = tmp_path / f"out-{len(caller_options)}.jsonl"
+        corpus = corpus_module.Corpus(ids=["a", "b"], texts=texts, references=[None, None])
+        corpus_module.summarize_corpus(summarizer, corpus, output, max_batch_tokens=1, generate_kwargs=caller_options,
+                                       progress=False)
+        assert [read_output(output)[key]["summary"] for key in ("a", "b")] == expected
+        corpus_options = calls[-2:]  # one document per batch (max_batch_tokens=1), the longer ("a") first
+        assert [options["input_ids"][0].tolist() for options in corpus_options] == [
+            tokenizer("w90 w91 " + text)["input_ids"] for text in texts]
+        assert [{key: value for key, value in options.items() if key not in ("input_ids", "attention_mask")}
+                for options in corpus_options] == [
+            {key: value for key, value in options.items() if key not in ("input_ids", "attention_mask")}
+            for options in pipeline_options]

@@ -246,27 +246,8 @@ class LongSummarizationPipeline(Pipeline):
                     stacklevel=2,
                 )
 
-        if all(question is None for question in questions) and self._summarization_task_parameters() \
-                and "generation_config" not in generate_kwargs:
-            # a plain model (e.g. a T5 checkpoint) with transformers v4's `task_specific_params["summarization"]`:
-            # its generation settings, under the caller's, as v4's summarization pipeline applied them (its lengths
-            # only when the caller gives none: a caller's max_new_tokens=2 and the checkpoint's min_length=30 clash)
-            lengths = ("max_length", "min_length", "max_new_tokens", "min_new_tokens")
-            caller_length = any(key in generate_kwargs for key in lengths)
-            defaults = {key: value for key, value in self._summarization_task_parameters().items()
-                        if key != "prefix" and not (caller_length and key in lengths)}
-            generate_kwargs = {**defaults, **generate_kwargs}
-        for total, new_tokens in (("max_length", "max_new_tokens"), ("min_length", "min_new_tokens")):
-            if total in generate_kwargs and new_tokens not in generate_kwargs:
-                generate_kwargs = dict(generate_kwargs)
-                if self.model.config.is_encoder_decoder:
-                    # the caller's length, not the checkpoint's `max_new_tokens` / `min_new_tokens` (converted
-                    # checkpoints set one), which generate() would otherwise prefer to it
-                    generate_kwargs[new_tokens] = None
-                else:
-                    # the prompt is ours, not the user's: a summary's max_length / min_length count the summary alone
-                    generate_kwargs[new_tokens] = generate_kwargs.pop(total)
-        output_ids = self.model.generate(**inputs, **generate_kwargs)
+        summarizing = all(question is None for question in questions)
+        output_ids = self.model.generate(**inputs, **self._generate_options(generate_kwargs, summarizing))
         if not isinstance(output_ids, torch.Tensor):  # `return_dict_in_generate=True`: a GenerateOutput
             output_ids = output_ids.sequences
         if not self.model.config.is_encoder_decoder:
@@ -296,6 +277,31 @@ class LongSummarizationPipeline(Pipeline):
             )
         device = self.model.device
         return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}, dropped
+
+    def _generate_options(self, generate_kwargs: dict, summarizing: bool = True) -> dict:
+        """The ``generate()`` keyword arguments for the caller's ``generate_kwargs``: when ``summarizing`` (no
+        question), a plain model's ``task_specific_params["summarization"]`` under them, and ``max_length`` /
+        ``min_length`` counted as the class docstring says. The corpus command (``longreach.corpus``) uses it too."""
+        if summarizing and self._summarization_task_parameters() and "generation_config" not in generate_kwargs:
+            # a plain model (e.g. a T5 checkpoint) with transformers v4's `task_specific_params["summarization"]`:
+            # its generation settings, under the caller's, as v4's summarization pipeline applied them (its lengths
+            # only when the caller gives none: a caller's max_new_tokens=2 and the checkpoint's min_length=30 clash)
+            lengths = ("max_length", "min_length", "max_new_tokens", "min_new_tokens")
+            caller_length = any(key in generate_kwargs for key in lengths)
+            defaults = {key: value for key, value in self._summarization_task_parameters().items()
+                        if key != "prefix" and not (caller_length and key in lengths)}
+            generate_kwargs = {**defaults, **generate_kwargs}
+        for total, new_tokens in (("max_length", "max_new_tokens"), ("min_length", "min_new_tokens")):
+            if total in generate_kwargs and new_tokens not in generate_kwargs:
+                generate_kwargs = dict(generate_kwargs)
+                if self.model.config.is_encoder_decoder:
+                    # the caller's length, not the checkpoint's `max_new_tokens` / `min_new_tokens` (converted
+                    # checkpoints set one), which generate() would otherwise prefer to it
+                    generate_kwargs[new_tokens] = None
+                else:
+                    # the prompt is ours, not the user's: a summary's max_length / min_length count the summary alone
+                    generate_kwargs[new_tokens] = generate_kwargs.pop(total)
+        return generate_kwargs
 
     def _summarization_task_parameters(self) -> dict:
         """``config.task_specific_params["summarization"]`` of a plain model (a v4-era T5 checkpoint: its prefix,
