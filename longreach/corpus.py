@@ -504,7 +504,9 @@ def summarize_corpus(
     output = Path(output)
     output.parent.mkdir(parents=True, exist_ok=True)
     target = part_path(output, rank, world_size)
-    done = set(finished_records(output)) | set(finished_records(target))
+    done = set()
+    for path in dict.fromkeys([output, target]):  # one file when this process writes OUT itself: read once
+        done |= set(finished_records(path))
     for part, part_world_size in part_files(output).items():
         if part_world_size != world_size:  # left by an interrupted run with another process count (merged at the end)
             done |= set(finished_records(part, repair=False))

@@ -564,3 +564,26 @@ def test_a_plain_t5_corpus_gets_its_task_specific_generation_settings_as_in_the_
                 for options in corpus_options] == [
             {key: value for key, value in options.items() if key not in ("input_ids", "attention_mask")}
             for options in pipeline_options]
+
+
+def test_a_rerun_reads_the_finished_output_once(tmp_path, monkeypatch):
+    """Resuming, one process read OUT twice (as OUT and as its own part, the same file when it writes OUT itself)."""
+    from workflow_helpers import tiny_locost, word_tokenizer
+
+    from longreach import LongSummarizationPipeline
+
+    summarizer = LongSummarizationPipeline(model=tiny_locost(), tokenizer=word_tokenizer())
+    output = tmp_path / "out.jsonl"
+    corpus = corpus_module.Corpus(ids=["a", "b"], texts=[document(20), document(9, offset=2)], references=[None] * 2)
+    corpus_module.summarize_corpus(summarizer, corpus, output, generate_kwargs={"max_new_tokens": 2}, progress=False)
+    finished = output.read_text(encoding="utf-8")
+    corpus = corpus_module.Corpus(ids=["a", "b", "c"], texts=[*corpus.texts, document(12, offset=5)],
+                                  references=[None] * 3)
+    reads = []
+    read_bytes = Path.read_bytes
+    monkeypatch.setattr(Path, "read_bytes", lambda path: reads.append(path) or read_bytes(path))
+    stats = corpus_module.summarize_corpus(summarizer, corpus, output, generate_kwargs={"max_new_tokens": 2},
+                                           progress=False)
+    assert reads.count(output) == 1
+    assert stats["skipped_already_done"] == 2 and stats["documents"] == 1
+    assert output.read_text(encoding="utf-8").startswith(finished) and set(read_output(output)) == {"a", "b", "c"}
