@@ -30,6 +30,11 @@ Usage::
     python benchmarks/benchmark_dodo.py --lengths 65536 --steps 5 --rounds 2 --warmup 1 --memory
     python benchmarks/benchmark_dodo.py --lora_layers 3 --scorer_features encoder_hidden  # ind_scorer=False
 
+``--json`` / ``--jsonl``: each finished row is appended to the ``--jsonl`` file (by default ``--json``'s path ending in
+``.jsonl``) and flushed; a rerun with the same options skips the rows already there (``--fresh`` measures them again;
+rows measured otherwise, e.g. other ``--steps`` or threads, are refused) and ``--report_only`` prints their table
+without measuring.
+
 Prints a Markdown table with the full/Dodo ratios (or the checkpointing ratios). Not a test: timings depend on the
 machine and its load.
 """
@@ -290,7 +295,18 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
+#: What a row measures (its key in ``--jsonl``) and how (a rerun resumes only rows measured the same way), for the
+#: decode-step run and the ``--training_memory`` run.
+KEYS = {"decode": ("run", "context_tokens", "device", "dtype", "lora_layers", "scorer_features"),
+        "training": ("run", "context_tokens", "target_tokens", "layers", "device")}
+SETTINGS = {"decode": ("steps", "rounds", "warmup", "threads", "memory"), "training": ("repeats", "threads")}
+
+
+def row_key(row: dict) -> str:
+    return json.dumps([row.get(name) for name in KEYS[row.get("run", "decode")]])
+
+
+def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 16384])
     parser.add_argument("--steps", type=int, default=20)
@@ -301,7 +317,14 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                         help="The model's dtype (the decode-step run; --training_memory is float32).")
     parser.add_argument("--json", default=None,
-                        help="Also write the rows to this file, rewritten after each row (a run cut short keeps them).")
+                        help="Also write the rows to this file, rewritten after each row under a temporary name. "
+                             "Unless --jsonl is given, the rows are also appended to the same path ending in .jsonl.")
+    parser.add_argument("--jsonl", default=None,
+                        help="Append each finished row to this file (flushed); a rerun with the same settings skips "
+                             "the rows already there and refuses rows measured otherwise (steps, threads, ...).")
+    parser.add_argument("--fresh", action="store_true", help="Forget the rows already in --jsonl.")
+    parser.add_argument("--report_only", action="store_true",
+                        help="Measure nothing: print the table of the rows already in --jsonl.")
     parser.add_argument(
         "--training_memory", action="store_true", help="Peak memory of a training step with/without checkpointing."
     )
@@ -315,11 +338,29 @@ def main() -> None:
                         help="Also the peak tensor memory of the full prefill and of the compression (one more "
                              "of each).")
     parser.add_argument("--scorer_features", default="base_final_norm", choices=["base_final_norm", "encoder_hidden"])
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if any(length < 1 for length in args.lengths) or args.steps < 1:
         parser.error(f"--lengths and --steps must be positive, got --lengths {args.lengths} --steps {args.steps}")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         parser.error(f"--device {args.device}: this machine has no CUDA device; use --device cpu")
+    if args.training_memory and (args.lora_layers is not None or args.scorer_features != "base_final_norm"
+                                 or args.memory):
+        parser.error("`--lora_layers`, `--scorer_features` and `--memory` apply to the decode-step run, not to "
+                     "--training_memory (which measures memory itself).")
+    if args.training_memory and args.dtype != "float32":
+        parser.error(f"--training_memory runs in float32, got --dtype {args.dtype}")
+    from run_all import journal_path  # this folder is the script's: run_all.py is beside it
+
+    args.jsonl = journal_path(parser, args.json, args.jsonl)
+    if args.report_only and args.jsonl is None:
+        parser.error("--report_only reads the rows of --jsonl (or --json): give one of them")
+    if args.report_only and args.fresh:
+        parser.error("--report_only shows what --jsonl holds and --fresh forgets it: give one of them")
+    return args
+
+
+def main(argv=None) -> list[dict]:
+    args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     overrides = {}  # the decode-step run's model, where it differs from SIZES
@@ -327,26 +368,46 @@ def main() -> None:
         overrides["lora_layers"] = args.lora_layers
     if args.scorer_features != "base_final_norm":
         overrides["scorer_features"] = args.scorer_features
-    if args.training_memory and (overrides or args.memory):
-        parser.error("`--lora_layers`, `--scorer_features` and `--memory` apply to the decode-step run, not to "
-                     "--training_memory (which measures memory itself).")
-    if args.training_memory and args.dtype != "float32":
-        raise ValueError(f"`--training_memory` runs in float32, got `--dtype {args.dtype}`.")
-    from run_all import host_description, write_json  # this folder is the script's: run_all.py is beside it
+    from run_all import append_cell, host_description, latest_rows, resume_rows, write_json  # beside this script
 
-    def save(rows: list[dict]) -> None:  # under a temporary name, renamed into place
-        if args.json:
-            write_json(args.json, rows)
-
+    # recorded in every row: what it measured and how (the thread count torch's default where --threads is not given)
     if args.training_memory:
-        rows = training_memory(args.lengths, args.target_length, args.layers, args.repeats, args.device, on_row=save)
+        settings = dict(run="training", device=args.device, target_tokens=args.target_length, layers=args.layers,
+                        repeats=args.repeats, threads=torch.get_num_threads())
     else:
-        rows = run(args.lengths, args.steps, args.rounds, args.warmup, args.device, args.dtype, args.memory,
-                   on_row=save, **overrides)
+        settings = dict(run="decode", device=args.device, dtype=args.dtype, lora_layers=args.lora_layers,
+                        scorer_features=args.scorer_features, steps=args.steps, rounds=args.rounds,
+                        warmup=args.warmup, threads=torch.get_num_threads(), memory=args.memory)
+    planned = [dict(settings, context_tokens=length) for length in args.lengths]
+    finished = {}
+    if args.jsonl:  # (--report_only too: it shows no rows measured otherwise)
+        finished = resume_rows(args.jsonl, planned, row_key, SETTINGS[settings["run"]],
+                               lambda row: f"{row['run']} {row['context_tokens']}-token", fresh=args.fresh)
+
+    def save(rows: list[dict]) -> None:  # called after each row: appended to --jsonl, --json renamed into place
+        row = rows[-1] = {**rows[-1], **settings}
+        finished[row_key(row)] = row
+        if args.jsonl:
+            append_cell(args.jsonl, row)
+        if args.json:
+            write_json(args.json, [finished[row_key(r)] for r in planned if row_key(r) in finished])
+
+    lengths = list(dict.fromkeys(row["context_tokens"] for row in planned if row_key(row) not in finished))
+    if lengths and not args.report_only:
+        if args.training_memory:
+            training_memory(lengths, args.target_length, args.layers, args.repeats, args.device, on_row=save)
+        else:
+            run(lengths, args.steps, args.rounds, args.warmup, args.device, args.dtype, args.memory, on_row=save,
+                **overrides)
+    if args.jsonl:
+        rows = latest_rows(args.jsonl, planned, row_key)
+    else:  # (a length given twice: one row)
+        rows = list({row_key(r): finished[row_key(r)] for r in planned if row_key(r) in finished}.values())
 
     print(f"{host_description()}; torch {torch.__version__}, device {args.device}, dtype {args.dtype}, threads "
           f"{torch.get_num_threads()}, sizes {({**SIZES, **overrides})}")
     print(training_markdown(rows) if args.training_memory else markdown(rows))
+    return rows
 
 
 if __name__ == "__main__":

@@ -10,6 +10,9 @@ Usage::
     python benchmarks/benchmark_locost_vs_peers.py --json results.json
 
 Prints a Markdown table with ratios to LOCOST. Cells that exceed ``--timeout`` or memory are reported as such.
+``--json`` / ``--jsonl``: each finished cell is appended to the ``--jsonl`` file (by default ``--json``'s path ending in
+``.jsonl``) and flushed; a rerun with the same options skips the cells already there (``--fresh`` measures them again;
+other ``--threads`` / ``--repeats`` are refused) and ``--report_only`` prints their table without measuring.
 """
 
 from __future__ import annotations
@@ -63,49 +66,92 @@ def run_cell(model: str, length: int, threads: int, repeats: int) -> dict:
     }
 
 
-def main() -> None:
+#: What a cell measures (its key in ``--jsonl``) and how (a rerun resumes only cells measured the same way).
+KEY = ("model", "length")
+SETTINGS = ("threads", "repeats")
+
+
+def cell_key(cell: dict) -> tuple:
+    return tuple(cell.get(name) for name in KEY)
+
+
+def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 16384])
-    parser.add_argument("--models", nargs="+", default=["locost", "longt5", "t5"])
+    parser.add_argument("--models", nargs="+", default=["locost", "longt5", "t5"], choices=["locost", "longt5", "t5"])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--timeout", type=int, default=1200)
     parser.add_argument("--max_t5_length", type=int, default=8192, help="full attention beyond this needs > 24 GB")
     parser.add_argument("--json", default=None,
-                        help="also write the raw results here, rewritten after each cell (a run cut short keeps them)")
+                        help="also write the raw results here, rewritten after each cell under a temporary name; "
+                             "unless --jsonl is given, the cells are also appended to the same path ending in .jsonl")
+    parser.add_argument("--jsonl", default=None,
+                        help="append each finished cell to this file (flushed); a rerun with the same settings skips "
+                             "the cells already there and refuses other --threads / --repeats")
+    parser.add_argument("--fresh", action="store_true", help="forget the cells already in --jsonl")
+    parser.add_argument("--report_only", action="store_true",
+                        help="measure nothing: print the table of the cells already in --jsonl")
     parser.add_argument("--cell", nargs=2, metavar=("MODEL", "LENGTH"), help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    bad = [length for length in args.lengths if length < 1]
+    if bad:
+        parser.error(f"--lengths must be positive token counts, got {bad}")
+    from run_all import journal_path  # run_all.py is beside this script
 
+    args.jsonl = journal_path(parser, args.json, args.jsonl)
+    if args.report_only and args.jsonl is None:
+        parser.error("--report_only reads the cells of --jsonl (or --json): give one of them")
+    if args.report_only and args.fresh:
+        parser.error("--report_only shows what --jsonl holds and --fresh forgets it: give one of them")
+    return args
+
+
+def measure(model: str, length: int, args) -> dict:
+    """One cell in a subprocess of its own (its peak RSS its own); a failure or a timeout is the cell's ``skipped``."""
+    if model == "t5" and length > args.max_t5_length:
+        return {"model": model, "length": length, "skipped": "full attention: memory"}
+    command = [sys.executable, __file__, "--cell", model, str(length), "--threads", str(args.threads),
+               "--repeats", str(args.repeats)]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout)
+    except subprocess.TimeoutExpired:
+        return {"model": model, "length": length, "skipped": f"timeout {args.timeout}s"}
+    if done.returncode != 0:
+        return {"model": model, "length": length, "skipped": f"failed: {done.stderr.strip().splitlines()[-1:]}"}
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main(argv=None) -> list[dict]:
+    args = parse_args(argv)
     if args.cell:
         print(json.dumps(run_cell(args.cell[0], int(args.cell[1]), args.threads, args.repeats)))
-        return
+        return []
+    from run_all import append_cell, latest_rows, resume_rows, write_json  # run_all.py is beside this script
 
-    results = []
-    for length in args.lengths:
-        for model in args.models:
-            if model == "t5" and length > args.max_t5_length:
-                results.append({"model": model, "length": length, "skipped": "full attention: memory"})
+    settings = dict(threads=args.threads, repeats=args.repeats)
+    planned = [dict(settings, model=model, length=length) for length in args.lengths for model in args.models]
+    finished = {}
+    if args.jsonl:  # (--report_only too: it shows no rows measured otherwise)
+        finished = resume_rows(args.jsonl, planned, cell_key, SETTINGS,
+                               lambda cell: f"{cell['model']} {cell['length']}", fresh=args.fresh)
+    if not args.report_only:
+        for cell in planned:
+            if cell_key(cell) in finished:
                 continue
-            command = [sys.executable, __file__, "--cell", model, str(length), "--threads", str(args.threads),
-                       "--repeats", str(args.repeats)]
-            try:
-                done = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout)
-                if done.returncode != 0:
-                    results.append({"model": model, "length": length, "skipped": f"failed: {done.stderr.strip().splitlines()[-1:]}"})
-                else:
-                    results.append(json.loads(done.stdout.strip().splitlines()[-1]))
-            except subprocess.TimeoutExpired:
-                results.append({"model": model, "length": length, "skipped": f"timeout {args.timeout}s"})
-            print(json.dumps(results[-1]), file=sys.stderr, flush=True)
-            if args.json:
-                from run_all import write_json  # under a temporary name, renamed into place (run_all.py is beside this)
-
-                write_json(args.json, results)
+            result = {**measure(cell["model"], cell["length"], args), **settings}
+            print(json.dumps(result), file=sys.stderr, flush=True)
+            finished[cell_key(cell)] = result  # a length given twice is measured once
+            if args.jsonl:
+                append_cell(args.jsonl, result)
+            if args.json:  # under a temporary name, renamed into place
+                write_json(args.json, [finished[cell_key(c)] for c in planned if cell_key(c) in finished])
+    results = latest_rows(args.jsonl, planned, cell_key) if args.jsonl else list(finished.values())
 
     print(f"\nEncoder forward, batch 1, {args.threads} threads, median of {args.repeats} (CPU)\n")
     print("| tokens | model | seconds | peak RSS (MiB) | time vs LOCOST | memory vs LOCOST |")
     print("|---:|---|---:|---:|---:|---:|")
-    for length in args.lengths:
+    for length in dict.fromkeys(args.lengths):
         row = {r["model"]: r for r in results if r["length"] == length}
         base = row.get("locost")
         for model in args.models:
@@ -118,6 +164,7 @@ def main() -> None:
                 ratio_t = f"{r['seconds'] / base['seconds']:.2f}×"
                 ratio_m = f"{r['peak_rss_mib'] / base['peak_rss_mib']:.2f}×"
             print(f"| {length} | {model} | {r['seconds']:.2f} | {r['peak_rss_mib']:.0f} | {ratio_t} | {ratio_m} |")
+    return results
 
 
 if __name__ == "__main__":

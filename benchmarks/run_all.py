@@ -388,33 +388,95 @@ def cell_key(cell: dict) -> tuple:
 CELL_SETTINGS = ("threads", "repeats", "in_process", "skip_flops")
 
 
-def check_resumed_settings(cells: list[dict], finished: dict, out: Path) -> None:
-    """A rerun skips the cells already in ``out``; one measured with other settings would be reported beside the new
-    ones as if measured alike, so it is refused (measure again with ``--fresh`` or in another ``--out``)."""
+def describe_cell(cell: dict) -> str:
+    return f"{cell['model']} {cell['task']} {cell['length']}"
+
+
+def check_resumed_settings(cells: list[dict], finished: dict, results: Path, key=cell_key, settings=CELL_SETTINGS,
+                           describe=describe_cell, elsewhere: str = "another --out") -> None:
+    """A rerun skips the cells already in ``results`` (a JSONL file); one measured with other ``settings`` would be
+    reported beside the new ones as if measured alike, so it is refused (measure again with ``--fresh`` or
+    ``elsewhere``). ``finished``: ``{key(cell): cell}`` of the finished cells; ``cells``: those this run would measure.
+    The benchmark scripts that ``run_all`` runs check their rows with it too."""
     for cell in cells:
-        earlier = finished.get(cell_key(cell))
+        earlier = finished.get(key(cell))
         if earlier is None:
             continue
-        differ = {name: (earlier.get(name), cell.get(name)) for name in CELL_SETTINGS
-                  if earlier.get(name) != cell.get(name)}
-        if differ:
-            shown = ", ".join(f"{name} {was!r} there, {now!r} now" for name, (was, now) in differ.items())
-            raise SystemExit(f"{out / 'cells.jsonl'} holds the {cell['model']} {cell['task']} {cell['length']} cell "
-                             f"measured otherwise ({shown}): pass --fresh to measure again, or another --out.")
+        differ = [name for name in settings if earlier.get(name) != cell.get(name)]
+        if differ:  # (in_process and skip_flops are recorded only when set)
+            shown = ", ".join(f"{name} {repr(earlier[name]) if name in earlier else 'not recorded'} there, "
+                              f"{cell.get(name)!r} now" for name in differ)
+            raise SystemExit(f"{results} holds the {describe(cell)} cell measured otherwise ({shown}): pass --fresh "
+                             f"to measure again, or {elsewhere}.")
 
 
 def load_cells(path: Path) -> list[dict]:
-    if not path.exists():
+    """The cells (or rows) of a JSONL file; a last line cut short by a kill during its write is left out."""
+    if not Path(path).exists():
         return []
-    with path.open(encoding="utf-8") as handle:
-        return [json.loads(line) for line in handle if line.strip()]
+    with open(path, encoding="utf-8") as handle:
+        lines = handle.read().split("\n")
+    cells = []
+    for index, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            cells.append(json.loads(line))
+        except json.JSONDecodeError:
+            if index < len(lines) - 1:  # only the last line, without its newline, can be half written
+                raise
+    return cells
 
 
 def append_cell(path: Path, cell: dict) -> None:
-    with path.open("a", encoding="utf-8") as handle:
+    with open(path, "a", encoding="utf-8") as handle:
         handle.write(json.dumps(cell) + "\n")
         handle.flush()
         os.fsync(handle.fileno())
+
+
+def failed(row: dict) -> bool:
+    """A cell or row that measured nothing (an error, a timeout, a skip): measured again by a rerun."""
+    return "error" in row or "skipped" in row
+
+
+def resume_rows(path, planned: list[dict], key, settings, describe, fresh: bool = False) -> dict:
+    """``{key(row): row}`` of the rows of ``planned`` already finished in the JSONL file ``path`` (``--jsonl`` of
+    the benchmark scripts), the same pattern as ``cells.jsonl``: rows are appended as they finish, a rerun skips the
+    finished ones and refuses those measured with other ``settings`` (names of row fields). ``fresh``: the file is
+    emptied first."""
+    path = Path(path)
+    if fresh:
+        path.unlink(missing_ok=True)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    finished = {key(row): row for row in load_cells(path) if not failed(row)}
+    check_resumed_settings(planned, finished, path, key=key, settings=settings, describe=describe,
+                           elsewhere="another --jsonl")
+    return {key(row): finished[key(row)] for row in planned if key(row) in finished}
+
+
+def latest_rows(path, planned: list[dict], key) -> list[dict]:
+    """The last row of each of ``planned`` in the JSONL file ``path`` (a failed one where it was not measured
+    since), in ``planned``'s order: the rows of a table."""
+    last = {key(row): row for row in load_cells(path)}
+    rows = [last[key(row)] for row in planned if key(row) in last]
+    return list({id(row): row for row in rows}.values())  # a row planned twice (a length given twice) once
+
+
+def journal_path(parser, json_path: str | None, jsonl_path: str | None) -> Path | None:
+    """The ``--jsonl`` file of a benchmark script: as given, else ``--json``'s path ending in ``.jsonl``; None without
+    either (nothing kept, nothing resumed)."""
+    if jsonl_path:
+        if json_path and Path(jsonl_path) == Path(json_path):
+            parser.error(f"--jsonl {jsonl_path}: the same file as --json; expected another path")
+        return Path(jsonl_path)
+    if not json_path:
+        return None
+    path = Path(json_path).with_suffix(".jsonl")
+    if path == Path(json_path):
+        parser.error(f"--json {json_path}: ends in .jsonl, the name of the file its cells are appended to; expected "
+                     "a .json path, or --jsonl")
+    return path
 
 
 def write_json(path: str | os.PathLike, data) -> None:
@@ -674,7 +736,7 @@ def main(argv=None) -> Path:
             (out / name).unlink(missing_ok=True)
     finished = {cell_key(cell): cell for cell in load_cells(results) if "error" not in cell}
     if not args.report_only:
-        check_resumed_settings(locost_cells(args) if "locost" in args.suites else [], finished, out)
+        check_resumed_settings(locost_cells(args) if "locost" in args.suites else [], finished, results)
     done = set(finished)
     if "locost" in args.suites and not args.report_only:
         if args.in_process and args.device.startswith("cuda"):

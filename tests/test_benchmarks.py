@@ -276,7 +276,8 @@ def test_benchmark_json_holds_the_cells_finished_before_an_interruption(monkeypa
                                       str(tmp_path / "vcc.json")])
     with pytest.raises(KeyboardInterrupt):
         vcc.main()
-    assert json.loads((tmp_path / "vcc.json").read_text()) == [finished]
+    (cell,) = json.loads((tmp_path / "vcc.json").read_text())
+    assert {name: cell[name] for name in finished} == finished and cell["threads"] == 2  # with its settings
 
     peers = load_benchmark("benchmark_locost_vs_peers")
     answers = iter([json.dumps({"model": "locost", "length": 8, "seconds": 1.0, "peak_rss_mib": 2.0})])
@@ -299,7 +300,8 @@ def test_benchmark_json_holds_the_cells_finished_before_an_interruption(monkeypa
     rows = dodo.run([32, 48], steps=1, rounds=1, warmup=0, device="cpu", on_row=lambda rows: snapshots.append(
         [row["context_tokens"] for row in rows]))
     assert snapshots == [[32], [32, 48]] and len(rows) == 2
-    assert sorted(path.name for path in tmp_path.iterdir()) == ["peers.json", "vcc.json"]  # no temporary left
+    # no temporary left; the cells also appended to the .jsonl beside each --json
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["peers.json", "peers.jsonl", "vcc.json", "vcc.jsonl"]
 
 
 def test_dodo_benchmark_runs_in_bfloat16():
@@ -568,3 +570,72 @@ def test_fft_size_benchmark_times_both_sizes_and_restores_the_default(monkeypatc
     assert [line.split(":")[0] for line in lines] == ["L=8", "L=13"]
     assert "26 points" in lines[1] and "25 points" in lines[1]  # 2L, and the next 5-smooth size >= 2L - 1
     assert ssm.SMOOTH_FFT_FROM_LENGTH == default
+
+
+def test_benchmark_scripts_resume_from_their_jsonl_and_refuse_other_settings(monkeypatch, tmp_path):
+    """--json (or --jsonl) scripts append each finished cell to a JSONL file; a rerun with the same settings measures
+    only what is missing, one with other settings is refused, --fresh starts over. --json holds every cell, resumed
+    ones included, and is renamed into place."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    vcc = load_benchmark("benchmark_vcc_t5")
+    measured, stop_at = [], [("vcc", 16)]
+
+    def fake_cell(model, length, args):
+        if (model, length) in stop_at:
+            stop_at.clear()
+            raise KeyboardInterrupt  # the first run stops there
+        measured.append((model, length))
+        return {"model": model, "length": length, "seconds_median": 1.0, "peak_rss_mib": 2.0}
+
+    monkeypatch.setattr(vcc, "run_in_subprocess", fake_cell)
+    argv = ["benchmark_vcc_t5.py", "--vcc_lengths", "8", "16", "--t5_lengths", "8", "--json",
+            str(tmp_path / "vcc.json")]
+    monkeypatch.setattr(sys, "argv", argv)
+    with pytest.raises(KeyboardInterrupt):
+        vcc.main()
+    assert measured == [("vcc", 8)] and len((tmp_path / "vcc.jsonl").read_text().splitlines()) == 1
+    vcc.main()
+    assert measured == [("vcc", 8), ("vcc", 16), ("t5", 8)]  # the 8-token VCC cell was not measured again
+    cells = json.loads((tmp_path / "vcc.json").read_text())
+    assert [(cell["model"], cell["length"], cell["threads"]) for cell in cells] == [("vcc", 8, 2), ("vcc", 16, 2),
+                                                                                    ("t5", 8, 2)]
+    vcc.main()
+    assert len(measured) == 3  # all finished: nothing measured
+    monkeypatch.setattr(sys, "argv", [*argv, "--threads", "1"])
+    with pytest.raises(SystemExit, match=r"vcc 8 cell measured otherwise \(threads 2 there, 1 now\): pass --fresh"):
+        vcc.main()
+    monkeypatch.setattr(sys, "argv", [*argv, "--threads", "1", "--fresh"])
+    vcc.main()
+    assert measured[3:] == [("vcc", 8), ("vcc", 16), ("t5", 8)]
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["vcc.json", "vcc.jsonl"]
+
+    peers = load_benchmark("benchmark_locost_vs_peers")
+    measured.clear()
+    monkeypatch.setattr(peers, "measure", lambda model, length, args: measured.append((model, length)) or
+                        {"model": model, "length": length, "seconds": 1.0, "peak_rss_mib": 2.0})
+    argv = ["benchmark_locost_vs_peers.py", "--models", "locost", "t5", "--jsonl", str(tmp_path / "peers.jsonl"),
+            "--lengths", "8"]
+    monkeypatch.setattr(sys, "argv", argv)
+    peers.main()
+    monkeypatch.setattr(sys, "argv", [*argv, "16"])
+    peers.main()
+    assert measured == [("locost", 8), ("t5", 8), ("locost", 16), ("t5", 16)]
+    monkeypatch.setattr(sys, "argv", [*argv, "--repeats", "1"])
+    with pytest.raises(SystemExit, match=r"repeats 3 there, 1 now"):
+        peers.main()
+
+    dodo = load_benchmark("benchmark_dodo")
+    real_run, lengths_run = dodo.run, []
+    monkeypatch.setattr(dodo, "run", lambda lengths, *a, **k: lengths_run.append(lengths) or real_run(lengths, *a, **k))
+    argv = ["benchmark_dodo.py", "--steps", "1", "--rounds", "1", "--warmup", "0", "--json",
+            str(tmp_path / "dodo.json"), "--lengths", "32"]
+    monkeypatch.setattr(sys, "argv", argv)
+    dodo.main()
+    monkeypatch.setattr(sys, "argv", [*argv, "48"])
+    dodo.main()
+    assert lengths_run == [[32], [48]]
+    assert [row["context_tokens"] for row in json.loads((tmp_path / "dodo.json").read_text())] == [32, 48]
+    monkeypatch.setattr(sys, "argv", [*argv[:2], "2", *argv[3:]])
+    with pytest.raises(SystemExit, match=r"decode 32-token cell measured otherwise \(steps 1 there, 2 now\)"):
+        dodo.main()
+    assert not list(tmp_path.glob("*.tmp"))
