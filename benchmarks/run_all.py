@@ -20,7 +20,9 @@ the timing process, the GFLOP/s of plain [1024, 1024] matmuls (the roofline). LO
 multiply-adds (on CPU both kernels: the compiled one and the torch ops). Ratios in the report come from cells of the same run.
 
 The VCC-T5 and Dodo suites run ``benchmark_vcc_t5.py`` (VCC-T5 vs T5) and ``benchmark_dodo.py`` (Dodo vs Llama with the
-full cache, and the training-memory comparison) and include their tables.
+full cache, and the training-memory comparison) and include their tables. Each script runs as one process under one
+``--timeout`` and appends its cells or rows to ``vcc_t5.jsonl``, ``dodo.jsonl`` and ``dodo_training.jsonl`` as they
+finish: a timeout or a crash keeps them (the section says which and shows them) and a rerun resumes there.
 
 On a GPU, ``--in_process`` runs the cells one after another in this process (the CUDA allocator's peak is reset
 before each cell and its cache emptied after it; CUDA start-up and imports are paid once): it is for device time that
@@ -45,6 +47,7 @@ import gc
 import json
 import os
 import platform
+import signal
 import statistics
 import subprocess
 import sys
@@ -548,15 +551,40 @@ def locost_cells(args) -> list[dict]:
     return cells
 
 
-#: The reports of the benchmark scripts that run_all runs (``script_suite``), in ``--out``.
+#: The reports of the benchmark scripts that run_all runs (``script_suite``), in ``--out``, and the JSONL files their
+#: cells and rows are appended to as they finish (``name.jsonl`` beside ``name.md``).
 SCRIPT_SUITE_REPORTS = ("vcc_t5.md", "dodo.md", "dodo_training.md")
+SCRIPT_SUITE_ROWS = tuple(name.replace(".md", ".jsonl") for name in SCRIPT_SUITE_REPORTS)
+
+
+def run_script(command: list[str], timeout: float) -> tuple[int | None, str, str]:
+    """``(exit status, stdout, stderr)`` of ``python *command``; the status is None when it ran past ``timeout``
+    seconds. The script runs in a process group of its own, killed whole on a timeout (or an interruption here): the
+    processes it started for its cells do not go on measuring beside the next suite."""
+    process = subprocess.Popen([sys.executable, *command], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               start_new_session=True)
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+        return process.returncode, stdout, stderr
+    except BaseException as error:
+        try:
+            os.killpg(process.pid, signal.SIGKILL)
+        except (OSError, AttributeError):  # gone already; or no process groups here
+            process.kill()
+        stdout, stderr = process.communicate()
+        if not isinstance(error, subprocess.TimeoutExpired):
+            raise
+        return None, stdout, stderr
 
 
 def script_suite(name: str, command: list[str], out: Path, timeout: int, run: bool = True) -> str:
-    """Run one of the existing benchmark scripts once; its printed table is kept in ``name.md``, reused by a rerun
-    with the same options (its first line records them; a report without that line, or of other options, is
-    measured again). ``run=False`` (``--report_only``): the report as it is, whatever its options."""
-    report = out / f"{name}.md"
+    """Run one of the existing benchmark scripts; its printed table is kept in ``name.md``, reused by a rerun with the
+    same options (its first line records them; a report without that line, or of other options, is measured again).
+    The script appends each cell or row to ``name.jsonl`` as it finishes (``--jsonl``), so a timeout (``timeout``
+    seconds for the whole script) or a crash keeps them: the section then says what happened above the table of the
+    finished ones (``--report_only`` of the script), and a rerun resumes where it stopped. ``run=False``
+    (``--report_only``): the report as it is, whatever its options; the finished rows where there is none."""
+    report, rows = out / f"{name}.md", out / f"{name}.jsonl"
     recorded = f"<!-- run_all: {' '.join(Path(part).name if part.endswith('.py') else part for part in command)} -->"
     if report.exists():
         text = report.read_text(encoding="utf-8")
@@ -565,19 +593,42 @@ def script_suite(name: str, command: list[str], out: Path, timeout: int, run: bo
             return rest
         if not run:
             return rest if first.startswith("<!-- run_all:") else text
-    try:
-        result = subprocess.run([sys.executable, *command], capture_output=True, text=True, timeout=timeout)
-        if result.returncode == 0:  # the tables, without the per-cell JSON lines the scripts print as they go
-            text = "\n".join(line for line in result.stdout.splitlines() if not line.startswith("{"))
-        else:
-            text = f"failed (exit {result.returncode}): {result.stderr[-500:]}"
-    except subprocess.TimeoutExpired:
-        text = f"timeout after {timeout} s"
-    if not text.startswith(("failed", "timeout")):
-        temporary = report.with_suffix(".md.tmp")
-        temporary.write_text(recorded + "\n" + text, encoding="utf-8")
-        temporary.replace(report)
-    return text
+    command = [*command, "--jsonl", str(rows)]
+    if run:
+        status, stdout, stderr = run_script(command, timeout)
+        if status == 0:  # the tables, without the per-cell JSON lines the scripts print as they go
+            text = "\n".join(line for line in stdout.splitlines() if not line.startswith("{"))
+            temporary = report.with_suffix(".md.tmp")
+            temporary.write_text(recorded + "\n" + text, encoding="utf-8")
+            temporary.replace(report)
+            return text
+        lines = stderr.strip().splitlines()
+        problem = (f"timeout after {timeout} s" if status is None
+                   else f"failed (exit {status}): {lines[-1] if lines else 'killed (out of memory?)'}")
+    else:
+        problem = "not finished"
+    if not load_cells(rows):
+        return f"{problem}; nothing finished"
+    status, stdout, stderr = run_script([*command, "--report_only"], timeout)
+    if status != 0:
+        return f"{problem}; the finished rows are in {rows.name}, and its table could not be made: {stderr[-300:]}"
+    return (f"{problem}: the table holds what finished before (in {rows.name}; a rerun resumes there).\n\n"
+            + "\n".join(line for line in stdout.splitlines() if not line.startswith("{")).strip())
+
+
+def script_suite_settings(out: Path, name: str) -> set[tuple]:
+    """``{(device, dtype)}`` of a script suite's report in ``out`` (from the options its first line records), else of
+    the rows of ``name.jsonl``; empty where neither says (a report written before run_all recorded its options).
+    Dodo's training step runs in float32 whatever ``--dtype`` is."""
+    report, rows = out / f"{name}.md", out / f"{name}.jsonl"
+    if report.exists():
+        first = report.read_text(encoding="utf-8").partition("\n")[0]
+        if not first.startswith("<!-- run_all:"):
+            return set()
+        words = first.split()
+        option = {word: words[index + 1] for index, word in enumerate(words[:-1]) if word.startswith("--")}
+        return {(option.get("--device", "cpu"), option.get("--dtype", "float32"))}
+    return {(row.get("device", "cpu"), row.get("dtype", "float32")) for row in load_cells(rows)}
 
 
 def fmt_bytes(value) -> str:
@@ -685,7 +736,8 @@ def parse_args(argv=None):
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--threads", type=int, default=None, help="torch threads per cell (default: torch's).")
     parser.add_argument("--repeats", type=int, default=None, help="Timed runs per cell after the warm-up (default 2).")
-    parser.add_argument("--timeout", type=int, default=3600, help="Seconds per cell.")
+    parser.add_argument("--timeout", type=int, default=3600,
+                        help="Seconds per cell; for the VCC and Dodo suites, per script (what finished is kept).")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
     parser.add_argument("--quick", action="store_true", help="Tiny models and lengths: a smoke run.")
     parser.add_argument("--fresh", action="store_true", help="Forget earlier cells in --out.")
@@ -732,7 +784,7 @@ def main(argv=None) -> Path:
     results = out / "cells.jsonl"
     if args.fresh:  # what this script writes, not the other reports that --out (results/ by default) holds
         results.unlink(missing_ok=True)
-        for name in ("README.md", *SCRIPT_SUITE_REPORTS):
+        for name in ("README.md", *SCRIPT_SUITE_REPORTS, *SCRIPT_SUITE_ROWS):
             (out / name).unlink(missing_ok=True)
     finished = {cell_key(cell): cell for cell in load_cells(results) if "error" not in cell}
     if not args.report_only:

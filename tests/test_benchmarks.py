@@ -7,6 +7,7 @@ import argparse
 import importlib.util
 import json
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -536,16 +537,14 @@ def test_fresh_removes_only_what_run_all_writes_and_a_resume_refuses_other_setti
 
 
 def test_script_suite_reports_are_reused_only_for_the_same_options(run_all, tmp_path, monkeypatch):
-    import subprocess
-    from types import SimpleNamespace
-
     runs = []
 
-    def fake_run(command, **kwargs):
+    def fake_run(command, timeout):
         runs.append(command)
-        return SimpleNamespace(returncode=0, stdout=f"| table of {' '.join(command[2:])} |", stderr="")
+        assert command[-2:] == ["--jsonl", str(tmp_path / "vcc_t5.jsonl")]  # its cells, appended as they finish
+        return 0, f"| table of {' '.join(command[1:-2])} |", ""
 
-    monkeypatch.setattr(subprocess, "run", fake_run)
+    monkeypatch.setattr(run_all, "run_script", fake_run)
     float32 = ["benchmark_vcc_t5.py", "--device", "cpu", "--dtype", "float32"]
     assert run_all.script_suite("vcc_t5", float32, tmp_path, 10) == "| table of --device cpu --dtype float32 |"
     assert run_all.script_suite("vcc_t5", float32, tmp_path, 10) == "| table of --device cpu --dtype float32 |"
@@ -570,6 +569,59 @@ def test_fft_size_benchmark_times_both_sizes_and_restores_the_default(monkeypatc
     assert [line.split(":")[0] for line in lines] == ["L=8", "L=13"]
     assert "26 points" in lines[1] and "25 points" in lines[1]  # 2L, and the next 5-smooth size >= 2L - 1
     assert ssm.SMOOTH_FFT_FROM_LENGTH == default
+
+
+FAKE_SCRIPT = """
+import argparse, json, subprocess, sys, time
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--then", choices=["hang", "crash"])
+parser.add_argument("--jsonl")
+parser.add_argument("--report_only", action="store_true")
+args = parser.parse_args()
+if args.report_only:
+    rows = [json.loads(line) for line in open(args.jsonl)]
+    print("| " + " | ".join(str(row["length"]) for row in rows) + " |")
+    sys.exit(0)
+with open(args.jsonl, "a") as handle:
+    handle.write(json.dumps({"length": 8}) + "\\n")
+if args.then == "crash":
+    sys.exit("the 16-token cell: out of memory")
+cell = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])  # a cell's own process
+open(args.jsonl + ".pid", "w").write(str(cell.pid))
+time.sleep(120)
+"""
+
+
+def process_gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            return handle.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")  # a zombie measures nothing
+    except FileNotFoundError:
+        return True
+
+
+def test_script_suite_keeps_the_rows_finished_before_a_timeout_or_a_crash(run_all, tmp_path):
+    """A script suite runs as one process under one --timeout: its rows, appended to NAME.jsonl as they finish,
+    survive a timeout or a crash and are shown under what happened; the cell processes it started are killed with it;
+    no report is written, so a rerun resumes."""
+    script = tmp_path / "fake_suite.py"
+    script.write_text(FAKE_SCRIPT)
+    text = run_all.script_suite("vcc_t5", [str(script), "--then", "hang"], tmp_path, 5)
+    assert text.startswith("timeout after 5 s: the table holds what finished before (in vcc_t5.jsonl; a rerun resumes")
+    assert text.endswith("| 8 |")
+    assert not (tmp_path / "vcc_t5.md").exists()
+    pid = int((tmp_path / "vcc_t5.jsonl.pid").read_text())
+    for _ in range(50):  # reaped by whoever adopted it
+        if process_gone(pid):
+            break
+        time.sleep(0.1)
+    assert process_gone(pid)
+    text = run_all.script_suite("dodo", [str(script), "--then", "crash"], tmp_path, 60)
+    assert text.startswith("failed (exit 1): the 16-token cell: out of memory: the table holds what finished")
+    assert text.endswith("| 8 |") and not (tmp_path / "dodo.md").exists()
+    # --report_only: the finished rows of a suite that has no report yet
+    assert run_all.script_suite("dodo", [str(script)], tmp_path, 60, run=False).startswith("not finished: the table")
 
 
 def test_benchmark_scripts_resume_from_their_jsonl_and_refuse_other_settings(monkeypatch, tmp_path):
