@@ -12,7 +12,8 @@ Usage::
 Prints a Markdown table with ratios to LOCOST. Cells that exceed ``--timeout`` or memory are reported as such.
 ``--json`` / ``--jsonl``: each finished cell is appended to the ``--jsonl`` file (by default ``--json``'s path ending in
 ``.jsonl``) and flushed; a rerun with the same options skips the cells already there (``--fresh`` measures them again;
-other ``--threads`` / ``--repeats`` are refused) and ``--report_only`` prints their table without measuring.
+other ``--threads``, ``--repeats`` or SSM kernel are refused) and ``--report_only`` prints their table without
+measuring.
 """
 
 from __future__ import annotations
@@ -68,7 +69,7 @@ def run_cell(model: str, length: int, threads: int, repeats: int) -> dict:
 
 #: What a cell measures (its key in ``--jsonl``) and how (a rerun resumes only cells measured the same way).
 KEY = ("model", "length")
-SETTINGS = ("threads", "repeats")
+SETTINGS = ("threads", "repeats", "ssm_kernel")
 
 
 def cell_key(cell: dict) -> tuple:
@@ -127,9 +128,9 @@ def main(argv=None) -> list[dict]:
     if args.cell:
         print(json.dumps(run_cell(args.cell[0], int(args.cell[1]), args.threads, args.repeats)))
         return []
-    from run_all import append_cell, latest_rows, resume_rows, write_json  # run_all.py is beside this script
+    from run_all import append_cell, latest_rows, resume_rows, ssm_kernel_setting, write_json  # beside this script
 
-    settings = dict(threads=args.threads, repeats=args.repeats)
+    settings = dict(threads=args.threads, repeats=args.repeats, ssm_kernel=ssm_kernel_setting("cpu"))
     planned = [dict(settings, model=model, length=length) for length in args.lengths for model in args.models]
     finished = {}
     if args.jsonl:  # (--report_only too: it shows no rows measured otherwise)

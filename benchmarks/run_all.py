@@ -29,7 +29,11 @@ before each cell and its cache emptied after it; CUDA start-up and imports are p
 is short; memory figures stay per cell, but kernels compiled or tuned by an earlier cell are not timed again.
 
 Results are appended to ``cells.jsonl`` as each cell finishes; a rerun skips the cells already there (delete the file,
-or pass ``--fresh``, to measure again). ``--quick`` uses tiny models and lengths (a smoke run, not a measurement).
+or pass ``--fresh``, to measure again). Each cell records how it was measured, among that its thread count
+(``--threads``, else torch's default) and the CPU SSM kernel (compiled, or the torch ops with
+``LONGREACH_SSM_KERNEL=torch``): a rerun refuses finished cells measured otherwise, and ``--report_only`` refuses cells
+or script reports of several devices, dtypes, thread counts or SSM kernels, so that no table mixes them.
+``--quick`` uses tiny models and lengths (a smoke run, not a measurement).
 
 Usage::
 
@@ -387,8 +391,10 @@ def cell_key(cell: dict) -> tuple:
     return tuple(cell[name] for name in ("suite", "model", "task", "length", "device", "dtype", "quick"))
 
 
-#: How a cell was measured beyond its key: a rerun resumes only cells measured the same way.
-CELL_SETTINGS = ("threads", "repeats", "in_process", "skip_flops")
+#: How a cell was measured beyond its key: a rerun resumes only cells measured the same way. ``threads`` is the count
+#: the cell ran with (``--threads``, or torch's default where it is not given) and ``ssm_kernel`` the CPU SSM kernel
+#: (:func:`ssm_kernel_setting`): either one changes every LOCOST time, so cells of two settings are never one table.
+CELL_SETTINGS = ("threads", "repeats", "in_process", "skip_flops", "ssm_kernel")
 
 
 def describe_cell(cell: dict) -> str:
@@ -539,9 +545,29 @@ def run_counted_cell(cell: dict, timeout: int, in_process: bool = False) -> dict
     return result
 
 
+def ssm_kernel_setting(device: str) -> str | None:
+    """The LOCOST SSM kernel that cells on ``device`` use up to ``ssm_cpu_kernel.MAX_LAGS`` lags: on a CPU,
+    "compiled" (``ssm_cpu_kernel``) or "torch" (``LONGREACH_SSM_KERNEL=torch``, or no C compiler here); elsewhere
+    None (no CPU kernel runs)."""
+    import torch
+
+    from longreach.modeling import ssm_cpu_kernel
+
+    if torch.device(device).type != "cpu":
+        return None
+    if ssm_cpu_kernel.backend() == "torch" or ssm_cpu_kernel.load() is None:
+        return "torch"
+    return "compiled"
+
+
 def locost_cells(args) -> list[dict]:
+    import torch
+
+    # the thread count a cell runs with: --threads, else torch's default here (which $OMP_NUM_THREADS changes)
+    threads = args.threads or torch.get_num_threads()
     common = dict(suite="locost", device=args.device, dtype=args.dtype, quick=args.quick, repeats=args.repeats,
-                  threads=args.threads, **({"skip_flops": True} if args.skip_flops else {}),
+                  threads=threads, ssm_kernel=ssm_kernel_setting(args.device),
+                  **({"skip_flops": True} if args.skip_flops else {}),
                   **({"in_process": True} if args.in_process else {}))
     cells = [dict(common, model=model, task=task, length=length)
              for task in args.tasks if task != "scale" for length in args.lengths for model in args.models]
@@ -774,6 +800,38 @@ def check_device_here(parser, device: str) -> None:
                      "cpu")
 
 
+def report_settings(cells: list[dict], results: Path, out: Path, suites: list[str], args) -> tuple:
+    """``(device, dtype, quick)`` of a ``--report_only`` report: those of the LOCOST cells and of the script suites'
+    reports in ``out`` (``suites``), else ``args``'. A report is one device and dtype, and the ratios of a table come
+    from cells measured with one thread count and one SSM kernel: cells or reports of several are refused (one table
+    per (model, task, length) would keep one of them and hide the others)."""
+    settings = sorted({(cell["device"], cell["dtype"], bool(cell["quick"])) for cell in cells}, key=str)
+    if len(settings) > 1:
+        raise SystemExit(f"{results} holds cells of several devices / dtypes / quick settings {settings}: report "
+                         "them from separate --out folders.")
+    measured = sorted({(cell.get("threads_used"), cell.get("ssm_kernel")) for cell in cells if not failed(cell)},
+                      key=str)
+    if len(measured) > 1:
+        shown = ", ".join(f"{threads} threads and SSM kernel {kernel or 'not recorded'}"
+                          for threads, kernel in measured)
+        raise SystemExit(f"{results} holds cells measured with several thread counts / SSM kernels ({shown}): their "
+                         "ratios would mix them; report them from separate --out folders.")
+    device, dtype, quick = settings[0] if settings else (args.device, args.dtype, args.quick)
+    sources = [(f"the LOCOST cells of {results.name}", device, dtype)] if settings else []
+    for name in suites:  # (Dodo's training step runs in float32 whatever --dtype: its device only)
+        sources += [(name, suite_device, None if name == "dodo_training" else suite_dtype)
+                    for suite_device, suite_dtype in sorted(script_suite_settings(out, name))]
+    devices, dtypes = {source[1] for source in sources}, {source[2] for source in sources if source[2]}
+    if len(devices) > 1 or len(dtypes) > 1:
+        shown = "; ".join(f"{source}: {source_device}{', ' + source_dtype if source_dtype else ''}"
+                          for source, source_device, source_dtype in sources)
+        raise SystemExit(f"{out} holds results of several devices / dtypes ({shown}): report them from separate --out "
+                         "folders, or leave a suite out with --suites.")
+    if sources:
+        device, dtype = sources[0][1], next(iter(dtypes), dtype)
+    return device, dtype, quick
+
+
 def main(argv=None) -> Path:
     args = parse_args(argv)
     if args.cell:
@@ -815,12 +873,10 @@ def main(argv=None) -> Path:
     if unrecorded:
         machines.append(f"{unrecorded} cells measured before their machine was recorded")
     machines = machines or [host_description()]
-    if args.report_only and cells:  # one table per (model, task, length): cells of several settings would overwrite
-        settings = sorted({(cell["device"], cell["dtype"], bool(cell["quick"])) for cell in cells})
-        if len(settings) > 1:
-            raise SystemExit(f"{results} holds cells of several devices / dtypes / quick settings {settings}: report "
-                             "them from separate --out folders.")
-        args.device, args.dtype, args.quick = settings[0]
+    if args.report_only:  # the report's device and dtype: those of its cells and script suites, which must agree
+        suites = {"vcc": ["vcc_t5"], "dodo": ["dodo", "dodo_training"]}
+        suites = [name for suite in args.suites for name in suites.get(suite, [])]
+        args.device, args.dtype, args.quick = report_settings(cells, results, out, suites, args)
     sections = [f"# Benchmarks\n\n{' / '.join(machines)}; device {args.device}, {args.dtype}"
                 f"{', quick (tiny models)' if args.quick else ''}."
                 " Regenerate: `python benchmarks/run_all.py "
@@ -829,10 +885,13 @@ def main(argv=None) -> Path:
         sections.append("## LOCOST vs LongT5, LED, T5\n\n" + markdown(cells))
         plot(cells, out)
     here = Path(__file__).parent
-    threads = ["--threads", str(args.threads)] if args.threads else []
-    if args.report_only:  # only the script suites already measured
-        args.suites = [suite for suite in args.suites if suite == "locost"
-                       or (out / ("vcc_t5.md" if suite == "vcc" else "dodo.md")).exists()]
+    import torch
+
+    threads = ["--threads", str(args.threads or torch.get_num_threads())]  # the LOCOST cells' count
+    if args.report_only:  # only the script suites already measured (or begun)
+        args.suites = [suite for suite in args.suites if suite == "locost" or any(
+            (out / f"{name}{ending}").exists() for name in (["vcc_t5"] if suite == "vcc" else ["dodo", "dodo_training"])
+            for ending in (".md", ".jsonl"))]
     if "vcc" in args.suites:
         lengths = ["1024"] if args.quick else ["8192", "16384", "65536", "131072"]
         command = [str(here / "benchmark_vcc_t5.py"), "--vcc_lengths", *lengths, "--t5_lengths", *lengths[:2],
@@ -846,7 +905,7 @@ def main(argv=None) -> Path:
         training = ["--lengths", "256", "--repeats", "1", "--target_length", "16"] if args.quick else []
         command = [str(here / "benchmark_dodo.py"), "--training_memory", "--device", args.device, *threads,
                    *training]
-        sections.append("## Dodo training step, activation checkpointing\n\n"
+        sections.append("## Dodo training step, activation checkpointing (float32)\n\n"
                         + script_suite("dodo_training", command, out, args.timeout, run=not args.report_only))
     report = out / "README.md"
     temporary = out / "README.md.tmp"

@@ -691,3 +691,59 @@ def test_benchmark_scripts_resume_from_their_jsonl_and_refuse_other_settings(mon
     with pytest.raises(SystemExit, match=r"decode 32-token cell measured otherwise \(steps 1 there, 2 now\)"):
         dodo.main()
     assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_resumed_run_all_refuses_cells_of_another_thread_count_or_ssm_kernel(run_all, tmp_path, monkeypatch):
+    """The thread count a cell ran with (--threads, or torch's default) and the CPU SSM kernel (compiled or torch ops)
+    are recorded in each cell: a rerun, or a --report_only report, refuses to put cells of two settings in one table."""
+    from longreach.modeling import ssm_cpu_kernel
+
+    argv = ["--quick", "--suites", "locost", "--models", "locost", "--tasks", "encode", "--lengths", "32",
+            "--skip_flops", "--cells_only", "--out", str(tmp_path)]
+    monkeypatch.setattr(run_all, "run_in_subprocess", lambda cell, timeout: run_all.run_cell(cell))
+    monkeypatch.delenv(ssm_cpu_kernel.BACKEND_VARIABLE, raising=False)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)  # torch's default in this process: no --threads
+        run_all.main(argv)
+        (cell,) = run_all.load_cells(tmp_path / "cells.jsonl")
+        assert cell["threads"] == cell["threads_used"] == 1
+        torch.set_num_threads(2)
+        with pytest.raises(SystemExit, match=r"locost encode 32 cell measured otherwise \(threads 1 there, 2 now\)"):
+            run_all.main(argv)
+        if cell["ssm_kernel"] == "compiled":  # where a C compiler works
+            monkeypatch.setenv(ssm_cpu_kernel.BACKEND_VARIABLE, "torch")
+            with pytest.raises(SystemExit, match=r"\(ssm_kernel 'compiled' there, 'torch' now\)"):
+                run_all.main([*argv, "--threads", "1"])
+        else:
+            assert cell["ssm_kernel"] == "torch" and ssm_cpu_kernel.load() is None
+    finally:
+        torch.set_num_threads(threads)
+    other = {**cell, "length": 64, "threads": 2, "threads_used": 2}  # a cell of another run
+    run_all.append_cell(tmp_path / "cells.jsonl", other)
+    with pytest.raises(SystemExit, match=r"several thread counts / SSM kernels \(1 threads and SSM kernel"):
+        run_all.main(["--report_only", "--suites", "locost", "--out", str(tmp_path)])
+
+
+def test_report_only_keeps_results_of_other_dtypes_apart(run_all, tmp_path):
+    """--report_only heads one report with one device and dtype: a script suite's report of another dtype than the
+    LOCOST cells is refused (it was included under the cells' header), and a report with no cells takes the suites'."""
+    committed = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "cells.jsonl"
+    cell = json.loads(committed.read_text().splitlines()[0])  # float32, CPU
+    with open(tmp_path / "cells.jsonl", "w") as handle:
+        handle.write(json.dumps(cell) + "\n")
+    (tmp_path / "vcc_t5.md").write_text("<!-- run_all: benchmark_vcc_t5.py --vcc_lengths 1024 --device cpu --dtype "
+                                        "bfloat16 --threads 1 -->\n| a bfloat16 table |\n")
+    argv = ["--report_only", "--suites", "locost", "vcc", "--out", str(tmp_path)]
+    with pytest.raises(SystemExit, match=r"the LOCOST cells of cells.jsonl: cpu, float32; vcc_t5: cpu, bfloat16"):
+        run_all.main(argv)
+    run_all.main(["--report_only", "--suites", "locost", "--out", str(tmp_path)])  # the suite left out: reported
+    (tmp_path / "cells.jsonl").unlink()
+    text = run_all.main(argv).read_text()
+    assert "; device cpu, bfloat16." in text.split("\n")[2] and "| a bfloat16 table |" in text
+    # LOCOST cells of two dtypes were refused already (one table per model, task and length)
+    with open(tmp_path / "cells.jsonl", "w") as handle:
+        for dtype in ("float32", "bfloat16"):
+            handle.write(json.dumps({**cell, "dtype": dtype}) + "\n")
+    with pytest.raises(SystemExit, match="several devices / dtypes / quick settings"):
+        run_all.main(["--report_only", "--suites", "locost", "--out", str(tmp_path)])
