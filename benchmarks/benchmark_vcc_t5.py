@@ -3,8 +3,14 @@
 VCC: 4 vanilla layers on 512-token segments + 8 VCC layers, blocks of 16, 90 refined blocks per layer, 48 VIP slots
 (the paper's QA setting; VIPs = the first 5 tokens). Both encoders have 12 layers of a small T5 (d_model 64, 4 heads
 of 16, d_ff 128, relu) and the *same* random weights (the T5 encoder's state dict is loaded into the VCC encoder;
-parameter names are identical). Each (model, length) cell runs in a fresh subprocess so that its peak RSS
-(``ru_maxrss``, whole process, including ~250 MiB of Python + torch) is its own; with ``--device cuda`` the memory is
+parameter names are identical). Each (model, length) cell runs in a fresh subprocess. Its memory on a CPU is the
+process's peak RSS during the forwards above a baseline taken just before them (Linux: the peak is reset through
+``/proc/self/clear_refs`` and read from ``VmHWM``): the working memory of the forward, without Python, torch, the
+weights and the inputs (but with what a process's first forward loads, library code and thread pools: tens of MiB,
+alike for both models). A VCC cell builds the T5 model too, to copy its weights; that copy is still alive when the
+baseline is taken and until the peak is read, so it is neither counted in VCC's figure nor freed memory that VCC's
+forward could reuse unseen. (The process's whole peak, ``peak_rss_mib`` in the JSON, counts VCC's T5 copy and ~250 MiB
+of Python + torch; the table falls back to it only where the peak cannot be reset.) With ``--device cuda`` the memory is
 the CUDA allocator's peak above the weights and inputs. Batch 1, float32 (``--dtype``), ``torch.no_grad()``,
 eval, the default attention implementation (sdpa) unless ``--attn eager``; time = median of ``--repeats`` forwards
 after one warm-up (T5 at >= 16K tokens on a CPU: a single forward, no warm-up, because one forward takes minutes; on
@@ -51,6 +57,8 @@ def run_cell(model: str, length: int, threads: int, repeats: int, attention: str
     import torch
     from transformers import T5Config, T5EncoderModel, T5ForConditionalGeneration
 
+    from run_all import reset_peak_rss, rss_bytes  # run_all.py is beside this script
+
     torch.set_num_threads(threads)
     torch.manual_seed(0)
     device = torch.device(device)
@@ -84,7 +92,7 @@ def run_cell(model: str, length: int, threads: int, repeats: int, attention: str
         inputs["vip_mask"] = vip_mask
         sizes = config.compression_sizes(config.padded_length(length))
         extra = {"padded_length": config.padded_length(length), "compressed_length": sizes["compressed_length"]}
-        del t5
+        # ``t5`` stays alive until the memory is measured: part of the baseline, its memory cannot be reused unseen
     elif model == "t5":
         timed_model = t5
     else:
@@ -101,6 +109,8 @@ def run_cell(model: str, length: int, threads: int, repeats: int, attention: str
         torch.cuda.reset_peak_memory_stats()
         cuda_before = torch.cuda.memory_allocated()
     rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    # the baseline of the RSS figure: the process now, with the weights (both copies in a VCC cell) and the inputs
+    rss_baseline = rss_bytes() if reset_peak_rss() else None
     warmup = 0 if (model == "t5" and length >= 16384 and device.type == "cpu") else 1  # minutes a forward there
     if warmup == 0:
         repeats = 1
@@ -124,10 +134,13 @@ def run_cell(model: str, length: int, threads: int, repeats: int, attention: str
         assert output.shape == (1, length, t5_sizes["d_model"]) and torch.isfinite(output).all()
     if device.type == "cuda":
         extra["peak_cuda_above_start_mib"] = (torch.cuda.max_memory_allocated() - cuda_before) / 2**20
+    peak_above = None if rss_baseline is None else (rss_bytes("VmHWM") - rss_baseline) / 2**20
+    del t5
     return {
         "model": model, "length": length, "attention": attention, "threads": threads, "device": str(device),
         "dtype": dtype, "dims": dims,
         "seconds_median": statistics.median(times), "seconds_min": min(times), "runs": len(times),
+        "peak_rss_above_baseline_mib": peak_above,
         "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "rss_before_mib": rss_before,
         **extra,
     }
@@ -151,11 +164,17 @@ def run_in_subprocess(model: str, length: int, args) -> dict:
 
 
 def table(cells: list[dict]) -> str:
-    """Memory: the process's peak RSS on a CPU; on a GPU, the CUDA allocator's peak above the weights and inputs."""
+    """Memory: on a CPU the process's peak RSS above its RSS once the weights and inputs exist (where a cell could not
+    reset the peak, not Linux, the whole process's peak, VCC's with the T5 copy); on a GPU, the CUDA allocator's peak
+    above the weights and inputs."""
     by_key = {(cell["model"], cell["length"]): cell for cell in cells}
-    cuda = any("peak_cuda_above_start_mib" in cell for cell in cells)
-    memory_key, memory_name = ("peak_cuda_above_start_mib", "peak CUDA above weights") if cuda else (
-        "peak_rss_mib", "peak RSS")
+    measured = [cell for cell in cells if "error" not in cell]
+    if any("peak_cuda_above_start_mib" in cell for cell in measured):
+        memory_key, memory_name = "peak_cuda_above_start_mib", "peak CUDA above weights"
+    elif all(cell.get("peak_rss_above_baseline_mib") is not None for cell in measured):
+        memory_key, memory_name = "peak_rss_above_baseline_mib", "peak RSS above weights"
+    else:
+        memory_key, memory_name = "peak_rss_mib", "peak RSS of the process"
     lines = [
         f"| tokens | VCC time (s) | VCC {memory_name} (MiB) | VCC r | T5 time (s) | T5 {memory_name} (MiB) | "
         "T5 / VCC time | T5 / VCC memory |",
@@ -174,7 +193,7 @@ def table(cells: list[dict]) -> str:
         ratio_time = ratio_memory = "-"
         if vcc and t5 and "error" not in vcc and "error" not in t5:
             ratio_time = f"{t5['seconds_median'] / vcc['seconds_median']:.1f}x"
-            ratio_memory = f"{t5[memory_key] / vcc[memory_key]:.1f}x"
+            ratio_memory = f"{t5[memory_key] / vcc[memory_key]:.1f}x" if vcc[memory_key] else "-"
         lines.append(
             f"| {length} | {fmt(vcc, 'seconds_median')} | {fmt(vcc, memory_key, 0)} | "
             f"{vcc.get('compressed_length', '-') if vcc else '-'} | {fmt(t5, 'seconds_median')} | "

@@ -246,7 +246,8 @@ def test_compiled_step_benchmark_times_eager_and_compiled_steps(monkeypatch, cap
         module.main(["--quick", "--feed_forward_step_elements", "0"])
 
 
-def test_vcc_t5_benchmark_times_generate_of_both_models_with_the_same_weights():
+def test_vcc_t5_benchmark_times_generate_of_both_models_with_the_same_weights(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))  # the script imports run_all as its neighbour
     module = load_benchmark("benchmark_vcc_t5")
     cells = [module.run_cell(model, 2048, threads=1, repeats=1, attention="sdpa", generate_tokens=3)
              for model in ("vcc", "t5")]
@@ -747,3 +748,23 @@ def test_report_only_keeps_results_of_other_dtypes_apart(run_all, tmp_path):
             handle.write(json.dumps({**cell, "dtype": dtype}) + "\n")
     with pytest.raises(SystemExit, match="several devices / dtypes / quick settings"):
         run_all.main(["--report_only", "--suites", "locost", "--out", str(tmp_path)])
+
+
+def test_vcc_t5_benchmark_memory_does_not_count_the_t5_copy(run_all, monkeypatch):
+    """A VCC cell builds the T5 model to copy its weights into VCC-T5: the memory in the table is the forward's peak
+    RSS above a baseline taken with both alive, so neither that copy nor either model's weights are counted (the
+    table showed the whole process's peak, with both copies)."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    if not run_all.reset_peak_rss():
+        pytest.skip("the peak RSS cannot be reset here (not Linux)")
+    module = load_benchmark("benchmark_vcc_t5")
+    module.run_cell("vcc", 1024, threads=1, repeats=1, attention="sdpa")  # a process's first forward loads code
+    vocab_size = 1_600_000  # a 391 MiB embedding in each model
+    monkeypatch.setitem(module.DIMS, "small", {**module.SIZES, "vocab_size": vocab_size})
+    cells = [module.run_cell(model, 1024, threads=1, repeats=1, attention="sdpa") for model in ("vcc", "t5")]
+    (row,) = [line for line in module.table(cells).splitlines() if line.startswith("| 1024 |")]
+    vcc_memory, t5_memory = float(row.split("|")[3]), float(row.split("|")[6])
+    copy_mib = vocab_size * module.SIZES["d_model"] * 4 / 2**20
+    assert "peak RSS above weights" in module.table(cells)
+    assert 0 <= vcc_memory < copy_mib / 2 and 0 <= t5_memory < copy_mib / 2, (vcc_memory, t5_memory)
+    assert cells[0]["peak_rss_mib"] > 2 * copy_mib  # the whole process's peak, both copies: kept in the JSON only
