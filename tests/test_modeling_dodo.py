@@ -1388,3 +1388,27 @@ def test_nuggets_of_another_dtype_or_with_inconsistent_fields_are_refused(model)
             model(prompt, nuggets=DodoNuggets(**{**nuggets, "scores": None}))
         with pytest.raises(ValueError, match=re.escape("`nuggets.mask` must be a [batch, K]")):
             model(prompt, nuggets=DodoNuggets(**{**nuggets, "mask": nuggets.mask[:, :2]}))
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::UserWarning")
+def test_dynamic_int8_quantization_of_the_linears_outside_the_lora_matrices():
+    """The README's recipe: every linear but the LoRA matrices (PEFT reads `lora_A.weight.dtype`, which a quantized
+    module's `weight` method has not) quantized by `quantize_dynamic`; forward and generate() run, close to float."""
+    model = tiny_model().eval()
+    input_ids, context = torch.randint(3, 100, (2, 8)), torch.randint(3, 100, (2, 30))
+    with torch.no_grad():
+        expected = model(input_ids=input_ids, context_input_ids=context).logits
+    with pytest.raises(AttributeError, match="'function' object has no attribute 'dtype'"), torch.no_grad():
+        everything = torch.ao.quantization.quantize_dynamic(copy.deepcopy(model), {torch.nn.Linear}, dtype=torch.qint8)
+        everything(input_ids=input_ids, context_input_ids=context)
+    linears = {name for name, module in model.named_modules()
+               if isinstance(module, torch.nn.Linear) and ".lora_" not in name}
+    quantized = torch.ao.quantization.quantize_dynamic(model, linears, dtype=torch.qint8)
+    assert any(type(module).__name__ == "Linear" and "quantized" in type(module).__module__
+               for module in quantized.modules())
+    with torch.no_grad():
+        logits = quantized(input_ids=input_ids, context_input_ids=context).logits
+        generated = quantized.generate(input_ids=input_ids, context_input_ids=context, max_new_tokens=3,
+                                       min_new_tokens=3)
+    assert generated.shape == (2, 11)
+    torch.testing.assert_close(logits, expected, atol=0.5, rtol=0)  # int8 weights: close, not equal
