@@ -17,7 +17,8 @@ models answer the question instead of summarizing; the answer is the record's ``
   fails, goes to ``OUT.errors.jsonl`` with its id and the error, and the run goes on.
 * Several processes (``torchrun`` / ``accelerate launch``: ``RANK`` and ``WORLD_SIZE``) split the documents; each
   appends to its own ``OUT.part-R-of-W.jsonl`` (resumable on its own) and rank 0 merges the parts into ``OUT``.
-* With a reference column, ROUGE-1/2/Lsum (``rouge-score``) is printed and written to ``OUT.metrics.json``.
+* With a reference column, ROUGE-1/2/Lsum (``rouge-score``) is printed and written to ``OUT.metrics.json``; answers
+  to a question are also scored with SQuAD's exact match and F1.
 * What makes a summary (model, tokenizer, ``--max_input_length``, generation options, the question, the input and its
   text and id columns) is kept in ``OUT.settings.json``; a rerun with other settings is refused rather than mixing two
   runs in ``OUT``.
@@ -615,16 +616,21 @@ def merge_parts(output: str | os.PathLike, corpus: Corpus, world_size: int) -> i
 
 def corpus_rouge(output: str | os.PathLike, corpus: Corpus) -> dict | None:
     """ROUGE-1/2/Lsum (``rouge-score``) of the summaries in ``output`` against the corpus's references, written to
-    ``OUT.metrics.json`` (atomically); ``None`` without references."""
-    from .metrics import rouge_scores
+    ``OUT.metrics.json`` (atomically); ``None`` without references. Where the records answer a question
+    (``--question``, ``--question_column``), SQuAD's exact match and F1 of the answers too
+    (:func:`longreach.metrics.answer_scores`)."""
+    from .metrics import answer_scores, rouge_scores
 
     output = Path(output)
-    summaries = {record_id: record["summary"] for record_id, record in finished_records(output).items()}
-    pairs = [(summaries[record_id], reference) for record_id, reference in zip(corpus.ids, corpus.references)
-             if reference is not None and record_id in summaries]
+    records = finished_records(output)
+    pairs = [(records[record_id]["summary"], reference) for record_id, reference in zip(corpus.ids, corpus.references)
+             if reference is not None and record_id in records]
     if not pairs:
         return None
-    scores = rouge_scores([summary for summary, _ in pairs], [reference for _, reference in pairs])
+    predictions, references = [summary for summary, _ in pairs], [reference for _, reference in pairs]
+    scores = rouge_scores(predictions, references)
+    if any("question" in record for record in records.values()):
+        scores.update(answer_scores(predictions, references))
     metrics = {**scores, "documents": len(pairs)}
     path = output.with_name(output.name.removesuffix(".jsonl") + ".metrics.json")
     temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")

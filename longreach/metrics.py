@@ -1,12 +1,17 @@
-"""ROUGE as the summarization literature reports it, without downloads (used by the demo and the examples).
+"""ROUGE as the summarization literature reports it, and SQuAD's exact match and F1 for answers, without downloads
+(used by the demo, the examples and the corpus command).
 
 ``rouge_score`` with stemming; ROUGE-Lsum needs one sentence per line, which a regex splitter provides (NLTK's punkt,
-what ``evaluate.load("rouge")`` uses, would need a download).
+what ``evaluate.load("rouge")`` uses, would need a download). Exact match and F1 follow SQuAD v1.1's definitions
+(answers lower-cased, without punctuation, articles and extra spaces; F1 over their words), which
+``evaluate.load("squad")`` would also download: the question-answering scores VCC-T5 and Dodo report.
 """
 
 from __future__ import annotations
 
 import re
+import string
+from collections import Counter
 
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+")
 
@@ -32,3 +37,34 @@ def rouge_scores(predictions: list[str], references: list[str], digits: int = 2)
     per_document = rouge_per_document(predictions, references)
     return {key: round(100 * sum(scores[key] for scores in per_document) / max(len(per_document), 1), digits)
             for key in ("rouge1", "rouge2", "rougeLsum")}
+
+
+_ARTICLES = re.compile(r"\b(a|an|the)\b")
+_PUNCTUATION = str.maketrans("", "", string.punctuation)
+
+
+def normalize_answer(text: str) -> str:
+    """SQuAD's answer normalisation: lower case, no punctuation, no articles (a, an, the), single spaces."""
+    return " ".join(_ARTICLES.sub(" ", text.lower().translate(_PUNCTUATION)).split())
+
+
+def answer_scores(predictions: list[str], references: list[str], digits: int = 2) -> dict[str, float]:
+    """Mean exact match and word F1 (x100, rounded to ``digits``) of the normalised ``predictions`` against their
+    ``references`` (one per prediction), as SQuAD v1.1 defines them; an empty answer scores F1 1 only against an
+    empty reference."""
+    if len(predictions) != len(references):
+        raise ValueError(f"Got {len(predictions)} predictions for {len(references)} references; pass one per reference.")
+    exact, f1 = [], []
+    for prediction, reference in zip(predictions, references):
+        predicted, expected = normalize_answer(prediction).split(), normalize_answer(reference).split()
+        exact.append(float(predicted == expected))
+        common = sum((Counter(predicted) & Counter(expected)).values())
+        if not predicted or not expected:
+            f1.append(float(predicted == expected))
+        elif common == 0:
+            f1.append(0.0)
+        else:
+            precision, recall = common / len(predicted), common / len(expected)
+            f1.append(2 * precision * recall / (precision + recall))
+    count = max(len(exact), 1)
+    return {"exact_match": round(100 * sum(exact) / count, digits), "f1": round(100 * sum(f1) / count, digits)}

@@ -587,3 +587,16 @@ def test_a_rerun_reads_the_finished_output_once(tmp_path, monkeypatch):
     assert reads.count(output) == 1
     assert stats["skipped_already_done"] == 2 and stats["documents"] == 1
     assert output.read_text(encoding="utf-8").startswith(finished) and set(read_output(output)) == {"a", "b", "c"}
+
+
+def test_answer_scores_follow_squads_definitions():
+    from longreach.metrics import answer_scores, normalize_answer
+
+    assert normalize_answer("The  Eiffel-Tower, in Paris!") == "eiffeltower in paris"  # no article, punctuation
+    assert answer_scores(["the cat"], ["Cat."]) == {"exact_match": 100.0, "f1": 100.0}
+    # 2 words shared of 3 predicted and 4 expected: precision 2/3, recall 1/2, F1 4/7
+    assert answer_scores(["in Paris France"], ["Paris in northern Europe"]) == {"exact_match": 0.0, "f1": 57.14}
+    assert answer_scores(["", "a"], ["", "dog"]) == {"exact_match": 50.0, "f1": 50.0}  # empty only matches empty
+    assert answer_scores(["x y", "x"], ["x y", "z"]) == {"exact_match": 50.0, "f1": 50.0}
+    with pytest.raises(ValueError, match="Got 1 predictions for 2 references"):
+        answer_scores(["x"], ["x", "y"])

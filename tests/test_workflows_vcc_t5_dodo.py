@@ -647,6 +647,28 @@ def test_corpus_answers_each_records_question(uploads, name, tmp_path, capsys):
     assert asked["c"]["summary"] == answerer(rows[2]["text"], question="w7", max_new_tokens=4)[0]["summary_text"]
 
 
+def test_corpus_answers_are_scored_with_squads_exact_match_and_f1(uploads, tmp_path, capsys):
+    from longreach.metrics import answer_scores, rouge_scores
+
+    folder = str(uploads["vcc_t5"][1])
+    rows = [{"id": f"r{k}", "text": document(30 + 5 * k, offset=k), "q": f"w{k + 3}", "answer": f"w{k + 4} w{k}"}
+            for k in range(3)]
+    source, output = tmp_path / "qa.jsonl", tmp_path / "out.jsonl"
+    source.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    command = ["summarize", "--model", folder, "--input", str(source), "--id_column", "id", "--max_new_tokens", "4",
+               "--reference_column", "answer"]
+    assert cli_main([*command, "--output", str(output), "--question_column", "q"]) == 0
+    records = _read_records(output)
+    answers, references = [records[row["id"]]["summary"] for row in rows], [row["answer"] for row in rows]
+    metrics = json.loads((tmp_path / "out.metrics.json").read_text())
+    assert metrics == {**rouge_scores(answers, references), **answer_scores(answers, references), "documents": 3}
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == metrics
+    # summaries are not answers: ROUGE alone
+    assert cli_main([*command, "--output", str(tmp_path / "summaries.jsonl")]) == 0
+    assert set(json.loads((tmp_path / "summaries.metrics.json").read_text())) == {"rouge1", "rouge2", "rougeLsum",
+                                                                                   "documents"}
+
+
 def test_torchrun_shards_answer_each_records_question_as_one_process(uploads, tmp_path):
     """Two processes (gloo) split the records with their questions, and the merged answers are one process's."""
     import os
