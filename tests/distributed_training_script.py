@@ -25,12 +25,12 @@ STEPS = 4
 LEARNING_RATE = 5e-3
 
 # FSDP units under `fsdp`, besides the root: the classes accelerate would wrap for `transformer_layer_cls_to_wrap`
-# (by isinstance). LOCOST: its `_no_split_modules`. VCC-T5 and Dodo: none (the root alone, accelerate's "NO_WRAP"):
-# VCC-T5's encoder reads block 0's relative-bias table and each VCC layer's norm, q and k outside that block's forward
-# (to score the blocks it will refine). Dodo's compression pass hands its keys and values to the decoder pass through
-# the cache, and FSDP gathers a unit's weights for the backward pass only when a gradient reaches the unit's output,
-# which that pass's last layer never gets.
-FSDP_UNITS = {"locost": ("LocostEncoderBlock", "T5Block"), "vcc_t5": (), "dodo": ()}
+# (by isinstance). LOCOST and VCC-T5: their `_no_split_modules`, one unit per block (VCC-T5's encoder asks a block's
+# forward for block 0's relative-bias table and for a VCC layer's selection logits, so those gather the block's
+# weights too). Dodo: none (the root alone, accelerate's "NO_WRAP"): its compression pass hands its keys and values to
+# the decoder pass through the cache, and FSDP gathers a unit's weights for the backward pass only when a gradient
+# reaches the unit's output, which that pass's last layer never gets.
+FSDP_UNITS = {"locost": ("LocostEncoderBlock", "T5Block"), "vcc_t5": ("VCCT5EncoderBlock", "T5Block"), "dodo": ()}
 
 
 class InOrderTrainer(Trainer):

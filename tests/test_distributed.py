@@ -115,11 +115,11 @@ def test_two_processes_match_one_with_the_same_global_batch(kind, tmp_path):
 
 
 # The sharded run's model class (torch's `FSDP<Name>`) and FSDP units, root included: LOCOST's 2 encoder and 2 decoder
-# blocks (its `_no_split_modules`) and the root; VCC-T5 and Dodo the root alone (why: FSDP_UNITS in
-# distributed_training_script.py).
+# blocks (its `_no_split_modules`) and the root; VCC-T5's 3 encoder and 2 decoder blocks and the root; Dodo the root
+# alone (why: FSDP_UNITS in distributed_training_script.py).
 FSDP_RUNS = {
     "locost": {"units": 5, "class": "FSDPLocostForConditionalGeneration"},
-    "vcc_t5": {"units": 1, "class": "FSDPVCCT5ForConditionalGeneration"},
+    "vcc_t5": {"units": 6, "class": "FSDPVCCT5ForConditionalGeneration"},
     "dodo": {"units": 1, "class": "FSDPDodoLlamaForCausalLM"},
 }
 

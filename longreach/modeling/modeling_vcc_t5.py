@@ -166,18 +166,35 @@ class VCCT5EncoderBlock(T5Block):
 
     which equals the T5 block when σ = 1. The VCC layers apply no dropout to attention probabilities (the encoder
     sets their `SelfAttention.dropout` to 0).
+
+    The encoder also reads a block's weights for two things besides running it, and it asks the block's `forward`
+    for them, so that a sharded block (FSDP, DeepSpeed ZeRO-3: one unit per block) gathers its weights for them too:
+    `block_means` gives the selection logits of a VCC layer (its own ln0, q and k: VIP slots in `hidden_states` as
+    queries, block means as keys), and `relative_buckets` gives block 0's relative-position bias of those buckets
+    (the table every encoder layer uses).
     """
 
     def forward(
         self,
-        hidden_states: torch.Tensor,
+        hidden_states: torch.Tensor | None = None,
         attention_bias: torch.Tensor | None = None,
         state_scores: torch.Tensor | None = None,
+        *,
+        block_means: torch.Tensor | None = None,
+        relative_buckets: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        attention_layer = self.layer[0]
+        attention = attention_layer.SelfAttention
+        if relative_buckets is not None:  # [heads, *buckets.shape] from the table only block 0 has
+            return attention.relative_attention_bias(relative_buckets).t()
+        if block_means is not None:  # [B, heads, slots, blocks], in float32 (paper §3.3)
+            queries = _split_heads(attention.q(attention_layer.layer_norm(hidden_states)), attention.n_heads).float()
+            keys = _split_heads(attention.k(attention_layer.layer_norm(block_means)), attention.n_heads).float()
+            return torch.matmul(queries, keys.transpose(-1, -2))
         if state_scores is None:
             return super().forward(hidden_states, attention_bias)[0]
-        attention_layer, feed_forward_layer = self.layer[0], self.layer[-1]
-        attended, _ = attention_layer.SelfAttention(attention_layer.layer_norm(hidden_states), attention_bias)
+        feed_forward_layer = self.layer[-1]
+        attended, _ = attention(attention_layer.layer_norm(hidden_states), attention_bias)
         attended = attention_layer.dropout(attended)
         transformed = feed_forward_layer.DenseReluDense(feed_forward_layer.layer_norm(attended + hidden_states))
         transformed = feed_forward_layer.dropout(transformed)
@@ -268,11 +285,11 @@ class VCCT5Encoder(nn.Module):
         `(-max_position, max_position)`, 2·max_position entries) and one gather, instead of bucketing all Lq·Lk
         distances: the VCC layers need a new `[B, heads, r, r]` bias in every layer.
         """
-        attention = self.block[0].layer[0].SelfAttention
         distances = torch.arange(-max_position, max_position + 1, device=key_positions.device)
-        buckets = relative_position_bucket(distances, bidirectional=True, num_buckets=attention.relative_attention_num_buckets,
-                                           max_distance=attention.relative_attention_max_distance)
-        per_distance = attention.relative_attention_bias(buckets).t()  # [heads, 2 * max_position + 1]
+        buckets = relative_position_bucket(distances, bidirectional=True,
+                                           num_buckets=self.config.relative_attention_num_buckets,
+                                           max_distance=self.config.relative_attention_max_distance)
+        per_distance = self.block[0](relative_buckets=buckets)  # [heads, 2 * max_position + 1]
         index = (key_positions.unsqueeze(-2) - query_positions.unsqueeze(-1)).add_(max_position)  # [B or -, Lq, Lk]
         index = index if index.dim() == 3 else index.unsqueeze(0)
         batch, query_length, key_length = index.shape
@@ -447,14 +464,11 @@ class VCCT5Encoder(nn.Module):
         """Selection scores of VCC layer `block` (paper §3.3): the layer's own ln0, q, k and the shared relative bias
         with the VIP slots as queries and the block means as keys, no scale correction; softmax over blocks, mean over
         heads, VIP-masked mean over the slots (divides by the slot count), `log(· + 1e-5)`. All in float32."""
-        attention_layer = block.layer[0]
-        attention = attention_layer.SelfAttention
-        queries = _split_heads(attention.q(attention_layer.layer_norm(important)), attention.n_heads).float()
-        keys = _split_heads(attention.k(attention_layer.layer_norm(means)), attention.n_heads).float()
+        logits = block(important, block_means=means)  # through the block's forward (see VCCT5EncoderBlock)
         bias = self.relative_bias(important_positions, mean_positions, max_position).float() + (
             MASK_VALUE * (1.0 - mean_mask[:, None, None, :])
         )
-        probabilities = last_dim_softmax(torch.matmul(queries, keys.transpose(-1, -2)) + bias, self.config)
+        probabilities = last_dim_softmax(logits + bias, self.config)
         votes = probabilities.mean(dim=1) * important_vip[:, :, None].float()  # [B, NI, n_b]
         return torch.log(votes.mean(dim=1) + 1e-5)
 
