@@ -379,3 +379,29 @@ def test_trainer_uploads_during_training_load_without_longreach(tmp_path, monkey
     # a folder named checkpoint-N saved by the user, not by a Trainer: nothing is written beside it
     model.save_pretrained(tmp_path / "own" / "checkpoint-1")
     assert sorted(path.name for path in (tmp_path / "own").iterdir()) == ["checkpoint-1"]
+
+
+def test_a_checkpoint_in_a_subfolder_loads_with_longreach_and_names_the_fix_without(tmp_path):
+    """`subfolder=`: with longreach installed, the registered classes load it (pipeline and corpus command included);
+    without it, transformers 5.24 looks for the code files at the repository's root, not in the subfolder (its
+    limitation, said in the README)."""
+    from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
+    from workflow_helpers import save_tiny_locost
+
+    from longreach import LocostForConditionalGeneration
+
+    save_tiny_locost(tmp_path / "repo" / "locost")
+    model = AutoModelForSeq2SeqLM.from_pretrained(tmp_path / "repo", subfolder="locost")
+    assert isinstance(model, LocostForConditionalGeneration)
+    assert AutoTokenizer.from_pretrained(tmp_path / "repo", subfolder="locost") is not None
+    outcome = run_without_longreach(
+        f"""
+        import json
+        from transformers import AutoModelForSeq2SeqLM
+        try:
+            AutoModelForSeq2SeqLM.from_pretrained({str(tmp_path / "repo")!r}, subfolder="locost", trust_remote_code=True)
+            print(json.dumps({{"error": None}}))
+        except OSError as error:
+            print(json.dumps({{"error": str(error)}}))
+        """, tmp_path)
+    assert "does not appear to have a file named configuration_locost.py" in outcome["error"]
