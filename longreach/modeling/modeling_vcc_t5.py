@@ -171,8 +171,21 @@ class VCCT5EncoderBlock(T5Block):
     for them, so that a sharded block (FSDP, DeepSpeed ZeRO-3: one unit per block) gathers its weights for them too:
     `block_means` gives the selection logits of a VCC layer (its own ln0, q and k: VIP slots in `hidden_states` as
     queries, block means as keys), and `relative_buckets` gives block 0's relative-position bias of those buckets
-    (the table every encoder layer uses).
+    (the table every encoder layer uses). Forward hooks on a block see these calls too (a pre-hook gets
+    `hidden_states=None` for the bias). Gradient checkpointing leaves them out: their outputs are small, and under
+    `use_reentrant=True` a keyword tensor input would be backpropagated twice and the bias table, which has no input
+    that requires a gradient, would get none.
     """
+
+    def __call__(self, *args, **kwargs):
+        if self.gradient_checkpointing and (kwargs.get("block_means") is not None
+                                            or kwargs.get("relative_buckets") is not None):
+            self.gradient_checkpointing = False  # (module hooks, FSDP's included, still run)
+            try:
+                return super().__call__(*args, **kwargs)
+            finally:
+                self.gradient_checkpointing = True
+        return super().__call__(*args, **kwargs)
 
     def forward(
         self,
