@@ -47,6 +47,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -55,6 +56,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -438,8 +440,16 @@ def load_cells(path: Path) -> list[dict]:
 
 
 def append_cell(path: Path, cell: dict) -> None:
-    with open(path, "a", encoding="utf-8") as handle:
-        handle.write(json.dumps(cell) + "\n")
+    """Append ``cell`` as one JSON line and flush it to disk. A last line cut short by a kill (no newline at its end,
+    which :func:`load_cells` leaves out) is dropped first: written after it, the new cell would join it in one line
+    that no later run could read."""
+    with open(path, "a+b") as handle:
+        if handle.seek(0, os.SEEK_END):
+            handle.seek(-1, os.SEEK_END)
+            if handle.read(1) != b"\n":
+                handle.seek(0)
+                handle.truncate(handle.read().rfind(b"\n") + 1)
+        handle.write((json.dumps(cell) + "\n").encode("utf-8"))
         handle.flush()
         os.fsync(handle.fileno())
 
@@ -585,8 +595,9 @@ SCRIPT_SUITE_ROWS = tuple(name.replace(".md", ".jsonl") for name in SCRIPT_SUITE
 
 def run_script(command: list[str], timeout: float) -> tuple[int | None, str, str]:
     """``(exit status, stdout, stderr)`` of ``python *command``; the status is None when it ran past ``timeout``
-    seconds. The script runs in a process group of its own, killed whole on a timeout (or an interruption here): the
-    processes it started for its cells do not go on measuring beside the next suite."""
+    seconds. The script runs in a process group of its own, killed whole on a timeout or an interruption here (Ctrl-C,
+    or SIGTERM under :func:`exit_on_sigterm`): the processes it started for its cells do not go on measuring beside
+    the next suite, or after this one."""
     process = subprocess.Popen([sys.executable, *command], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                start_new_session=True)
     try:
@@ -837,6 +848,30 @@ def main(argv=None) -> Path:
     if args.cell:
         print(json.dumps(run_cell(json.loads(args.cell))))
         return Path(".")
+    with exit_on_sigterm():
+        return _main(args, sys.argv[1:] if argv is None else argv)
+
+
+@contextlib.contextmanager
+def exit_on_sigterm():
+    """SIGTERM (a scheduler's time limit, ``kill``) ends this process as Ctrl-C does, with ``SystemExit(143)``, so
+    that a script suite running in a process group of its own (:func:`run_script`) is killed with it. (SIGKILL cannot
+    be caught: it leaves the suite running.) In the main thread only; the previous handler comes back after."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def terminate(signum, frame):
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, terminate)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _main(args, argv: list[str]) -> Path:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     results = out / "cells.jsonl"
@@ -880,7 +915,7 @@ def main(argv=None) -> Path:
     sections = [f"# Benchmarks\n\n{' / '.join(machines)}; device {args.device}, {args.dtype}"
                 f"{', quick (tiny models)' if args.quick else ''}."
                 " Regenerate: `python benchmarks/run_all.py "
-                + " ".join(sys.argv[1:] if argv is None else argv) + "`.\n"]
+                + " ".join(argv) + "`.\n"]
     if cells:
         sections.append("## LOCOST vs LongT5, LED, T5\n\n" + markdown(cells))
         plot(cells, out)

@@ -625,6 +625,57 @@ def test_script_suite_keeps_the_rows_finished_before_a_timeout_or_a_crash(run_al
     assert run_all.script_suite("dodo", [str(script)], tmp_path, 60, run=False).startswith("not finished: the table")
 
 
+# run_all, stopped by SIGTERM while a script suite runs: the suite (its own process group) must go with it
+SIGTERMED_SUITE = """
+import importlib.util, sys
+spec = importlib.util.spec_from_file_location("run_all", sys.argv[1])
+run_all = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(run_all)
+with run_all.exit_on_sigterm():
+    run_all.script_suite("vcc_t5", [sys.argv[2], "--then", "hang"], run_all.Path(sys.argv[3]), 120)
+"""
+
+
+def test_sigterm_to_run_all_ends_the_script_suite_it_runs(tmp_path):
+    """The script suites run in a process group of their own (so that a timeout kills their cells too): a SIGTERM to
+    run_all (a scheduler's time limit) must end them, and their cells, rather than leave them measuring."""
+    import signal
+    import subprocess
+    import sys
+
+    script = tmp_path / "fake_suite.py"
+    script.write_text(FAKE_SCRIPT)
+    process = subprocess.Popen([sys.executable, "-c", SIGTERMED_SUITE, str(BENCHMARKS / "run_all.py"), str(script),
+                                str(tmp_path)], stderr=subprocess.PIPE, text=True)
+    pid_file = tmp_path / "vcc_t5.jsonl.pid"
+    for _ in range(300):
+        if pid_file.exists() and pid_file.read_text():
+            break
+        assert process.poll() is None, process.stderr.read()
+        time.sleep(0.1)
+    cell = int(pid_file.read_text())
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(timeout=60) == 143, process.stderr.read()
+    process.stderr.close()
+    for _ in range(50):
+        if process_gone(cell):
+            break
+        time.sleep(0.1)
+    assert process_gone(cell)
+
+
+def test_a_journal_line_cut_by_a_kill_is_dropped_before_the_next_cell_is_appended(run_all, tmp_path):
+    journal = tmp_path / "cells.jsonl"
+    journal.write_text('{"model": "a", "length": 1}\n{"model": "b", "len')  # killed while writing b
+    assert run_all.load_cells(journal) == [{"model": "a", "length": 1}]
+    run_all.append_cell(journal, {"model": "c", "length": 3})
+    assert run_all.load_cells(journal) == [{"model": "a", "length": 1}, {"model": "c", "length": 3}]
+    assert journal.read_text().endswith("}\n")
+    empty = tmp_path / "empty.jsonl"
+    run_all.append_cell(empty, {"model": "d"})  # a new file
+    assert run_all.load_cells(empty) == [{"model": "d"}]
+
+
 def test_benchmark_scripts_resume_from_their_jsonl_and_refuse_other_settings(monkeypatch, tmp_path):
     """--json (or --jsonl) scripts append each finished cell to a JSONL file; a rerun with the same settings measures
     only what is missing, one with other settings is refused, --fresh starts over. --json holds every cell, resumed
