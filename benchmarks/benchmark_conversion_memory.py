@@ -10,7 +10,7 @@ folder reloaded): those are clean copies of files on disk, which the kernel drop
 failing. The anonymous peak is what must fit in memory.
 
 * ``dodo``: the authors' Lightning ``weights.ckpt`` (float32 LoRA adapters, scorer and soft prompt, the format of
-  ``shared/fixtures/dodo``) and a base Llama folder in float16 (as Llama-2's Hub weights): the converted model is
+  ``tests/fixtures/dodo``) and a base Llama folder in float16 (as Llama-2's Hub weights): the converted model is
   float32 throughout (the widest source dtype), twice the size of the base.
 * ``vcc``: a plain transformers T5 folder in float32 with ``--vcc_preset base`` (its 4 segment-local layers, or
   every layer of a T5 with fewer).
@@ -34,7 +34,7 @@ import textwrap
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-FIXTURES = REPO.parent / "shared" / "fixtures"
+FIXTURES = Path(os.environ.get("LONGREACH_FIXTURES") or REPO / "tests" / "fixtures")  # as tests/conftest.py finds them
 
 
 def write_dodo_source(folder: Path, hidden_size: int, num_layers: int, vocab_size: int, lora_rank: int = 32) -> dict:
@@ -54,7 +54,7 @@ def write_dodo_source(folder: Path, hidden_size: int, num_layers: int, vocab_siz
             parameter.normal_(0, 0.02)
     base.to(torch.float16).save_pretrained(folder / "base")
     del base
-    # The trainable tensors under the authors' names (shared/fixtures/dodo/dodo_ckpt/weights.ckpt at another size)
+    # The trainable tensors under the authors' names (tests/fixtures/dodo/dodo_ckpt/weights.ckpt at another size)
     fixture = torch.load(FIXTURES / "dodo" / "dodo_ckpt" / "weights.ckpt", weights_only=True)
     state_dict = {}
     prefix = "nugget.lora_llama.base_model.model.model.layers"
