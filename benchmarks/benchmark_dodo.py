@@ -316,15 +316,9 @@ def parse_args(argv=None):
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                         help="The model's dtype (the decode-step run; --training_memory is float32).")
-    parser.add_argument("--json", default=None,
-                        help="Also write the rows to this file, rewritten after each row under a temporary name. "
-                             "Unless --jsonl is given, the rows are also appended to the same path ending in .jsonl.")
-    parser.add_argument("--jsonl", default=None,
-                        help="Append each finished row to this file (flushed); a rerun with the same settings skips "
-                             "the rows already there and refuses rows measured otherwise (steps, threads, ...).")
-    parser.add_argument("--fresh", action="store_true", help="Forget the rows already in --jsonl.")
-    parser.add_argument("--report_only", action="store_true",
-                        help="Measure nothing: print the table of the rows already in --jsonl.")
+    from run_all import add_journal_arguments, check_journal_arguments  # this folder is the script's: run_all.py
+
+    add_journal_arguments(parser, "rows")
     parser.add_argument(
         "--training_memory", action="store_true", help="Peak memory of a training step with/without checkpointing."
     )
@@ -349,13 +343,7 @@ def parse_args(argv=None):
                      "--training_memory (which measures memory itself).")
     if args.training_memory and args.dtype != "float32":
         parser.error(f"--training_memory runs in float32, got --dtype {args.dtype}")
-    from run_all import journal_path  # this folder is the script's: run_all.py is beside it
-
-    args.jsonl = journal_path(parser, args.json, args.jsonl)
-    if args.report_only and args.jsonl is None:
-        parser.error("--report_only reads the rows of --jsonl (or --json): give one of them")
-    if args.report_only and args.fresh:
-        parser.error("--report_only shows what --jsonl holds and --fresh forgets it: give one of them")
+    check_journal_arguments(parser, args, "rows")
     return args
 
 

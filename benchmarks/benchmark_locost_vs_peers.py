@@ -84,27 +84,15 @@ def parse_args(argv=None):
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--timeout", type=int, default=1200)
     parser.add_argument("--max_t5_length", type=int, default=8192, help="full attention beyond this needs > 24 GB")
-    parser.add_argument("--json", default=None,
-                        help="also write the raw results here, rewritten after each cell under a temporary name; "
-                             "unless --jsonl is given, the cells are also appended to the same path ending in .jsonl")
-    parser.add_argument("--jsonl", default=None,
-                        help="append each finished cell to this file (flushed); a rerun with the same settings skips "
-                             "the cells already there and refuses other --threads / --repeats")
-    parser.add_argument("--fresh", action="store_true", help="forget the cells already in --jsonl")
-    parser.add_argument("--report_only", action="store_true",
-                        help="measure nothing: print the table of the cells already in --jsonl")
+    from run_all import add_journal_arguments, check_journal_arguments  # run_all.py is beside this script
+
+    add_journal_arguments(parser)
     parser.add_argument("--cell", nargs=2, metavar=("MODEL", "LENGTH"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     bad = [length for length in args.lengths if length < 1]
     if bad:
         parser.error(f"--lengths must be positive token counts, got {bad}")
-    from run_all import journal_path  # run_all.py is beside this script
-
-    args.jsonl = journal_path(parser, args.json, args.jsonl)
-    if args.report_only and args.jsonl is None:
-        parser.error("--report_only reads the cells of --jsonl (or --json): give one of them")
-    if args.report_only and args.fresh:
-        parser.error("--report_only shows what --jsonl holds and --fresh forgets it: give one of them")
+    check_journal_arguments(parser, args)
     return args
 
 
@@ -128,26 +116,13 @@ def main(argv=None) -> list[dict]:
     if args.cell:
         print(json.dumps(run_cell(args.cell[0], int(args.cell[1]), args.threads, args.repeats)))
         return []
-    from run_all import append_cell, latest_rows, resume_rows, ssm_kernel_setting, write_json  # beside this script
+    from run_all import measure_with_journal, ssm_kernel_setting  # run_all.py is beside this script
 
     settings = dict(threads=args.threads, repeats=args.repeats, ssm_kernel=ssm_kernel_setting("cpu"))
     planned = [dict(settings, model=model, length=length) for length in args.lengths for model in args.models]
-    finished = {}
-    if args.jsonl:  # (--report_only too: it shows no rows measured otherwise)
-        finished = resume_rows(args.jsonl, planned, cell_key, SETTINGS,
-                               lambda cell: f"{cell['model']} {cell['length']}", fresh=args.fresh)
-    if not args.report_only:
-        for cell in planned:
-            if cell_key(cell) in finished:
-                continue
-            result = {**measure(cell["model"], cell["length"], args), **settings}
-            print(json.dumps(result), file=sys.stderr, flush=True)
-            finished[cell_key(cell)] = result  # a length given twice is measured once
-            if args.jsonl:
-                append_cell(args.jsonl, result)
-            if args.json:  # under a temporary name, renamed into place
-                write_json(args.json, [finished[cell_key(c)] for c in planned if cell_key(c) in finished])
-    results = latest_rows(args.jsonl, planned, cell_key) if args.jsonl else list(finished.values())
+    results = measure_with_journal(  # each cell with the settings it was measured with
+        args, planned, cell_key, SETTINGS, lambda cell: f"{cell['model']} {cell['length']}",
+        lambda cell: {**measure(cell["model"], cell["length"], args), **settings}, echo=sys.stderr)
 
     print(f"\nEncoder forward, batch 1, {args.threads} threads, median of {args.repeats} (CPU)\n")
     print("| tokens | model | seconds | peak RSS (MiB) | time vs LOCOST | memory vs LOCOST |")

@@ -226,15 +226,9 @@ def parse_args(argv=None):
                              "the encoder.")
     parser.add_argument("--dims", choices=list(DIMS), default="small",
                         help="small: d_model 64 (the default); base: the released t5-base's dimensions.")
-    parser.add_argument("--json", default=None,
-                        help="Also write the cells to this file, rewritten after each cell under a temporary name. "
-                             "Unless --jsonl is given, the cells are also appended to the same path ending in .jsonl.")
-    parser.add_argument("--jsonl", default=None,
-                        help="Append each finished cell to this file (flushed); a rerun with the same settings "
-                             "skips the cells already there and refuses other --threads / --repeats.")
-    parser.add_argument("--fresh", action="store_true", help="Forget the cells already in --jsonl.")
-    parser.add_argument("--report_only", action="store_true",
-                        help="Measure nothing: print the table of the cells already in --jsonl.")
+    from run_all import add_journal_arguments, check_journal_arguments  # run_all.py is beside this script
+
+    add_journal_arguments(parser)
     parser.add_argument("--cell", nargs=2, metavar=("MODEL", "LENGTH"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.generate < 0:
@@ -242,13 +236,7 @@ def parse_args(argv=None):
     bad = [length for length in args.vcc_lengths + args.t5_lengths if length < 1]
     if bad:
         parser.error(f"--vcc_lengths and --t5_lengths must be positive token counts, got {bad}")
-    from run_all import journal_path  # run_all.py is beside this script
-
-    args.jsonl = journal_path(parser, args.json, args.jsonl)
-    if args.report_only and args.jsonl is None:
-        parser.error("--report_only reads the cells of --jsonl (or --json): give one of them")
-    if args.report_only and args.fresh:
-        parser.error("--report_only shows what --jsonl holds and --fresh forgets it: give one of them")
+    check_journal_arguments(parser, args)
     return args
 
 
@@ -258,29 +246,16 @@ def main(argv=None) -> list[dict]:
         print(json.dumps(run_cell(args.cell[0], int(args.cell[1]), args.threads, args.repeats, args.attn, args.device,
                                   args.dtype, args.generate, args.dims)))
         return []
-    from run_all import append_cell, latest_rows, resume_rows, write_json  # run_all.py is beside this script
+    from run_all import measure_with_journal  # run_all.py is beside this script
 
     settings = dict(device=args.device, dtype=args.dtype, attention=args.attn, dims=args.dims,
                     generate=args.generate, threads=args.threads, repeats=args.repeats)
     planned = [dict(settings, model=model, length=length)
                for model, lengths in (("vcc", args.vcc_lengths), ("t5", args.t5_lengths)) for length in lengths]
-    finished = {}
-    if args.jsonl:  # (--report_only too: it shows no rows measured otherwise)
-        finished = resume_rows(args.jsonl, planned, cell_key, SETTINGS,
-                               lambda cell: f"{cell['model']} {cell['length']}", fresh=args.fresh)
-    if not args.report_only:
-        for cell in planned:
-            if cell_key(cell) in finished:
-                continue
-            # the settings recorded in the cell (an error cell too), beside what it measured
-            result = {**run_in_subprocess(cell["model"], cell["length"], args), **settings}
-            print(json.dumps(result), flush=True)
-            finished[cell_key(cell)] = result  # a length given twice is measured once
-            if args.jsonl:
-                append_cell(args.jsonl, result)
-            if args.json:  # under a temporary name, renamed into place
-                write_json(args.json, [finished[cell_key(c)] for c in planned if cell_key(c) in finished])
-    cells = latest_rows(args.jsonl, planned, cell_key) if args.jsonl else list(finished.values())
+    # the settings recorded in each cell (an error cell too), beside what it measured
+    cells = measure_with_journal(
+        args, planned, cell_key, SETTINGS, lambda cell: f"{cell['model']} {cell['length']}",
+        lambda cell: {**run_in_subprocess(cell["model"], cell["length"], args), **settings})
     print()
     print(table(cells))
     return cells

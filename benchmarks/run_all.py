@@ -482,6 +482,50 @@ def latest_rows(path, planned: list[dict], key) -> list[dict]:
     return list({id(row): row for row in rows}.values())  # a row planned twice (a length given twice) once
 
 
+def add_journal_arguments(parser, what: str = "cells") -> None:
+    """``--json``, ``--jsonl``, ``--fresh`` and ``--report_only`` of the benchmark scripts (``what``: their cells or
+    rows), read back by :func:`check_journal_arguments`."""
+    parser.add_argument("--json", default=None,
+                        help=f"Also write the {what} to this file, rewritten after each one under a temporary name. "
+                             f"Unless --jsonl is given, the {what} are also appended to the same path ending in .jsonl.")
+    parser.add_argument("--jsonl", default=None,
+                        help=f"Append each finished one of the {what} to this file (flushed); a rerun with the same "
+                             f"settings skips those already there and refuses {what} measured otherwise.")
+    parser.add_argument("--fresh", action="store_true", help=f"Forget the {what} already in --jsonl.")
+    parser.add_argument("--report_only", action="store_true",
+                        help=f"Measure nothing: print the table of the {what} already in --jsonl.")
+
+
+def check_journal_arguments(parser, args, what: str = "cells") -> None:
+    """``args.jsonl`` made the journal's path (:func:`journal_path`), and ``--report_only`` checked against it."""
+    args.jsonl = journal_path(parser, args.json, args.jsonl)
+    if args.report_only and args.jsonl is None:
+        parser.error(f"--report_only reads the {what} of --jsonl (or --json): give one of them")
+    if args.report_only and args.fresh:
+        parser.error("--report_only shows what --jsonl holds and --fresh forgets it: give one of them")
+
+
+def measure_with_journal(args, planned: list[dict], key, settings, describe, measure, echo=None) -> list[dict]:
+    """The cells of ``planned`` (each ``measure(cell)``d unless ``args.report_only``), resumed from and appended to
+    ``args.jsonl`` (:func:`resume_rows`), ``args.json`` rewritten after each (renamed into place); the cells of the
+    table are returned in ``planned``'s order. A finished cell is printed as a JSON line to ``echo`` (stdout)."""
+    finished = {}
+    if args.jsonl:  # (--report_only too: it shows no rows measured otherwise)
+        finished = resume_rows(args.jsonl, planned, key, settings, describe, fresh=args.fresh)
+    if not args.report_only:
+        for cell in planned:
+            if key(cell) in finished:
+                continue
+            result = measure(cell)
+            print(json.dumps(result), file=echo or sys.stdout, flush=True)
+            finished[key(cell)] = result  # a length given twice is measured once
+            if args.jsonl:
+                append_cell(args.jsonl, result)
+            if args.json:  # under a temporary name, renamed into place
+                write_json(args.json, [finished[key(c)] for c in planned if key(c) in finished])
+    return latest_rows(args.jsonl, planned, key) if args.jsonl else list(finished.values())
+
+
 def journal_path(parser, json_path: str | None, jsonl_path: str | None) -> Path | None:
     """The ``--jsonl`` file of a benchmark script: as given, else ``--json``'s path ending in ``.jsonl``; None without
     either (nothing kept, nothing resumed)."""
