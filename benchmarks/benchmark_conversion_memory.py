@@ -37,6 +37,21 @@ REPO = Path(__file__).resolve().parents[1]
 FIXTURES = Path(os.environ.get("LONGREACH_FIXTURES") or REPO / "tests" / "fixtures")  # as tests/conftest.py finds them
 
 
+def random_model(model_class, config):
+    """``model_class(config)`` with N(0, 0.02) weights, made without the initialisation's cost (memory does not depend
+    on the values)."""
+    import torch
+
+    with torch.device("meta"):
+        model = model_class(config)
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.normal_(0, 0.02)
+    model.tie_weights()
+    return model
+
+
 def write_dodo_source(folder: Path, hidden_size: int, num_layers: int, vocab_size: int, lora_rank: int = 32) -> dict:
     """A base Llama folder (float16) and an authors'-format ``weights.ckpt`` beside it; returns the converter's args."""
     import torch
@@ -46,13 +61,9 @@ def write_dodo_source(folder: Path, hidden_size: int, num_layers: int, vocab_siz
     config = LlamaConfig(hidden_size=hidden_size, intermediate_size=int(hidden_size * 2.75) // 64 * 64,
                          num_hidden_layers=num_layers, num_attention_heads=heads, num_key_value_heads=heads,
                          vocab_size=vocab_size, tie_word_embeddings=False, dtype="float16")
-    with torch.device("meta"):
-        base = LlamaForCausalLM(config)
-    base.to_empty(device="cpu")
-    with torch.no_grad():
-        for parameter in base.parameters():
-            parameter.normal_(0, 0.02)
+    base = random_model(LlamaForCausalLM, config)
     base.to(torch.float16).save_pretrained(folder / "base")
+    base_parameters = sum(p.numel() for p in base.parameters())
     del base
     # The trainable tensors under the authors' names (tests/fixtures/dodo/dodo_ckpt/weights.ckpt at another size)
     fixture = torch.load(FIXTURES / "dodo" / "dodo_ckpt" / "weights.ckpt", weights_only=True)
@@ -77,7 +88,7 @@ def write_dodo_source(folder: Path, hidden_size: int, num_layers: int, vocab_siz
     fixture["hyper_parameters"] = {**fixture["hyper_parameters"], "pretrained": str(folder / "base"),
                                    "nugget_layer": min(3, num_layers - 1)}
     torch.save(fixture, folder / "weights.ckpt")
-    converted_bytes = 4 * (sum(t.numel() for t in state_dict.values()) + _parameter_count(config, "llama"))
+    converted_bytes = 4 * (sum(t.numel() for t in state_dict.values()) + base_parameters)
     return {"argv": ["--checkpoint_path", str(folder / "weights.ckpt")], "converted_bytes": converted_bytes,
             "module": "longreach.conversion.convert_dodo_original_checkpoint"}
 
@@ -89,27 +100,13 @@ def write_vcc_source(folder: Path, hidden_size: int, num_layers: int, vocab_size
 
     config = T5Config(d_model=hidden_size, d_ff=4 * hidden_size, d_kv=64, num_heads=max(1, hidden_size // 64),
                       num_layers=num_layers, num_decoder_layers=num_layers, vocab_size=vocab_size)
-    with torch.device("meta"):
-        model = T5ForConditionalGeneration(config)
-    model.to_empty(device="cpu")
-    with torch.no_grad():
-        for parameter in model.parameters():
-            parameter.normal_(0, 0.02)
-    model.tie_weights()
+    model = random_model(T5ForConditionalGeneration, config)
     model.save_pretrained(folder / "t5")
     converted_bytes = 4 * sum(p.numel() for p in model.parameters())
     del model
     return {"argv": ["--checkpoint_path", str(folder / "t5"), "--vcc_preset", "base",
                      "--num_vanilla_layers", str(min(4, num_layers))],  # the preset's 4, or every layer of a tiny T5
             "converted_bytes": converted_bytes, "module": "longreach.conversion.convert_vcc_original_checkpoint"}
-
-
-def _parameter_count(config, kind: str) -> int:
-    import torch
-    from transformers import LlamaForCausalLM
-
-    with torch.device("meta"):
-        return sum(p.numel() for p in LlamaForCausalLM(config).parameters())
 
 
 #: Run in the measured process: imports first, then the RSS before the conversion, then the conversion.
