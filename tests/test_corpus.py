@@ -532,21 +532,12 @@ def test_a_plain_t5_corpus_gets_its_task_specific_generation_settings_as_in_the_
     """A v4-era T5 checkpoint's `task_specific_params["summarization"]`: the corpus command applied its prefix (the
     pipeline's input preparation) but not its beams and lengths, which the pipeline applies under the caller's own
     options; the same summaries now, and the same `generate()` options."""
-    import torch
-    from transformers import T5Config, T5ForConditionalGeneration
-    from workflow_helpers import word_tokenizer
+    from workflow_helpers import tiny_t5_with_summarization_params, word_tokenizer
 
     from longreach import LongSummarizationPipeline
 
     tokenizer = word_tokenizer()
-    torch.manual_seed(0)
-    t5 = T5ForConditionalGeneration(T5Config(
-        vocab_size=len(tokenizer), d_model=16, d_kv=4, d_ff=32, num_layers=1, num_heads=2, decoder_start_token_id=0,
-        task_specific_params={"summarization": {"prefix": "w90 w91 ", "num_beams": 3, "min_length": 5,
-                                                "max_length": 8, "no_repeat_ngram_size": 3}})).eval()
-    calls = []
-    generate = t5.generate
-    t5.generate = lambda **kwargs: calls.append(kwargs) or generate(**kwargs)
+    t5, calls = tiny_t5_with_summarization_params(vocab_size=len(tokenizer))
     summarizer = LongSummarizationPipeline(model=t5, tokenizer=tokenizer)
     texts = [document(30), document(12, offset=4)]
     for caller_options in ({}, {"num_beams": 1, "max_new_tokens": 3}):

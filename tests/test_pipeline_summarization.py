@@ -16,7 +16,7 @@ import torch
 from remote_code_helpers import run_without_longreach
 from transformers import LlamaConfig, LlamaForCausalLM, T5Config, T5ForConditionalGeneration, pipeline
 from transformers.pipelines import PIPELINE_REGISTRY
-from workflow_helpers import document, save_tiny_locost, tiny_locost, word_tokenizer
+from workflow_helpers import document, save_tiny_locost, tiny_locost, tiny_t5_with_summarization_params, word_tokenizer
 
 import longreach
 from longreach import LongSummarizationPipeline
@@ -397,14 +397,7 @@ def test_dodo_batches_with_a_tokenizer_without_a_pad_token():
 def test_a_plain_t5_summarizes_with_its_task_specific_parameters(tokenizer):
     """transformers v4's summarization pipeline applied `task_specific_params["summarization"]` (T5 checkpoints:
     the "summarize: " prefix, beams, lengths); v5 keeps them in the config only."""
-    torch.manual_seed(0)
-    t5 = T5ForConditionalGeneration(T5Config(
-        vocab_size=99, d_model=16, d_kv=4, d_ff=32, num_layers=1, num_heads=2, decoder_start_token_id=0,
-        task_specific_params={"summarization": {"prefix": "w90 w91 ", "num_beams": 3, "min_length": 5,
-                                                "max_length": 8, "no_repeat_ngram_size": 3}})).eval()
-    calls = []
-    generate = t5.generate
-    t5.generate = lambda **kwargs: calls.append(kwargs) or generate(**kwargs)
+    t5, calls = tiny_t5_with_summarization_params(vocab_size=99)
     summarizer = LongSummarizationPipeline(model=t5, tokenizer=tokenizer)
     doc = document(6)
     summarizer(doc)
@@ -413,8 +406,9 @@ def test_a_plain_t5_summarizes_with_its_task_specific_parameters(tokenizer):
     assert options == {"num_beams": 3, "min_length": 5, "max_length": 8, "no_repeat_ngram_size": 3,
                        "max_new_tokens": None, "min_new_tokens": None}
     with torch.no_grad():
-        expected = generate(**tokenizer("w90 w91 " + doc, return_tensors="pt"), num_beams=3, min_length=5,
-                            max_length=8, no_repeat_ngram_size=3)
+        expected = T5ForConditionalGeneration.generate(  # not the recording one
+            t5, **tokenizer("w90 w91 " + doc, return_tensors="pt"), num_beams=3, min_length=5, max_length=8,
+            no_repeat_ngram_size=3)
     assert summarizer(doc, return_tensors=True)[0]["summary_token_ids"].tolist() == expected[0].tolist()
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no clash of the caller's length with the checkpoint's min_length

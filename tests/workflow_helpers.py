@@ -45,3 +45,23 @@ def save_tiny_locost(folder: str | Path, seed: int = SUMMARIZING_SEED) -> Path:
     tiny_locost(seed=seed).save_pretrained(folder)
     word_tokenizer().save_pretrained(folder)
     return folder
+
+
+#: transformers v4's `task_specific_params["summarization"]` of a T5 checkpoint (prefix, beams, lengths), made up.
+T5_SUMMARIZATION_PARAMS = {"prefix": "w90 w91 ", "num_beams": 3, "min_length": 5, "max_length": 8,
+                           "no_repeat_ngram_size": 3}
+
+
+def tiny_t5_with_summarization_params(vocab_size: int = VOCAB_SIZE) -> tuple[torch.nn.Module, list[dict]]:
+    """A plain transformers T5 with `T5_SUMMARIZATION_PARAMS`, and the list its `generate()` records its keyword
+    arguments in, call by call."""
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    torch.manual_seed(0)
+    t5 = T5ForConditionalGeneration(T5Config(
+        vocab_size=vocab_size, d_model=16, d_kv=4, d_ff=32, num_layers=1, num_heads=2, decoder_start_token_id=0,
+        task_specific_params={"summarization": dict(T5_SUMMARIZATION_PARAMS)})).eval()
+    calls = []
+    generate = t5.generate
+    t5.generate = lambda **kwargs: calls.append(kwargs) or generate(**kwargs)
+    return t5, calls
