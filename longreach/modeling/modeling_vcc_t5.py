@@ -290,19 +290,27 @@ class VCCT5Encoder(nn.Module):
         self.final_layer_norm = T5LayerNorm(config.d_model, eps=config.layer_norm_epsilon)
         self.dropout = Dropout(config.dropout_rate)
 
-    def relative_bias(self, query_positions: torch.Tensor, key_positions: torch.Tensor, max_position: int) -> torch.Tensor:
-        """T5's bidirectional relative position bias from the shared table, `[B or 1, heads, Lq, Lk]`, for positions
-        `[B, L]` (per row, as after the VIP reordering) or `[L]`, all in `[0, max_position)`.
-
-        Same values as `T5Attention.compute_bias`, computed through a per-distance table (the bias of every distance in
-        `(-max_position, max_position)`, 2·max_position entries) and one gather, instead of bucketing all Lq·Lk
-        distances: the VCC layers need a new `[B, heads, r, r]` bias in every layer.
-        """
-        distances = torch.arange(-max_position, max_position + 1, device=key_positions.device)
+    def bias_per_distance(self, max_position: int, device: torch.device) -> torch.Tensor:
+        """`[heads, 2·max_position + 1]`: the relative position bias of every distance in `[-max_position,
+        max_position]`, from block 0's table (asked of its forward: see `VCCT5EncoderBlock`), for `relative_bias`."""
+        distances = torch.arange(-max_position, max_position + 1, device=device)
         buckets = relative_position_bucket(distances, bidirectional=True,
                                            num_buckets=self.config.relative_attention_num_buckets,
                                            max_distance=self.config.relative_attention_max_distance)
-        per_distance = self.block[0](relative_buckets=buckets)  # [heads, 2 * max_position + 1]
+        return self.block[0](relative_buckets=buckets)
+
+    @staticmethod
+    def relative_bias(query_positions: torch.Tensor, key_positions: torch.Tensor,
+                      per_distance: torch.Tensor) -> torch.Tensor:
+        """T5's bidirectional relative position bias from the shared table, `[B or 1, heads, Lq, Lk]`, for positions
+        `[B, L]` (per row, as after the VIP reordering) or `[L]`, all in `[0, max_position)`, where `per_distance` is
+        `bias_per_distance(max_position)`.
+
+        Same values as `T5Attention.compute_bias`, computed through the per-distance table (the bias of every distance
+        in `(-max_position, max_position)`, 2·max_position entries, made once per encoder pass) and one gather, instead
+        of bucketing all Lq·Lk distances: the VCC layers need a new `[B, heads, r, r]` bias in every layer.
+        """
+        max_position = (per_distance.shape[-1] - 1) // 2
         index = (key_positions.unsqueeze(-2) - query_positions.unsqueeze(-1)).add_(max_position)  # [B or -, Lq, Lk]
         index = index if index.dim() == 3 else index.unsqueeze(0)
         batch, query_length, key_length = index.shape
@@ -456,7 +464,7 @@ class VCCT5Encoder(nn.Module):
         segments = hidden_states.reshape(-1, segment, hidden)
         segment_mask = mask.reshape(-1, segment)
         positions = torch.arange(segment, device=hidden_states.device)
-        position_bias = self.relative_bias(positions, positions, segment)
+        position_bias = self.relative_bias(positions, positions, self.bias_per_distance(segment, positions.device))
         chunk = max(1, VANILLA_TOKENS_PER_CHUNK // segment)
         outputs = []  # per chunk: the output of every vanilla layer
         for start in range(0, segments.shape[0], chunk):
@@ -473,12 +481,12 @@ class VCCT5Encoder(nn.Module):
         return per_layer[-1]
 
     def _block_scores(self, block, important, important_positions, important_vip, means, mean_positions, mean_mask,
-                      max_position):
+                      per_distance):
         """Selection scores of VCC layer `block` (paper §3.3): the layer's own ln0, q, k and the shared relative bias
         with the VIP slots as queries and the block means as keys, no scale correction; softmax over blocks, mean over
         heads, VIP-masked mean over the slots (divides by the slot count), `log(· + 1e-5)`. All in float32."""
         logits = block(important, block_means=means)  # through the block's forward (see VCCT5EncoderBlock)
-        bias = self.relative_bias(important_positions, mean_positions, max_position).float() + (
+        bias = self.relative_bias(important_positions, mean_positions, per_distance).float() + (
             MASK_VALUE * (1.0 - mean_mask[:, None, None, :])
         )
         probabilities = last_dim_softmax(logits + bias, self.config)
@@ -527,13 +535,14 @@ class VCCT5Encoder(nn.Module):
         ], dim=1)
         log_duplicates = torch.log(duplicates + 1e-4) if config.scale_correction else None
         ones_for_slots = torch.ones(batch, slots, device=device)
+        per_distance = self.bias_per_distance(padded_length, device)  # every VCC layer's relative bias comes from it
         info = {name: [] for name in ("selection_scores", "fine_block_indices", "coarse_block_indices", "explored",
                                       "compressed_hidden_states")}
 
         for block in self.block[config.num_vanilla_layers:]:
             # (b) Which blocks to refine, from this layer's attention of the VIP slots to the block means.
             scores = self._block_scores(block, important, important_positions, important_vip, means, mean_positions,
-                                        mean_mask, padded_length)
+                                        mean_mask, per_distance)
             ranking, explored = self._rank_blocks(scores)
             refined, coarse = ranking[:, :num_refined], ranking[:, num_refined:]
             # (c) State scores: 1 in value, gradient of the selection probabilities (straight-through).
@@ -559,7 +568,7 @@ class VCCT5Encoder(nn.Module):
             key_bias = MASK_VALUE * (1.0 - key_mask) + torch.log(state_scores + 1e-4)
             if log_duplicates is not None:
                 key_bias = key_bias + log_duplicates
-            attention_bias = self.relative_bias(positions, positions, padded_length).add_(key_bias[:, None, None, :])
+            attention_bias = self.relative_bias(positions, positions, per_distance).add_(key_bias[:, None, None, :])
             compressed = block(compressed, attention_bias, state_scores)
             # (f) + write back (paper eq. 17/18): refined blocks get new means and deltas, the others new means only.
             new_refined = compressed[:, : num_refined * k].reshape(batch, num_refined, k, hidden)
