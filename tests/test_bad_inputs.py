@@ -532,8 +532,24 @@ def test_dodo_autoregressive_mode_refuses_left_padded_rows_once_they_would_diffe
         batched = model.generate(input_ids, attention_mask=attention_mask, max_new_tokens=5, **options)  # 10 columns
         assert torch.equal(batched[0], model.generate(long_row, max_new_tokens=5, **options)[0])
         assert torch.equal(batched[1, 3:], model.generate(short_row, max_new_tokens=5, **options)[0])
-        with pytest.raises(ValueError, match=message):
-            model.generate(input_ids, attention_mask=attention_mask, max_new_tokens=6, **options)
+        # generate() refuses before its first step when its length can reach a compression (it used to fail there,
+        # after the steps before it); forward() is never called
+        calls = []
+        hook = model.register_forward_pre_hook(lambda module, args: calls.append(1))
+        try:
+            for lengths_and_max in ({"max_new_tokens": 6}, {"max_length": 12}):
+                with pytest.raises(ValueError, match=re.escape(
+                        "this generate() call can reach a compression (after 10 columns; the prompt's 6 and up to 6 "
+                        "new tokens): rows padded on the left would not give the results they give alone. Generate "
+                        "the rows one at a time, keep `max_new_tokens` at most 5, or give the context")):
+                    model.generate(input_ids, attention_mask=attention_mask, **lengths_and_max, **options)
+            assert calls == []
+        finally:
+            hook.remove()
+        # a prompt past the first compression: no number of new tokens helps, and none is suggested
+        (long_row, short_row), input_ids, attention_mask = rows([12, 3], "left")
+        with pytest.raises(ValueError, match=r"Generate the rows one at a time, or give the context"):
+            model.generate(input_ids, attention_mask=attention_mask, max_new_tokens=1, **options)
 
 
 def test_inputs_are_prepared_where_the_model_is_and_empty_documents_are_refused():

@@ -78,8 +78,9 @@ class DodoLlamaConfig(FieldTypesCheckedOnAssignment, LlamaConfig):
             tokens: the last τ..τ+stride tokens stay uncompressed and older tokens are compressed into nuggets in
             chunks of `compression_stride` tokens (see [`DodoLlamaForCausalLM`]). The window counts columns: all rows
             of a batch are compressed at the same steps, so a left-padded row's chunks would hold fewer real tokens
-            than the same row run alone. A left-padded batch is refused (`ValueError`) once a call would compress;
-            right padding keeps each row's result.
+            than the same row run alone. A left-padded batch is refused (`ValueError`) once a call would compress
+            (by `generate()` before its first step, when its length can reach a compression); right padding keeps each
+            row's result.
         compression_stride (`int`, *optional*):
             Tokens compressed at once in autoregressive mode; the uncompressed window then oscillates between τ and
             τ + stride tokens. Defaults to τ.

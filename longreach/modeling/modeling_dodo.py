@@ -1438,6 +1438,30 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
             made = model_kwargs.get(name)
             if made is not None and not _is_a(made, DodoCache) and not getattr(made, "_is_user_defined", False):
                 model_kwargs[name] = DodoCache(self.config)
+        self._refuse_left_padding_that_would_compress(generation_config, model_kwargs)
+
+    def _refuse_left_padding_that_would_compress(self, generation_config, model_kwargs: dict) -> None:
+        """The autoregressive mode refuses a left-padded batch at its first compression (`_autoregressive_forward`),
+        which generate() reached after some of its steps: refused here, before the first step, when ``max_length``
+        lets the run reach it (a stop at EOS before it could have let it finish; the result would not depend on it)."""
+        window = self.config.recent_window
+        cache = model_kwargs.get("cache", model_kwargs.get("past_key_values"))
+        mask = model_kwargs.get("attention_mask")
+        if (window is None or model_kwargs.get("nuggets") is not None or mask is None or mask.dim() != 2
+                or mask.shape[0] < 2 or (_is_a(cache, DodoCache) and cache.started)):
+            return
+        columns = generation_config.max_length - 1  # the prompt and every generated token but the last are read
+        limit = window + self.config.effective_compression_stride
+        if columns > limit and values_readable(mask) and not bool(mask[:, 0].all()):
+            most = limit + 1 - mask.shape[1]  # new tokens that keep it under the first compression
+            shorter = f"keep `max_new_tokens` at most {most}, " if most >= 1 else ""
+            raise ValueError(
+                f"Dodo's autoregressive mode (`config.recent_window`) compresses all rows of a batch at the same "
+                f"columns, and this generate() call can reach a compression (after {limit} columns; the prompt's "
+                f"{mask.shape[1]} and up to {generation_config.max_length - mask.shape[1]} new tokens): rows padded "
+                f"on the left would not give the results they give alone. Generate the rows one at a time, {shorter}"
+                "or give the context as `context_input_ids` (compressor mode)."
+            )
 
     def prepare_inputs_for_generation(
         self,
