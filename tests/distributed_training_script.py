@@ -27,10 +27,13 @@ LEARNING_RATE = 5e-3
 # FSDP units under `fsdp`, besides the root: the classes accelerate would wrap for `transformer_layer_cls_to_wrap`
 # (by isinstance). LOCOST and VCC-T5: their `_no_split_modules`, one unit per block (VCC-T5's encoder asks a block's
 # forward for block 0's relative-bias table and for a VCC layer's selection logits, so those gather the block's
-# weights too). Dodo: none (the root alone, accelerate's "NO_WRAP"): its compression pass hands its keys and values to
-# the decoder pass through the cache, and FSDP gathers a unit's weights for the backward pass only when a gradient
-# reaches the unit's output, which that pass's last layer never gets.
-FSDP_UNITS = {"locost": ("LocostEncoderBlock", "T5Block"), "vcc_t5": ("VCCT5EncoderBlock", "T5Block"), "dodo": ()}
+# weights too). Dodo: one unit per `LlamaDecoderLayer` (its `_no_split_modules`); each layer runs in the compression
+# pass and in the decoder pass, and the compression passes' unused outputs are joined to the nuggets so that a sharded
+# layer gathers its weights for both backward passes (`_ZeroGradientTie` in modeling_dodo.py). `dodo_reencode`: the
+# authors' `auto=True` nuggets (two compression passes) with gradient checkpointing; `dodo_autoregressive`: the
+# autoregressive mode (`recent_window`), whose θ pass over the recent tokens after a compression is unused too.
+FSDP_UNITS = {"locost": ("LocostEncoderBlock", "T5Block"), "vcc_t5": ("VCCT5EncoderBlock", "T5Block"),
+              **{kind: ("LlamaDecoderLayer",) for kind in ("dodo", "dodo_reencode", "dodo_autoregressive")}}
 
 
 class InOrderTrainer(Trainer):
@@ -65,9 +68,17 @@ def build(kind: str):
     else:
         from test_modeling_dodo import tiny_model
 
-        model = tiny_model()
+        settings = {"dodo_reencode": {"nugget_encoding": "reencode"},
+                    "dodo_autoregressive": {"recent_window": 4, "compression_stride": 6}}.get(kind, {})
+        model = tiny_model(**settings)
+        if kind == "dodo_reencode":
+            model.gradient_checkpointing_enable()
         rows = []
         for _ in range(16):
+            if kind == "dodo_autoregressive":  # a text of 24 tokens, compressed twice on its way (after 10, then 16)
+                text = torch.randint(3, 100, (24,), generator=generator).tolist()
+                rows.append({"input_ids": text, "labels": text})
+                continue
             prompt = torch.randint(3, 100, (8,), generator=generator).tolist()
             rows.append({"input_ids": prompt, "labels": prompt,
                          "context_input_ids": torch.randint(3, 100, (30,), generator=generator).tolist()})

@@ -659,6 +659,47 @@ def test_joint_compress_then_decode_step_trains_both_adapters_scorer_and_soft_pr
     assert all(g is None for n, g in grads.items() if ".lora_" not in n and not n.startswith(("nugget_", "soft_")))
 
 
+@pytest.mark.parametrize("settings", [{}, {"nugget_encoding": "reencode"}, {"recent_window": 4, "compression_stride": 6}],
+                         ids=["compressor", "reencode", "autoregressive"])
+def test_passes_joined_for_fsdp_change_no_value_and_no_gradient(settings, monkeypatch):
+    """Under FSDP the compression passes' unused outputs are joined to the nuggets (`_ZeroGradientTie`; the sharded
+    training itself: test_distributed.py). Joined, as if the layers were FSDP units, the loss is the same to the bit
+    and so is every gradient; the parameters that only the unused outputs depend on (φ's q and o in the last layer)
+    get zeros where they got none."""
+    import longreach.modeling.modeling_dodo as modeling_dodo
+
+    model = tiny_model(**settings).train()
+    if "recent_window" in settings:
+        batch = {"input_ids": ids(2, 24)}
+        batch["labels"] = batch["input_ids"]
+    else:
+        batch = DodoDataCollator()([{"context_input_ids": ids(1, 20)[0].tolist(), "input_ids": ids(1, 8)[0].tolist()},
+                                    {"context_input_ids": ids(1, 14)[0].tolist(), "input_ids": ids(1, 5)[0].tolist()}])
+
+    def loss_and_gradients(sharded: bool):
+        monkeypatch.setattr(modeling_dodo, "_layers_are_sharded", lambda layers: sharded)
+        model.zero_grad(set_to_none=True)
+        loss = model(**batch).loss
+        loss.backward()
+        return loss.detach(), {name: param.grad for name, param in model.named_parameters()}
+
+    loss, gradients = loss_and_gradients(False)
+    joined_loss, joined_gradients = loss_and_gradients(True)
+    assert torch.equal(loss, joined_loss)
+    zeros_only = set()
+    for name, gradient in gradients.items():
+        joined = joined_gradients[name]
+        if gradient is None and joined is not None:
+            assert not joined.any(), name
+            zeros_only.add(name)
+        else:
+            assert (gradient is None and joined is None) or torch.equal(gradient, joined), name
+    if "recent_window" not in settings:  # φ's q and o of the last layer (its k and v reach the decoder pass)
+        assert {name.split(".lora_")[0] for name in zeros_only} == {"model.layers.2.self_attn.q_proj",
+                                                                    "model.layers.2.self_attn.o_proj"}
+    assert zeros_only  # the join did reach the unused outputs
+
+
 def test_collator_builds_autoencoding_and_continuation_examples():
     batch = DodoDataCollator(pad_token_id=0)(
         [

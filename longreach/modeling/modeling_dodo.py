@@ -375,6 +375,32 @@ class _LayerKeyValues:
         )
 
 
+class _ZeroGradientTie(torch.autograd.Function):
+    """``tensor`` unchanged, with ``output`` joined to its graph: the backward pass gives ``output`` a gradient of
+    zeros. For a pass whose keys and values are used but whose output is not (a compression pass), so that the last
+    layer's output still receives a gradient: FSDP (and DeepSpeed ZeRO-3) gather a sharded layer's weights for its
+    backward pass when a gradient reaches that layer's output, and without one the weights the decoder pass's backward
+    already freed were missing ("setStorage: ... storage of size 0"). The other gradients do not change."""
+
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
+        ctx.output_shape, ctx.output_dtype = output.shape, output.dtype
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, grad.new_zeros(ctx.output_shape, dtype=ctx.output_dtype)
+
+
+def _layers_are_sharded(layers: nn.ModuleList) -> bool:
+    """Whether FSDP made the decoder layers units of their own (``fully_shard`` or FSDP1's wrapper)."""
+    if not torch.distributed.is_available():
+        return False
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+
+    return any(isinstance(layer, (FSDPModule, FullyShardedDataParallel)) for layer in layers)
+
+
 def _checkpoint_decoder_layer(layer: nn.Module, checkpoint_function, layer_forward: partial, *args):
     """A Dodo decoder layer's ``_gradient_checkpointing_func`` (installed by ``DodoLlamaModel``).
 
@@ -848,13 +874,13 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
             attention = None if mask.all() else mask.long()
         shared = self._scorer_reads_phi_pass(previous)
         with self._residual_stream_before(self.config.nugget_layer) if shared else nullcontext() as stream:
-            self.model(
+            unused_outputs = [self.model(
                 inputs_embeds=embeds,
                 attention_mask=attention,
                 position_ids=positions,
                 **{LLAMA_CACHE_ARGUMENT: cache},
                 use_cache=False,  # the cache is ours, passed explicitly: `use_cache` would make LlamaModel create one
-            )
+            ).last_hidden_state]  # only its keys and values are used (see `_tie_unused_outputs`)
         token_key_values = [(layer.keys[:, :, -length:], layer.values[:, :, -length:]) for layer in cache.layers]
 
         # scorer ϕ on adapter-free features (Eq. 15; adapters disabled as in paper §3)
@@ -868,7 +894,8 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
 
         indices, nugget_mask = self._select(all_scores, mask, use_threshold, allow_empty)
         if reencode:
-            key_values = self._reencode_nuggets(cache, embeds, mask, positions, indices)
+            key_values, reencoded = self._reencode_nuggets(cache, embeds, mask, positions, indices)
+            unused_outputs.append(reencoded)
         else:
             gather = indices[:, None, :, None]
             key_values = tuple(
@@ -879,7 +906,7 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
                 for key, value in token_key_values
             )
         return DodoNuggets(
-            key_values=key_values,
+            key_values=self._tie_unused_outputs(key_values, unused_outputs),
             mask=nugget_mask,
             scores=all_scores.gather(1, indices),
             indices=indices,
@@ -896,10 +923,11 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
         mask: torch.Tensor,
         positions: torch.LongTensor,
         indices: torch.LongTensor,
-    ) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
+    ) -> tuple[tuple[tuple[torch.Tensor, torch.Tensor], ...], torch.Tensor]:
         """`nugget_encoding="reencode"` (the authors' ``auto=True``, not in the paper): the selected tokens'
         embeddings run again with φ at their own positions; nugget j attends to the θ keys/values of the context tokens
-        strictly before it (padding excluded) and to itself only. Its new keys/values, per layer, are the nugget."""
+        strictly before it (padding excluded) and to itself only. Its new keys/values, per layer, are the nugget.
+        Returned with the pass's (unused) output."""
         batch, count = indices.shape
         length = mask.shape[1]
         nugget_embeds = embeds.gather(1, indices[:, :, None].expand(-1, -1, embeds.shape[-1]))
@@ -910,14 +938,33 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
         bias = torch.zeros(allowed.shape, dtype=embeds.dtype, device=embeds.device)
         bias = bias.masked_fill(~allowed, torch.finfo(embeds.dtype).min)
         self.set_active_adapter(self.config.encoder_adapter_name)
-        self.model(
+        output = self.model(
             inputs_embeds=nugget_embeds,
             attention_mask=bias,
             position_ids=positions.gather(1, indices),
             **{LLAMA_CACHE_ARGUMENT: context_cache},
             use_cache=False,  # as in `_compress`: the cache is ours
-        )
-        return tuple((layer.keys[:, :, -count:], layer.values[:, :, -count:]) for layer in context_cache.layers)
+        ).last_hidden_state
+        return tuple((layer.keys[:, :, -count:], layer.values[:, :, -count:]) for layer in context_cache.layers), output
+
+    def _tie_unused_outputs(self, key_values, unused_outputs: list[torch.Tensor]):
+        """The keys and values of a pass whose output is not used, with that output (or several passes' outputs)
+        joined to the last layer's keys by `_ZeroGradientTie` when the decoder layers are FSDP units and a gradient will
+        be computed (only then: elsewhere the backward pass and every gradient stay as they were)."""
+        tied = [output for output in unused_outputs if output.requires_grad]
+        if not (torch.is_grad_enabled() and tied and _layers_are_sharded(self.model.layers)):
+            return key_values
+        last_keys, last_values = key_values[-1]
+        for output in tied:
+            last_keys = _ZeroGradientTie.apply(last_keys, output)
+        return (*key_values[:-1], (last_keys, last_values))
+
+    def _redecode_recent(self, cache: DodoCache, recent_ids: torch.LongTensor, recent_mask: torch.Tensor, **kwargs):
+        """θ pass over the recent tokens after a compression: only the keys and values it leaves in the cache are used
+        (see `_tie_unused_outputs`)."""
+        outputs, _ = self._decode(cache, self.model.embed_tokens(recent_ids), recent_mask, **kwargs)
+        last = cache.layers[-1]
+        ((last.keys, last.values),) = self._tie_unused_outputs([(last.keys, last.values)], [outputs.last_hidden_state])
 
     def _scorer_reads_phi_pass(self, previous: DodoCache | None) -> bool:
         """Whether the scorer's features can be read from the φ pass: where its first ι layers carry no adapter
@@ -1169,13 +1216,13 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
         if nugget_mask.shape[1]:
             cache.set_nuggets(key_values, nugget_mask, nugget_scores)
             if recent_ids.shape[1] or self.soft_prompt is not None:
-                self._decode(cache, self.model.embed_tokens(recent_ids), recent_mask, prepend_soft_prompt=True)
+                self._redecode_recent(cache, recent_ids, recent_mask, prepend_soft_prompt=True)
         else:  # nothing selected so far (threshold mode): only the recent tokens remain
             cache.reset_layers()
             cache.decoder_mask = None
             if recent_ids.shape[1]:
                 positions = token_positions(recent_mask, cache.compressed_real_tokens)
-                self._decode(cache, self.model.embed_tokens(recent_ids), recent_mask, position_ids=positions)
+                self._redecode_recent(cache, recent_ids, recent_mask, position_ids=positions)
         cache.pending_ids, cache.pending_mask = recent_ids, recent_mask
 
     @torch.no_grad()
