@@ -116,8 +116,9 @@ def test_two_processes_match_one_with_the_same_global_batch(kind, tmp_path):
 
 # The sharded run's model class (torch's `FSDP<Name>`) and FSDP units, root included: LOCOST's 2 encoder and 2 decoder
 # blocks (its `_no_split_modules`) and the root; VCC-T5's 3 encoder and 2 decoder blocks and the root; Dodo's 3 decoder
-# layers and the root (until 9a4c707 Dodo trained as one unit: the compression pass's last layer lacked its weights in
-# the backward pass; FSDP_UNITS in distributed_training_script.py).
+# layers and the root (Dodo trained as one unit before the compression passes' unused outputs were joined to the
+# nuggets: the compression pass's last layer lacked its weights in the backward pass; see FSDP_UNITS in
+# distributed_training_script.py).
 FSDP_RUNS = {
     "locost": {"units": 5, "class": "FSDPLocostForConditionalGeneration"},
     "vcc_t5": {"units": 6, "class": "FSDPVCCT5ForConditionalGeneration"},

@@ -659,8 +659,10 @@ def test_joint_compress_then_decode_step_trains_both_adapters_scorer_and_soft_pr
     assert all(g is None for n, g in grads.items() if ".lora_" not in n and not n.startswith(("nugget_", "soft_")))
 
 
-@pytest.mark.parametrize("settings", [{}, {"nugget_encoding": "reencode"}, {"recent_window": 4, "compression_stride": 6}],
-                         ids=["compressor", "reencode", "autoregressive"])
+@pytest.mark.parametrize(
+    "settings", [{}, {"nugget_encoding": "reencode"}, {"recent_window": 4, "compression_stride": 6}],
+    ids=["compressor", "reencode", "autoregressive"],
+)
 def test_passes_joined_for_fsdp_change_no_value_and_no_gradient(settings, monkeypatch):
     """Under FSDP the compression passes' unused outputs are joined to the nuggets (`_ZeroGradientTie`; the sharded
     training itself: test_distributed.py). Joined, as if the layers were FSDP units, the loss is the same to the bit
