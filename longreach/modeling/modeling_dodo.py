@@ -378,9 +378,10 @@ class _LayerKeyValues:
 class _ZeroGradientTie(torch.autograd.Function):
     """``tensor`` unchanged, with ``output`` joined to its graph: the backward pass gives ``output`` a gradient of
     zeros. For a pass whose keys and values are used but whose output is not (a compression pass), so that the last
-    layer's output still receives a gradient: FSDP (and DeepSpeed ZeRO-3) gather a sharded layer's weights for its
-    backward pass when a gradient reaches that layer's output, and without one the weights the decoder pass's backward
-    already freed were missing ("setStorage: ... storage of size 0"). The other gradients do not change."""
+    layer's output still receives a gradient: FSDP gathers a sharded layer's weights for its backward pass when a
+    gradient reaches that layer's output, and without one the weights the decoder pass's backward already freed were
+    missing ("setStorage: ... storage of size 0"). The other gradients do not change. (DeepSpeed ZeRO-3 is not
+    detected here and was not tried.)"""
 
     @staticmethod
     def forward(ctx, tensor: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
