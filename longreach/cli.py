@@ -517,11 +517,11 @@ def summarize_corpus_command(args: argparse.Namespace) -> int:
     stats = _gather_run_statistics(stats, world_size)
     exit_code = 0
     if rank == 0:
-        total = corpus_module.merge_parts(args.output, corpus, world_size)
+        merged = corpus_module.merge_parts(args.output, corpus, world_size)
         by = f"{world_size} processes (the slowest's time, the largest peak)" if world_size > 1 else "this process"
         _progress(f"{stats['documents']} documents ({stats['input_tokens']} input tokens) summarized in "
                   f"{stats['seconds']:.1f}s by {by}, {stats['skipped_already_done']} already done; peak memory "
-                  f"{stats['peak_memory_bytes'] / 2**20:.0f} MiB; {total} summaries in {args.output}")
+                  f"{stats['peak_memory_bytes'] / 2**20:.0f} MiB; {len(merged)} summaries in {args.output}")
         if stats["truncated"]:
             limit = (f"--max_input_length {args.max_input_length}" if args.max_input_length
                      else "the model's longest input")
@@ -534,7 +534,7 @@ def summarize_corpus_command(args: argparse.Namespace) -> int:
                       f"{INCOMPLETE_EXIT_CODE})")
             exit_code = INCOMPLETE_EXIT_CODE
         if args.reference_column:
-            metrics = corpus_module.corpus_rouge(args.output, corpus)
+            metrics = corpus_module.corpus_rouge(args.output, corpus, merged)
             if metrics:
                 print(json.dumps(metrics))
             else:

@@ -589,18 +589,21 @@ def _summarize_batch(summarizer, corpus: Corpus, batch: list[int], max_input_len
     return records
 
 
-def merge_parts(output: str | os.PathLike, corpus: Corpus, world_size: int) -> int:
+def merge_parts(output: str | os.PathLike, corpus: Corpus, world_size: int) -> list[dict]:
     """Rank 0, after every rank finished: the parts (this run's, and any an interrupted run with another process count
-    left) and an earlier ``output`` merged into ``output`` in corpus order, written atomically; the part files are then
-    removed, and ``OUT.errors.jsonl`` holds this run's errors only. Returns how many documents ``output`` holds."""
+    left) and an earlier ``output`` merged into ``output`` in corpus order, written atomically (not rewritten when it
+    already holds them all in that order: a rerun of a finished corpus); the part files are then removed, and
+    ``OUT.errors.jsonl`` holds this run's errors only. Returns the records ``output`` holds, in its order."""
     output = Path(output)
     records = finished_records(output)
+    in_output = list(records)
     parts = list(part_files(output))
     for part in parts:
         records.update(finished_records(part, repair=False))
     order = {record_id: k for k, record_id in enumerate(corpus.ids)}
     merged = sorted(records.values(), key=lambda record: (order.get(str(record["id"]), len(order)), str(record["id"])))
-    _write_atomically(output, merged)
+    if [str(record["id"]) for record in merged] != in_output:
+        _write_atomically(output, merged)
     errors_file = errors_path_of(output)
     this_run = [errors_path_of(part_path(output, rank, world_size)) for rank in range(world_size)] if world_size > 1 else []
     if world_size > 1:
@@ -611,18 +614,19 @@ def merge_parts(output: str | os.PathLike, corpus: Corpus, world_size: int) -> i
             errors_file.unlink(missing_ok=True)  # an earlier run's errors were all retried in this one
     for path in dict.fromkeys(parts + this_run + list(part_files(output, ".errors.jsonl"))):
         path.unlink(missing_ok=True)
-    return len(merged)
+    return merged
 
 
-def corpus_rouge(output: str | os.PathLike, corpus: Corpus) -> dict | None:
-    """ROUGE-1/2/Lsum (``rouge-score``) of the summaries in ``output`` against the corpus's references, written to
+def corpus_rouge(output: str | os.PathLike, corpus: Corpus, records: list[dict] | None = None) -> dict | None:
+    """ROUGE-1/2/Lsum (``rouge-score``) of the summaries in ``output`` (or of its ``records``, as
+    :func:`merge_parts` returns them: then the file is not read again) against the corpus's references, written to
     ``OUT.metrics.json`` (atomically); ``None`` without references. Where the records answer a question
     (``--question``, ``--question_column``), SQuAD's exact match and F1 of the answers too
     (:func:`longreach.metrics.answer_scores`)."""
     from .metrics import answer_scores, rouge_scores
 
     output = Path(output)
-    records = finished_records(output)
+    records = finished_records(output) if records is None else {str(record["id"]): record for record in records}
     pairs = [(records[record_id]["summary"], reference) for record_id, reference in zip(corpus.ids, corpus.references)
              if reference is not None and record_id in records]
     if not pairs:

@@ -314,7 +314,7 @@ def test_a_rerun_with_another_process_count_keeps_the_finished_parts(model_folde
     # merge_parts of a multi-process run with no errors leaves no earlier run's errors file behind
     (tmp_path / "two.errors.jsonl").write_text('{"id": "d004", "error": "old"}\n')
     corpus = corpus_module.read_corpus(str(tmp_path / "corpus.jsonl"), id_column="doc_id")
-    assert corpus_module.merge_parts(output, corpus, world_size=2) == 6
+    assert len(corpus_module.merge_parts(output, corpus, world_size=2)) == 6
     assert not (tmp_path / "two.errors.jsonl").exists()
 
 
@@ -591,3 +591,26 @@ def test_answer_scores_follow_squads_definitions():
     assert answer_scores(["x y", "x"], ["x y", "z"]) == {"exact_match": 50.0, "f1": 50.0}
     with pytest.raises(ValueError, match="Got 1 predictions for 2 references"):
         answer_scores(["x"], ["x", "y"])
+
+
+def test_a_rerun_of_a_finished_corpus_leaves_its_output_in_place(model_folder, tmp_path, monkeypatch):
+    """A rerun of a finished corpus rewrote OUT whole, unchanged, and read it four times (to check it is ours, for what
+    was done, to merge, for ROUGE). Now it is kept in place (the same file, not a rewritten copy) and scored from the
+    merged records: three reads."""
+    write_jsonl(tmp_path / "corpus.jsonl", 5)
+    output = tmp_path / "out.jsonl"
+    arguments = summarize_args(model_folder, tmp_path / "corpus.jsonl", output, "--id_column", "doc_id",
+                               "--reference_column", "summary")
+    assert main(arguments) == 0
+    finished, inode = output.read_bytes(), output.stat().st_ino
+    assert [record["id"] for record in corpus_module.json_lines(output)] == [f"d{k:03d}" for k in range(5)]
+    metrics_path = tmp_path / "out.metrics.json"
+    metrics = json.loads(metrics_path.read_text())
+    metrics_path.unlink()
+    reads = []
+    read_bytes = Path.read_bytes
+    monkeypatch.setattr(Path, "read_bytes", lambda path: reads.append(path) or read_bytes(path))
+    assert main(arguments) == 0
+    assert reads.count(output) == 3
+    assert output.stat().st_ino == inode and output.read_bytes() == finished
+    assert json.loads(metrics_path.read_text()) == metrics and metrics["documents"] == 5
