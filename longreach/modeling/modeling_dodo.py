@@ -1496,8 +1496,8 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
         cache = model_kwargs.get("cache", model_kwargs.get("past_key_values"))
         mask = model_kwargs.get("attention_mask")
         if (window is None or model_kwargs.get("nuggets") is not None or mask is None or mask.dim() != 2
-                or mask.shape[0] < 2 or (_is_a(cache, DodoCache) and cache.started)):
-            return
+                or mask.shape[0] < 2 or (_is_a(cache, DodoCache) and (cache.started or cache.autoregressive))):
+            return  # a cache that has read tokens: its first call decided (`_autoregressive_forward`)
         columns = generation_config.max_length - 1  # the prompt and every generated token but the last are read
         limit = window + self.config.effective_compression_stride
         if columns > limit and values_readable(mask) and not bool(mask[:, 0].all()):
