@@ -336,17 +336,25 @@ def plan_batches(lengths: list[int], max_batch_tokens: int, max_batch_size: int 
 _RECORD_START = b'{"id": '
 
 
-def finished_records(path: Path, repair: bool = True) -> dict[str, dict]:
-    """The complete JSON lines of ``path`` by id. A last line cut short by a crash is redone: ``repair`` removes it
-    from the file, once every complete line is known to be one of our records. Anything else (a file that is not one
-    of our outputs) stops with an error and is left as it is."""
+class _Records(dict):
+    """Records by id, as :func:`finished_records` read them, and how many complete lines held them (more than the
+    records where an id was written twice)."""
+
+    lines = 0
+
+
+def finished_records(path: Path, repair: bool = True) -> _Records:
+    """The complete JSON lines of ``path`` by id (a later line of an id replaces an earlier one; ``.lines`` counts
+    them all). A last line cut short by a crash is redone: ``repair`` removes it from the file, once every complete
+    line is known to be one of our records. Anything else (a file that is not one of our outputs) stops with an error
+    and is left as it is."""
+    records = _Records()
     if not path.exists():
-        return {}
+        return records
     data = path.read_bytes()
     complete, tail = data[: data.rfind(b"\n") + 1], data[data.rfind(b"\n") + 1:]
     # after a machine crash a file's last block may read back as NUL bytes (its size was written, its data was not)
     cut_short = tail.rstrip(b"\0")
-    records = {}
     # Split on "\n" only: str.splitlines() also splits on U+2028, U+2029 and U+0085, which ids and summaries may hold.
     for number, line in enumerate(complete.decode("utf-8", errors="replace").split("\n"), start=1):
         if not line.strip():
@@ -356,6 +364,7 @@ def finished_records(path: Path, repair: bool = True) -> dict[str, dict]:
             if not isinstance(record.get("summary"), str):
                 raise KeyError("summary")
             records[str(record["id"])] = record
+            records.lines += 1
         except (json.JSONDecodeError, KeyError, TypeError, AttributeError):
             raise CorpusError(f"{path} line {number} is not one of our summary records; move the file away or choose "
                               "another --output.") from None
@@ -596,13 +605,13 @@ def merge_parts(output: str | os.PathLike, corpus: Corpus, world_size: int) -> l
     ``OUT.errors.jsonl`` holds this run's errors only. Returns the records ``output`` holds, in its order."""
     output = Path(output)
     records = finished_records(output)
-    in_output = list(records)
+    in_output, lines = list(records.values()), records.lines
     parts = list(part_files(output))
     for part in parts:
         records.update(finished_records(part, repair=False))
     order = {record_id: k for k, record_id in enumerate(corpus.ids)}
     merged = sorted(records.values(), key=lambda record: (order.get(str(record["id"]), len(order)), str(record["id"])))
-    if [str(record["id"]) for record in merged] != in_output:
+    if merged != in_output or lines != len(merged):  # new, changed or reordered records, or an id written twice
         _write_atomically(output, merged)
     errors_file = errors_path_of(output)
     this_run = [errors_path_of(part_path(output, rank, world_size)) for rank in range(world_size)] if world_size > 1 else []

@@ -499,6 +499,8 @@ def test_dodo_autoregressive_mode_refuses_left_padded_rows_once_they_would_diffe
     left-padded row got other nuggets than alone (logits 0.48 apart, another greedy output) with only a warning. Each
     row's result is its own until the first compression, so a left-padded batch runs until a call would compress, and
     is refused there (before the call changes the cache); right padding keeps each row's result."""
+    from longreach import DodoCache
+
     model = tiny_dodo(recent_window=4, compression_stride=6)  # the first compression after 4 + 6 columns
     generator = torch.Generator().manual_seed(5)
 
@@ -537,7 +539,14 @@ def test_dodo_autoregressive_mode_refuses_left_padded_rows_once_they_would_diffe
         calls = []
         hook = model.register_forward_pre_hook(lambda module, args: calls.append(1))
         try:
-            for lengths_and_max in ({"max_new_tokens": 6}, {"max_length": 12}):
+            # a cache that a refused forward() left behind has read nothing: generate() starts it again, and refuses
+            refused_cache = DodoCache(model.config)
+            with pytest.raises(ValueError, match=message):
+                model(torch.cat([input_ids, input_ids], 1), attention_mask=torch.cat([attention_mask] * 2, 1),
+                      cache=refused_cache)
+            calls.clear()
+            for lengths_and_max in ({"max_new_tokens": 6}, {"max_length": 12},
+                                    {"max_new_tokens": 6, "cache": refused_cache}):
                 with pytest.raises(ValueError, match=re.escape(
                         "this generate() call can reach a compression (after 10 columns; the prompt's 6 and up to 6 "
                         "new tokens): rows padded on the left would not give the results they give alone. Generate "
@@ -569,3 +578,28 @@ def test_inputs_are_prepared_where_the_model_is_and_empty_documents_are_refused(
     for document in ("", "   "):
         with pytest.raises(ValueError, match=r"Every document must be a non-empty string, got .* for document 1"):
             vcc.prepare_question_inputs(tokenizer, "w3 w4", ["w5 w6", document])
+
+
+def test_dodo_refuses_layers_wrapped_by_torchs_checkpoint_wrapper():
+    """FSDP's and accelerate's `activation_checkpointing` wrap each layer in torch's CheckpointWrapper, whose replay
+    wrote the keys and values into Dodo's cache twice: "The size of tensor a (24) must match the size of tensor b (14)"
+    in the backward pass. Refused with a message that names the model's own checkpointing; without gradients (no
+    replay) the wrapped layers still run."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    from longreach import DodoDataCollator
+
+    model = tiny_dodo().train()
+    batch = DodoDataCollator()([{"context_input_ids": list(range(3, 23)), "input_ids": list(range(5, 13))}])
+    with torch.no_grad():
+        expected = model(**batch).logits
+    layers = model.model.layers
+    for index, layer in enumerate(layers):
+        layers[index] = checkpoint_wrapper(layer, preserve_rng_state=False)
+    with pytest.raises(ValueError, match=re.escape(
+            "Decoder layer 0 is wrapped by torch's CheckpointWrapper (FSDP's or accelerate's `activation_checkpointing`)"
+            ", whose replay would write the layer's keys and values into Dodo's cache a second time. Turn it off and "
+            "use the model's own gradient checkpointing instead: `model.gradient_checkpointing_enable()`")):
+        model(**batch)
+    with torch.no_grad():
+        assert torch.equal(model(**batch).logits, expected)

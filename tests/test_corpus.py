@@ -614,3 +614,23 @@ def test_a_rerun_of_a_finished_corpus_leaves_its_output_in_place(model_folder, t
     assert reads.count(output) == 3
     assert output.stat().st_ino == inode and output.read_bytes() == finished
     assert json.loads(metrics_path.read_text()) == metrics and metrics["documents"] == 5
+
+
+def test_merge_parts_rewrites_an_output_whose_lines_are_not_its_records(tmp_path):
+    """Kept in place only when OUT already holds exactly the merged records: an id written twice (two runs appended to
+    one file) and a part whose record of an id differs from OUT's are written out, as the merge returns them."""
+    corpus = corpus_module.Corpus(ids=["a", "b"], texts=["x y", "z w"], references=[None, None])
+    output = tmp_path / "out.jsonl"
+
+    def write(path, *records):
+        path.write_text("".join(json.dumps({"id": i, "summary": s}) + "\n" for i, s in records), encoding="utf-8")
+
+    write(output, ("a", "one"), ("b", "two"), ("a", "one"))
+    merged = corpus_module.merge_parts(output, corpus, world_size=1)
+    assert corpus_module.json_lines(output) == merged == [{"id": "a", "summary": "one"}, {"id": "b", "summary": "two"}]
+    inode = output.stat().st_ino
+    assert corpus_module.merge_parts(output, corpus, world_size=1) == merged and output.stat().st_ino == inode
+    write(tmp_path / "out.jsonl.part-1-of-2.jsonl", ("b", "three"))
+    merged = corpus_module.merge_parts(output, corpus, world_size=1)
+    assert corpus_module.json_lines(output) == merged == [{"id": "a", "summary": "one"}, {"id": "b", "summary": "three"}]
+    assert not (tmp_path / "out.jsonl.part-1-of-2.jsonl").exists()

@@ -380,8 +380,9 @@ class _ZeroGradientTie(torch.autograd.Function):
     zeros. For a pass whose keys and values are used but whose output is not (a compression pass), so that the last
     layer's output still receives a gradient: FSDP gathers a sharded layer's weights for its backward pass when a
     gradient reaches that layer's output, and without one the weights the decoder pass's backward already freed were
-    missing ("setStorage: ... storage of size 0"). The other gradients do not change. (DeepSpeed ZeRO-3 is not
-    detected here and was not tried.)"""
+    missing ("setStorage: ... storage of size 0"). The other gradients do not change; the parameters that only the
+    unused output depends on (φ's q and o in the last layer) get zeros instead of no gradient, which moves them under
+    AdamW's weight decay (they change no output). (DeepSpeed ZeRO-3 is not detected here and was not tried.)"""
 
     @staticmethod
     def forward(ctx, tensor: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
@@ -394,12 +395,13 @@ class _ZeroGradientTie(torch.autograd.Function):
 
 
 def _layers_are_sharded(layers: nn.ModuleList) -> bool:
-    """Whether FSDP made the decoder layers units of their own (``fully_shard`` or FSDP1's wrapper)."""
+    """Whether FSDP made the decoder layers (or modules inside them, under a wrapper) units of their own
+    (``fully_shard`` or FSDP1's wrapper)."""
     if not torch.distributed.is_available():
         return False
     from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 
-    return any(isinstance(layer, (FSDPModule, FullyShardedDataParallel)) for layer in layers)
+    return any(isinstance(module, (FSDPModule, FullyShardedDataParallel)) for module in layers.modules())
 
 
 def _checkpoint_decoder_layer(layer: nn.Module, checkpoint_function, layer_forward: partial, *args):
@@ -500,6 +502,26 @@ class DodoLlamaModel(LlamaModel):
                 layer._gradient_checkpointing_func = partial(
                     _checkpoint_decoder_layer, layer, gradient_checkpointing_func
                 )
+
+    def forward(self, *args, **kwargs):
+        if torch.is_grad_enabled():
+            self._refuse_wrapped_checkpointing()
+        return super().forward(*args, **kwargs)
+
+    def _refuse_wrapped_checkpointing(self) -> None:
+        """torch's ``checkpoint_wrapper`` (what FSDP's ``activation_checkpointing`` and accelerate's put around each
+        layer) replays a layer in the backward pass with the cache it wrote to, which then holds its keys and values
+        twice (seen: "The size of tensor a (24) must match the size of tensor b (14)"). Dodo's own checkpointing keeps
+        the replay write-free (`_checkpoint_decoder_layer`)."""
+        wrapped = next((index for index, layer in enumerate(self.layers)
+                        if any(type(module).__name__ == "CheckpointWrapper" for module in layer.modules())), None)
+        if wrapped is not None:
+            raise ValueError(
+                f"Decoder layer {wrapped} is wrapped by torch's CheckpointWrapper (FSDP's or accelerate's "
+                "`activation_checkpointing`), whose replay would write the layer's keys and values into Dodo's cache "
+                "a second time. Turn it off and use the model's own gradient checkpointing instead: "
+                "`model.gradient_checkpointing_enable()` or `TrainingArguments(gradient_checkpointing=True)`."
+            )
 
 
 class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
@@ -874,14 +896,17 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
         else:
             attention = None if mask.all() else mask.long()
         shared = self._scorer_reads_phi_pass(previous)
+        join = self._joins_unused_outputs()
         with self._residual_stream_before(self.config.nugget_layer) if shared else nullcontext() as stream:
-            unused_outputs = [self.model(
+            output = self.model(
                 inputs_embeds=embeds,
                 attention_mask=attention,
                 position_ids=positions,
                 **{LLAMA_CACHE_ARGUMENT: cache},
                 use_cache=False,  # the cache is ours, passed explicitly: `use_cache` would make LlamaModel create one
-            ).last_hidden_state]  # only its keys and values are used (see `_tie_unused_outputs`)
+            ).last_hidden_state
+        unused_outputs = [output] if join else []  # only its keys and values are used (see `_tie_unused_outputs`)
+        del output
         token_key_values = [(layer.keys[:, :, -length:], layer.values[:, :, -length:]) for layer in cache.layers]
 
         # scorer ϕ on adapter-free features (Eq. 15; adapters disabled as in paper §3)
@@ -896,7 +921,8 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
         indices, nugget_mask = self._select(all_scores, mask, use_threshold, allow_empty)
         if reencode:
             key_values, reencoded = self._reencode_nuggets(cache, embeds, mask, positions, indices)
-            unused_outputs.append(reencoded)
+            unused_outputs += [reencoded] if join else []
+            del reencoded
         else:
             gather = indices[:, None, :, None]
             key_values = tuple(
@@ -948,12 +974,17 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
         ).last_hidden_state
         return tuple((layer.keys[:, :, -count:], layer.values[:, :, -count:]) for layer in context_cache.layers), output
 
+    def _joins_unused_outputs(self) -> bool:
+        """Whether `_tie_unused_outputs` will join: the decoder layers are FSDP units and a gradient will be computed
+        (only then: elsewhere the backward pass and every gradient stay as they were, and the unused outputs are freed
+        at once)."""
+        return torch.is_grad_enabled() and _layers_are_sharded(self.model.layers)
+
     def _tie_unused_outputs(self, key_values, unused_outputs: list[torch.Tensor]):
         """The keys and values of a pass whose output is not used, with that output (or several passes' outputs)
-        joined to the last layer's keys by `_ZeroGradientTie` when the decoder layers are FSDP units and a gradient will
-        be computed (only then: elsewhere the backward pass and every gradient stay as they were)."""
+        joined to the last layer's keys by `_ZeroGradientTie` where `_joins_unused_outputs`."""
         tied = [output for output in unused_outputs if output.requires_grad]
-        if not (torch.is_grad_enabled() and tied and _layers_are_sharded(self.model.layers)):
+        if not (tied and self._joins_unused_outputs()):
             return key_values
         last_keys, last_values = key_values[-1]
         for output in tied:
@@ -1496,7 +1527,7 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
         cache = model_kwargs.get("cache", model_kwargs.get("past_key_values"))
         mask = model_kwargs.get("attention_mask")
         if (window is None or model_kwargs.get("nuggets") is not None or mask is None or mask.dim() != 2
-                or mask.shape[0] < 2 or (_is_a(cache, DodoCache) and (cache.started or cache.autoregressive))):
+                or mask.shape[0] < 2 or (_is_a(cache, DodoCache) and cache.started)):
             return  # a cache that has read tokens: its first call decided (`_autoregressive_forward`)
         columns = generation_config.max_length - 1  # the prompt and every generated token but the last are read
         limit = window + self.config.effective_compression_stride
