@@ -735,3 +735,39 @@ def test_gradient_checkpointing_turns_the_decoder_cache_off_and_keeps_a_callers_
         evaluated = model(**inputs, decoder_input_ids=decoder_input_ids, past_key_values=prefix(), use_cache=False).logits
         without = model(**inputs, decoder_input_ids=decoder_input_ids).logits
     assert torch.allclose(trained, evaluated, atol=1e-6) and not torch.allclose(trained, without, atol=1e-3)
+
+
+@pytest.mark.parametrize("kind", ["locost", "vcc_t5"])
+def test_blocks_under_torchs_checkpoint_wrapper_train_as_without_it(kind):
+    """FSDP's and accelerate's `activation_checkpointing` wrap every block in torch's CheckpointWrapper. With the cache
+    off (`use_cache=False`, as T5 needs there too: with it on, T5's replay fails, and so does ours) the loss and every
+    gradient are those of the unwrapped model. (Dodo refuses the wrapper: test_bad_inputs.py.)"""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    from longreach import LocostConfig, LocostForConditionalGeneration
+
+    torch.manual_seed(0)
+    if kind == "locost":
+        model = LocostForConditionalGeneration(LocostConfig(vocab_size=99, d_model=32, d_state=8, d_kv=8, d_ff=64,
+                                                            num_layers=2, num_heads=4, dropout_rate=0.0))
+    else:
+        model = tiny_vcc(exploration_probability=0.0, dropout_rate=0.0)
+    model.train()
+    batch = {"input_ids": torch.randint(3, 99, (2, 40)), "labels": torch.randint(3, 99, (2, 6)), "use_cache": False}
+    if kind == "vcc_t5":
+        batch["vip_mask"] = torch.cat([torch.ones(2, 4, dtype=torch.long), torch.zeros(2, 36, dtype=torch.long)], 1)
+
+    def loss_and_gradients():
+        model.zero_grad(set_to_none=True)
+        loss = model(**batch).loss
+        loss.backward()
+        return loss.detach(), {name.replace("._checkpoint_wrapped_module", ""): parameter.grad.clone()
+                               for name, parameter in model.named_parameters() if parameter.grad is not None}
+
+    loss, gradients = loss_and_gradients()
+    for stack in (model.encoder, model.decoder):
+        for index, block in enumerate(stack.block):
+            stack.block[index] = checkpoint_wrapper(block, preserve_rng_state=False)
+    wrapped_loss, wrapped_gradients = loss_and_gradients()
+    assert torch.equal(loss, wrapped_loss) and gradients.keys() == wrapped_gradients.keys() and len(gradients) > 40
+    assert all(torch.equal(gradients[name], wrapped_gradients[name]) for name in gradients)
