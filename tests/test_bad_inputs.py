@@ -555,6 +555,20 @@ def test_dodo_autoregressive_mode_refuses_left_padded_rows_once_they_would_diffe
             assert calls == []
         finally:
             hook.remove()
+        # a chat's next turn on the cache of a left-padded batch: the cache's uncompressed columns count too
+        first = model.generate(input_ids, attention_mask=attention_mask, max_new_tokens=2,
+                               return_dict_in_generate=True, **options)
+        cache = first.past_key_values
+        assert cache.left_padded and cache.seen_tokens == 7  # the prompt's 6 columns and the first new token
+        turn = torch.cat([first.sequences, torch.full((2, 1), 7)], 1)  # the 8 columns so far and one more token
+        turn_mask = torch.cat([attention_mask, torch.ones(2, 3, dtype=attention_mask.dtype)], 1)
+        with pytest.raises(ValueError, match=re.escape(
+                "can reach a compression (after 10 columns; the cache's 7 uncompressed columns, the prompt's 2 and up "
+                "to 3 new tokens): rows padded on the left would not give the results they give alone. Generate the "
+                "rows one at a time, keep `max_new_tokens` at most 2, or give")):
+            model.generate(turn, attention_mask=turn_mask, cache=cache, max_new_tokens=3, **options)
+        assert cache.seen_tokens == 7  # refused before the cache read anything
+        model.generate(turn, attention_mask=turn_mask, cache=cache, max_new_tokens=2, **options)  # 10 columns
         # a prompt past the first compression: no number of new tokens helps, and none is suggested
         (long_row, short_row), input_ids, attention_mask = rows([12, 3], "left")
         with pytest.raises(ValueError, match=r"Generate the rows one at a time, or give the context"):

@@ -1522,22 +1522,32 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
     def _refuse_left_padding_that_would_compress(self, generation_config, model_kwargs: dict) -> None:
         """The autoregressive mode refuses a left-padded batch at its first compression (`_autoregressive_forward`),
         which generate() reached after some of its steps: refused here, before the first step, when ``max_length``
-        lets the run reach it (a stop at EOS before it could have let it finish; the result would not depend on it)."""
+        lets the run reach it (a stop at EOS before it could have let it finish; the result would not depend on it).
+        A cache that has read tokens continues a chat: its first call said whether the rows are left-padded, and its
+        uncompressed columns count towards the compression."""
         window = self.config.recent_window
         cache = model_kwargs.get("cache", model_kwargs.get("past_key_values"))
         mask = model_kwargs.get("attention_mask")
-        if (window is None or model_kwargs.get("nuggets") is not None or mask is None or mask.dim() != 2
-                or mask.shape[0] < 2 or (_is_a(cache, DodoCache) and cache.started)):
-            return  # a cache that has read tokens: its first call decided (`_autoregressive_forward`)
-        columns = generation_config.max_length - 1  # the prompt and every generated token but the last are read
+        if window is None or model_kwargs.get("nuggets") is not None or mask is None or mask.dim() != 2:
+            return
+        started = _is_a(cache, DodoCache) and cache.started
+        if started:
+            if not (cache.autoregressive and cache.left_padded):
+                return
+        elif mask.shape[0] < 2 or not values_readable(mask) or bool(mask[:, 0].all()):
+            return
+        read = cache.seen_tokens if started else 0
+        pending = cache.pending_ids.shape[1] if started else 0  # uncompressed columns the cache holds
+        prompt = mask.shape[1] - read  # this call's prompt; every generated token but the last is read too
         limit = window + self.config.effective_compression_stride
-        if columns > limit and values_readable(mask) and not bool(mask[:, 0].all()):
-            most = limit + 1 - mask.shape[1]  # new tokens that keep it under the first compression
+        if pending + generation_config.max_length - 1 - read > limit:
+            most = limit + 1 - pending - prompt  # new tokens that keep it under the next compression
             shorter = f"keep `max_new_tokens` at most {most}, " if most >= 1 else ""
+            held = f"the cache's {pending} uncompressed columns, " if pending else ""
             raise ValueError(
                 f"Dodo's autoregressive mode (`config.recent_window`) compresses all rows of a batch at the same "
-                f"columns, and this generate() call can reach a compression (after {limit} columns; the prompt's "
-                f"{mask.shape[1]} and up to {generation_config.max_length - mask.shape[1]} new tokens): rows padded "
+                f"columns, and this generate() call can reach a compression (after {limit} columns; {held}the "
+                f"prompt's {prompt} and up to {generation_config.max_length - mask.shape[1]} new tokens): rows padded "
                 f"on the left would not give the results they give alone. Generate the rows one at a time, {shorter}"
                 "or give the context as `context_input_ids` (compressor mode)."
             )
