@@ -86,8 +86,10 @@ def build(kind: str):
 
 
 def train_fsdp(kind: str, model, rows, output_dir: str, per_device: int) -> None:
-    """FSDP2 on the process group (gloo), as accelerate prepares it for `Trainer` (units of the `FSDP_UNITS` classes,
-    then the root), and `Trainer`'s step: AdamW (fused, no weight decay, constant rate), gradients clipped to norm 1,
+    """FSDP2 on the process group (gloo), as accelerate 1.15 prepares it for `Trainer` (`fsdp2_prepare_model`: units
+    of the `FSDP_UNITS` classes, bottom-up; the input embedding as a unit of its own unless the output embedding is
+    tied to it; a tail unit of the base model's final norm and the output embedding, with the input embedding where
+    tied, kept gathered after the forward pass; then the root), and `Trainer`'s step: AdamW (fused, no weight decay, constant rate), gradients clipped to norm 1,
     batch i to process i mod world_size; the logged loss is the mean over processes. The full state dict is gathered
     on every process and rank 0 saves it with `save_pretrained`, as `Trainer.save_model` does under FSDP."""
     from datetime import timedelta
@@ -104,6 +106,14 @@ def train_fsdp(kind: str, model, rows, output_dir: str, per_device: int) -> None
     for module in reversed(list(model.modules())[1:]):  # bottom-up, as accelerate
         if classes and isinstance(module, classes) and not isinstance(module, FSDPModule):
             fully_shard(module, mesh=mesh)
+    input_embedding, output_embedding = model.get_input_embeddings(), model.get_output_embeddings()
+    tied = input_embedding.weight is output_embedding.weight
+    if not tied:
+        fully_shard(input_embedding, mesh=mesh)
+    base = getattr(model, model.base_model_prefix, None)  # accelerate's final norm: the last *Norm* child of the base
+    norms = [module for _, module in base.named_children() if "Norm" in type(module).__name__] if base else []
+    tail = norms[-1:] + ([input_embedding] if tied else []) + [output_embedding]
+    fully_shard(tail, mesh=mesh, reshard_after_forward=False)
     fully_shard(model, mesh=mesh)
     trainable = [param for param in model.parameters() if param.requires_grad]
     assert all(isinstance(param, DTensor) for param in model.parameters())  # every parameter is sharded

@@ -114,17 +114,19 @@ def test_two_processes_match_one_with_the_same_global_batch(kind, tmp_path):
     check_checkpoint(kind, tmp_path / "two", tmp_path / "one")
 
 
-# The sharded run's model class (torch's `FSDP<Name>`) and FSDP units, root included: LOCOST's 2 encoder and 2 decoder
-# blocks (its `_no_split_modules`) and the root; VCC-T5's 3 encoder and 2 decoder blocks and the root; Dodo's 3 decoder
-# layers and the root (Dodo trained as one unit before the compression passes' unused outputs were joined to the
-# nuggets: the compression pass's last layer lacked its weights in the backward pass; see FSDP_UNITS in
-# distributed_training_script.py).
+# The sharded run's model class (torch's `FSDP<Name>`) and its modules made FSDP modules, root included, as accelerate
+# 1.15 makes them (the tail is one unit of two modules): LOCOST's 2 encoder and 2 decoder blocks (its
+# `_no_split_modules`), the tail (the tied embedding and the LM head) and the root; VCC-T5's 3 encoder and 2 decoder
+# blocks, the tail and the root; Dodo's 3 decoder layers, its input embedding, the tail (the final norm and the LM
+# head) and the root (Dodo trained as one unit before the compression passes' unused
+# outputs were joined to the nuggets: the compression pass's last layer lacked its weights in the backward pass; see
+# FSDP_UNITS in distributed_training_script.py).
 FSDP_RUNS = {
-    "locost": {"units": 5, "class": "FSDPLocostForConditionalGeneration"},
-    "vcc_t5": {"units": 6, "class": "FSDPVCCT5ForConditionalGeneration"},
-    "dodo": {"units": 4, "class": "FSDPDodoLlamaForCausalLM"},
-    "dodo_reencode": {"units": 4, "class": "FSDPDodoLlamaForCausalLM"},
-    "dodo_autoregressive": {"units": 4, "class": "FSDPDodoLlamaForCausalLM"},
+    "locost": {"units": 7, "class": "FSDPLocostForConditionalGeneration"},
+    "vcc_t5": {"units": 8, "class": "FSDPVCCT5ForConditionalGeneration"},
+    "dodo": {"units": 7, "class": "FSDPDodoLlamaForCausalLM"},
+    "dodo_reencode": {"units": 7, "class": "FSDPDodoLlamaForCausalLM"},
+    "dodo_autoregressive": {"units": 7, "class": "FSDPDodoLlamaForCausalLM"},
 }
 
 
