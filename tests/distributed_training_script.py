@@ -5,6 +5,8 @@ test_distributed.py alone (`python`) or under `torchrun --nproc_per_node=2` (glo
 With a fourth argument `fsdp` (under torchrun) the model is sharded with FSDP2 (`torch.distributed.fsdp.fully_shard`)
 and trained by the loop in `train_fsdp`, which does what `Trainer` does here: `Trainer` cannot shard on the CPU, since
 accelerate enables FSDP only for accelerator devices (on a CPU-only run `fsdp=True` trains with plain DDP).
+With `zero3` the model is partitioned by DeepSpeed ZeRO-3 (its CPU accelerator, gloo) and trained by the loop in
+`train_zero3`, the same step through DeepSpeed's engine.
 """
 
 from __future__ import annotations
@@ -148,6 +150,38 @@ def train_fsdp(kind: str, model, rows, output_dir: str, per_device: int) -> None
     leave_distributed()
 
 
+def train_zero3(model, rows, output_dir: str, per_device: int) -> None:
+    """DeepSpeed ZeRO-3 (every parameter partitioned, none kept whole: persistence threshold 0), the step of
+    `train_fsdp` through the engine: AdamW (torch's, no weight decay, constant rate), gradients clipped to norm 1;
+    rank 0 writes the loss curve (the mean over processes)."""
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    config = {
+        "train_micro_batch_size_per_gpu": per_device, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+        "optimizer": {"type": "AdamW", "params": {"lr": LEARNING_RATE, "weight_decay": 0.0, "torch_adam": True}},
+    }
+    trainable = [param for param in model.parameters() if param.requires_grad]
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=trainable, config=config)
+    # every parameter partitioned: each process holds a shard (half, padded), the full tensor only while it is used
+    assert all(param.ds_tensor.numel() < param.ds_numel for param in model.parameters() if param.ds_numel > 1)
+    losses = []
+    for step in range(STEPS):
+        start = (step * world + rank) * per_device
+        loss = engine(**default_data_collator(rows[start : start + per_device])).loss
+        engine.backward(loss)
+        engine.step()
+        logged = loss.detach().clone()
+        torch.distributed.all_reduce(logged)
+        losses.append(logged.item() / world)
+    faulthandler.dump_traceback_later(90, exit=True)
+    if rank == 0:
+        (Path(output_dir) / "losses.json").write_text(json.dumps(losses))
+    leave_distributed()
+
+
 def leave_distributed() -> None:
     """Every rank waits for rank 0's files (the barrier is bounded by the group's timeout). Then the process leaves with
     os._exit and skips both destroy_process_group and the interpreter's teardown: the first can hang with a small
@@ -167,6 +201,9 @@ def main() -> None:
     model, rows = build(kind)
     if sys.argv[4:] == ["fsdp"]:
         train_fsdp(kind, model, rows, output_dir, per_device)  # ends the process
+    if sys.argv[4:] == ["zero3"]:
+        Path(output_dir).mkdir(parents=True, exist_ok=True)
+        train_zero3(model, rows, output_dir, per_device)  # ends the process
     arguments = TrainingArguments(
         output_dir=output_dir, per_device_train_batch_size=per_device, max_steps=STEPS, learning_rate=LEARNING_RATE,
         lr_scheduler_type="constant", logging_steps=1, save_strategy="no", report_to="none", use_cpu=True,
