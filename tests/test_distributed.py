@@ -161,11 +161,11 @@ def test_fsdp_on_two_processes_matches_one_process(kind, tmp_path):
 
 def test_deepspeed_zero3_on_two_processes_matches_one_process(tmp_path):
     """DeepSpeed ZeRO-3 (an optional dependency, not in the test extras: its source build needs torch at build time,
-    `pip install --no-build-isolation deepspeed`) on two CPU processes, every parameter partitioned: every model and
+    `pip install wheel && pip install --no-build-isolation deepspeed`) on two CPU processes, every parameter partitioned: every model and
     Dodo mode trains with the loss curve of one process. Dodo's compression passes train there without the join that
     FSDP needs (`_ZeroGradientTie`, applied under FSDP only)."""
-    pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (optional: pip install --no-build-isolation "
-                                            "deepspeed)")
+    pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (optional: pip install wheel && pip install "
+                                            "--no-build-isolation deepspeed)")
     for kind in ["locost", "vcc_t5", "dodo", "dodo_reencode", "dodo_autoregressive"]:
         single = train(kind, tmp_path / kind / "one", processes=1)
         partitioned = train(kind, tmp_path / kind / "zero3", processes=2, mode="zero3")
