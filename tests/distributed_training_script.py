@@ -91,9 +91,10 @@ def train_fsdp(kind: str, model, rows, output_dir: str, per_device: int) -> None
     """FSDP2 on the process group (gloo), as accelerate 1.15 prepares it for `Trainer` (`fsdp2_prepare_model`: units
     of the `FSDP_UNITS` classes, bottom-up; the input embedding as a unit of its own unless the output embedding is
     tied to it; a tail unit of the base model's final norm and the output embedding, with the input embedding where
-    tied, kept gathered after the forward pass; then the root), and `Trainer`'s step: AdamW (fused, no weight decay, constant rate), gradients clipped to norm 1,
-    batch i to process i mod world_size; the logged loss is the mean over processes. The full state dict is gathered
-    on every process and rank 0 saves it with `save_pretrained`, as `Trainer.save_model` does under FSDP."""
+    tied, kept gathered after the forward pass; then the root), and `Trainer`'s step: AdamW (fused, no weight decay,
+    constant rate), gradients clipped to norm 1, batch i to process i mod world_size; the logged loss is the mean over
+    processes. The full state dict is gathered on every process and rank 0 saves it with `save_pretrained`, as
+    `Trainer.save_model` does under FSDP."""
     from datetime import timedelta
 
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict

@@ -611,8 +611,9 @@ def test_dodo_refuses_layers_wrapped_by_torchs_checkpoint_wrapper():
     for index, layer in enumerate(layers):
         layers[index] = checkpoint_wrapper(layer, preserve_rng_state=False)
     with pytest.raises(ValueError, match=re.escape(
-            "Decoder layer 0 is wrapped by torch's CheckpointWrapper (FSDP's or accelerate's `activation_checkpointing`)"
-            ", whose replay would write the layer's keys and values into Dodo's cache a second time. Turn it off and "
+            "Decoder layer 0 is wrapped by torch's CheckpointWrapper (FSDP's or accelerate's "
+            "`activation_checkpointing`), whose replay would write the layer's keys and values into Dodo's cache a "
+            "second time. Turn it off and "
             "use the model's own gradient checkpointing instead: `model.gradient_checkpointing_enable()`")):
         model(**batch)
     with torch.no_grad():

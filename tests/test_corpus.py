@@ -632,5 +632,6 @@ def test_merge_parts_rewrites_an_output_whose_lines_are_not_its_records(tmp_path
     assert corpus_module.merge_parts(output, corpus, world_size=1) == merged and output.stat().st_ino == inode
     write(tmp_path / "out.jsonl.part-1-of-2.jsonl", ("b", "three"))
     merged = corpus_module.merge_parts(output, corpus, world_size=1)
-    assert corpus_module.json_lines(output) == merged == [{"id": "a", "summary": "one"}, {"id": "b", "summary": "three"}]
+    expected = [{"id": "a", "summary": "one"}, {"id": "b", "summary": "three"}]
+    assert corpus_module.json_lines(output) == merged == expected
     assert not (tmp_path / "out.jsonl.part-1-of-2.jsonl").exists()

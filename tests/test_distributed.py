@@ -118,9 +118,9 @@ def test_two_processes_match_one_with_the_same_global_batch(kind, tmp_path):
 # 1.15 makes them (the tail is one unit of two modules): LOCOST's 2 encoder and 2 decoder blocks (its
 # `_no_split_modules`), the tail (the tied embedding and the LM head) and the root; VCC-T5's 3 encoder and 2 decoder
 # blocks, the tail and the root; Dodo's 3 decoder layers, its input embedding, the tail (the final norm and the LM
-# head) and the root (Dodo trained as one unit before the compression passes' unused
-# outputs were joined to the nuggets: the compression pass's last layer lacked its weights in the backward pass; see
-# FSDP_UNITS in distributed_training_script.py).
+# head) and the root (Dodo trained as one unit before the compression passes' unused outputs were joined to the
+# nuggets: the compression pass's last layer lacked its weights in the backward pass; see FSDP_UNITS in
+# distributed_training_script.py).
 FSDP_RUNS = {
     "locost": {"units": 7, "class": "FSDPLocostForConditionalGeneration"},
     "vcc_t5": {"units": 8, "class": "FSDPVCCT5ForConditionalGeneration"},
@@ -161,9 +161,9 @@ def test_fsdp_on_two_processes_matches_one_process(kind, tmp_path):
 
 def test_deepspeed_zero3_on_two_processes_matches_one_process(tmp_path):
     """DeepSpeed ZeRO-3 (an optional dependency, not in the test extras: its source build needs torch at build time,
-    `pip install wheel && pip install --no-build-isolation deepspeed`) on two CPU processes, every parameter partitioned: every model and
-    Dodo mode trains with the loss curve of one process. Dodo's compression passes train there without the join that
-    FSDP needs (`_ZeroGradientTie`, applied under FSDP only)."""
+    `pip install wheel && pip install --no-build-isolation deepspeed`) on two CPU processes, every parameter
+    partitioned: every model and Dodo mode trains with the loss curve of one process. Dodo's compression passes train
+    there without the join that FSDP needs (`_ZeroGradientTie`, applied under FSDP only)."""
     pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (optional: pip install wheel && pip install "
                                             "--no-build-isolation deepspeed)")
     for kind in ["locost", "vcc_t5", "dodo", "dodo_reencode", "dodo_autoregressive"]:
