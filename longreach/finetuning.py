@@ -155,7 +155,6 @@ def finished_state(checkpoint: str | None, training_args):
     return state if counted_in_epochs and state.global_step >= state.max_steps else None
 
 
-
 def train_or_resume(trainer, training_args) -> tuple[dict, int]:
     """``trainer.train()``, resumed from :func:`resume_checkpoint`, its metrics and state written to ``--output_dir``
     (``train_results.json``, ``trainer_state.json``); ``(metrics, global step)``. A checkpoint that already reached

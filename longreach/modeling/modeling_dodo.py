@@ -405,6 +405,21 @@ def _layers_are_sharded(layers: nn.ModuleList) -> bool:
     return any(isinstance(module, (FSDPModule, FullyShardedDataParallel)) for module in layers.modules())
 
 
+def _rows_left_padded(mask: torch.Tensor) -> bool:
+    """Whether some row of a batch of several starts with padding (what generate() makes of prompts of different
+    lengths); a mask whose values cannot be read here (under tracing) counts as not padded."""
+    return mask.shape[0] > 1 and values_readable(mask) and not bool(mask[:, 0].all())
+
+
+def _left_padding_refused(reaches: str, remedies: str) -> ValueError:
+    """The autoregressive mode's refusal of a left-padded batch that reaches a compression (``reaches``: which call,
+    and where), with what to do instead."""
+    return ValueError(
+        f"Dodo's autoregressive mode (`config.recent_window`) compresses all rows of a batch at the same columns, and "
+        f"{reaches}: rows padded on the left would not give the results they give alone. {remedies}"
+    )
+
+
 def _checkpoint_decoder_layer(layer: nn.Module, checkpoint_function, layer_forward: partial, *args):
     """A Dodo decoder layer's ``_gradient_checkpointing_func`` (installed by ``DodoLlamaModel``).
 
@@ -906,7 +921,7 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
                 **{LLAMA_CACHE_ARGUMENT: cache},
                 use_cache=False,  # the cache is ours, passed explicitly: `use_cache` would make LlamaModel create one
             ).last_hidden_state
-        unused_outputs = [output] if join else []  # only its keys and values are used (see `_tie_unused_outputs`)
+        unused_outputs = [output] if join else []  # only its keys and values are used (see `_joins_unused_outputs`)
         del output
         token_key_values = [(layer.keys[:, :, -length:], layer.values[:, :, -length:]) for layer in cache.layers]
 
@@ -933,8 +948,11 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
                 )
                 for key, value in token_key_values
             )
+        if unused_outputs:
+            (*earlier, (last_keys, last_values)) = key_values
+            key_values = (*earlier, (self._joined(last_keys, unused_outputs), last_values))
         return DodoNuggets(
-            key_values=self._tie_unused_outputs(key_values, unused_outputs),
+            key_values=key_values,
             mask=nugget_mask,
             scores=all_scores.gather(1, indices),
             indices=indices,
@@ -976,28 +994,25 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
         return tuple((layer.keys[:, :, -count:], layer.values[:, :, -count:]) for layer in context_cache.layers), output
 
     def _joins_unused_outputs(self) -> bool:
-        """Whether `_tie_unused_outputs` will join: the decoder layers are FSDP units and a gradient will be computed
-        (only then: elsewhere the backward pass and every gradient stay as they were, and the unused outputs are freed
-        at once)."""
+        """Whether the outputs of passes that only leave keys and values are joined to those (`_joined`): when the
+        decoder layers are FSDP units and a gradient will be computed. Elsewhere the backward pass and every gradient
+        stay as they were, and those outputs are freed at once."""
         return torch.is_grad_enabled() and _layers_are_sharded(self.model.layers)
 
-    def _tie_unused_outputs(self, key_values, unused_outputs: list[torch.Tensor]):
-        """The keys and values of a pass whose output is not used, with that output (or several passes' outputs)
-        joined to the last layer's keys by `_ZeroGradientTie` where `_joins_unused_outputs`."""
-        tied = [output for output in unused_outputs if output.requires_grad]
-        if not (tied and self._joins_unused_outputs()):
-            return key_values
-        last_keys, last_values = key_values[-1]
-        for output in tied:
-            last_keys = _ZeroGradientTie.apply(last_keys, output)
-        return (*key_values[:-1], (last_keys, last_values))
+    @staticmethod
+    def _joined(last_keys: torch.Tensor, unused_outputs: list[torch.Tensor]) -> torch.Tensor:
+        """The last layer's keys with the unused outputs joined to them by `_ZeroGradientTie`."""
+        for output in unused_outputs:
+            if output.requires_grad:
+                last_keys = _ZeroGradientTie.apply(last_keys, output)
+        return last_keys
 
     def _redecode_recent(self, cache: DodoCache, recent_ids: torch.LongTensor, recent_mask: torch.Tensor, **kwargs):
         """θ pass over the recent tokens after a compression: only the keys and values it leaves in the cache are used
-        (see `_tie_unused_outputs`)."""
+        (see `_joins_unused_outputs`)."""
         outputs, _ = self._decode(cache, self.model.embed_tokens(recent_ids), recent_mask, **kwargs)
-        last = cache.layers[-1]
-        ((last.keys, last.values),) = self._tie_unused_outputs([(last.keys, last.values)], [outputs.last_hidden_state])
+        if self._joins_unused_outputs():
+            cache.layers[-1].keys = self._joined(cache.layers[-1].keys, [outputs.last_hidden_state])
 
     def _scorer_reads_phi_pass(self, previous: DodoCache | None) -> bool:
         """Whether the scorer's features can be read from the φ pass: where its first ι layers carry no adapter
@@ -1185,7 +1200,7 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
         batch, length = input_ids.shape
         if not cache.autoregressive:
             # rows padded on the left (read once, on the first call): see the check below
-            cache.left_padded = batch > 1 and values_readable(token_mask) and not bool(token_mask[:, 0].all())
+            cache.left_padded = _rows_left_padded(token_mask)
             cache.autoregressive = True
             cache.pending_ids = input_ids.new_zeros(batch, 0)
             cache.pending_mask = token_mask.new_zeros(batch, 0)
@@ -1194,12 +1209,11 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
             # Compression happens at the same columns in every row (see `DodoLlamaConfig.recent_window`): a row padded
             # on the left would be compressed at other points of its text than alone, and give another result (before
             # the first compression each row's result is its own). Refused before this call changes the cache.
-            raise ValueError(
-                f"Dodo's autoregressive mode (`config.recent_window`) compresses all rows of a batch at the same "
-                f"columns, and this call reaches a compression (after {window + stride} columns): rows padded on the "
-                "left would not give the results they give alone. Pad the batch on the right (`tokenizer.padding_side "
-                "= 'right'`) for forward(), run rows of different lengths one at a time (generate() pads on the "
-                "left), or give the context as `context_input_ids` (compressor mode)."
+            raise _left_padding_refused(
+                f"this call reaches a compression (after {window + stride} columns)",
+                "Pad the batch on the right (`tokenizer.padding_side = 'right'`) for forward(), run rows of different "
+                "lengths one at a time (generate() pads on the left), or give the context as `context_input_ids` "
+                "(compressor mode).",
             )
         hidden_blocks = []
         start = 0
@@ -1535,7 +1549,7 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
         if started:
             if not (cache.autoregressive and cache.left_padded):
                 return
-        elif mask.shape[0] < 2 or not values_readable(mask) or bool(mask[:, 0].all()):
+        elif not _rows_left_padded(mask):
             return
         read = cache.seen_tokens if started else 0
         pending = cache.pending_ids.shape[1] if started else 0  # uncompressed columns the cache holds
@@ -1545,12 +1559,11 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
             most = limit + 1 - pending - prompt  # new tokens that keep it under the next compression
             shorter = f"keep `max_new_tokens` at most {most}, " if most >= 1 else ""
             held = f"the cache's {pending} uncompressed columns, " if pending else ""
-            raise ValueError(
-                f"Dodo's autoregressive mode (`config.recent_window`) compresses all rows of a batch at the same "
-                f"columns, and this generate() call can reach a compression (after {limit} columns; {held}the "
-                f"prompt's {prompt} and up to {generation_config.max_length - mask.shape[1]} new tokens): rows padded "
-                f"on the left would not give the results they give alone. Generate the rows one at a time, {shorter}"
-                "or give the context as `context_input_ids` (compressor mode)."
+            raise _left_padding_refused(
+                f"this generate() call can reach a compression (after {limit} columns; {held}the prompt's {prompt} and "
+                f"up to {generation_config.max_length - mask.shape[1]} new tokens)",
+                f"Generate the rows one at a time, {shorter}or give the context as `context_input_ids` (compressor "
+                "mode).",
             )
 
     def prepare_inputs_for_generation(
