@@ -1091,8 +1091,12 @@ class T5Seq2SeqLMMixin:
     generic ones, e.g. ``get_input_embeddings``).
     """
 
-    def get_encoder(self):
-        return self.encoder
+    def get_encoder(self, modality: str | None = None):
+        """The text encoder; ``modality`` ("image", "video", "audio": transformers' exporters ask every model) has
+        none here, and transformers' own lookup answers for it (the model itself, as for T5)."""
+        if modality is None:
+            return self.encoder
+        return super().get_encoder(modality=modality)
 
     def get_decoder(self):
         return self.decoder
