@@ -1,5 +1,7 @@
-"""LOCOST and VCC-T5 where transformers' own code reaches into a T5-like model: the encoder accessor
-(`get_encoder(modality=...)`, transformers' export helpers), compared with T5 built from the same tiny sizes."""
+"""LOCOST and VCC-T5 where transformers' own code reaches into a T5-like model: the encoder and decoder accessors
+(`get_encoder(modality=...)`, transformers' export helpers) and the decoder stack called on its own with T5's stack
+arguments (`cache=`, `return_dict=`; transformers' ExecuTorch decoder wrapper), each compared with T5 built from the
+same tiny sizes."""
 
 from __future__ import annotations
 
@@ -7,6 +9,7 @@ import pytest
 import torch
 from test_modeling_vcc_t5 import tiny_model as tiny_vcc
 from transformers import T5Config, T5ForConditionalGeneration
+from transformers.cache_utils import DynamicCache, EncoderDecoderCache
 from workflow_helpers import tiny_locost
 
 import longreach  # noqa: F401  (Auto classes)
@@ -43,3 +46,52 @@ def test_get_encoder_takes_the_modality_transformers_asks_for(kind):
     assert is_multimodal(model) is False
     stages = decompose_for_generation(model, inputs(model))
     assert sorted(stages) == ["decode", "prefill"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_decoder_called_alone_takes_t5s_stack_arguments(kind):
+    """`model.get_decoder()(..., cache=..., return_dict=...)` as T5's decoder stack takes them (the cache's name since
+    transformers 5.24): a TypeError before. `use_cache` left out follows the config, as T5's stack."""
+    model = tiny(kind)
+    batch = inputs(model)
+    decoder_input_ids = torch.tensor([[0, 5, 6], [0, 7, 8]])
+    with torch.no_grad():
+        encoded = model.get_encoder()(**batch).last_hidden_state
+        cache = EncoderDecoderCache(DynamicCache(), DynamicCache())
+        output = model.get_decoder()(input_ids=decoder_input_ids, encoder_hidden_states=encoded,
+                                     encoder_attention_mask=batch["attention_mask"], cache=cache, use_cache=True,
+                                     return_dict=False)
+        assert isinstance(output, tuple) and cache.get_seq_length() == 3
+        expected = model(**batch, decoder_input_ids=decoder_input_ids, output_hidden_states=True)
+        torch.testing.assert_close(output[0], expected.decoder_hidden_states[-1], rtol=0, atol=0)
+        # the old name still works, and `use_cache` comes from the config when not given
+        old_name = EncoderDecoderCache(DynamicCache(), DynamicCache())
+        again = model.get_decoder()(input_ids=decoder_input_ids, encoder_hidden_states=encoded,
+                                    encoder_attention_mask=batch["attention_mask"], past_key_values=old_name)
+        assert again.cache is old_name and old_name.get_seq_length() == 3
+        torch.testing.assert_close(again.last_hidden_state, output[0], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_decoder_exports_with_transformers_executorch_wrapper_and_decodes_as_generate(kind):
+    """transformers' `Seq2SeqLMDecoderExportableModuleWithStaticCache` calls the decoder with `cache=`; exported with
+    `torch.export` (strict), its greedy steps give `generate()`'s tokens."""
+    from transformers.integrations.executorch import Seq2SeqLMDecoderExportableModuleWithStaticCache
+
+    model = tiny(kind)
+    input_ids = inputs(model, batch=1)["input_ids"]
+    wrapper = Seq2SeqLMDecoderExportableModuleWithStaticCache(model, max_static_cache_length=8, batch_size=1).eval()
+    with torch.no_grad():
+        exported = torch.export.export(
+            wrapper, (torch.tensor([[0]]), torch.zeros(1, 10, model.config.d_model), torch.tensor([0])),
+            dynamic_shapes={"decoder_input_ids": None, "encoder_hidden_states": {1: torch.export.Dim("length", max=64)},
+                            "cache_position": None},
+            strict=True,
+        ).module()
+        encoded = model.get_encoder()(input_ids=input_ids).last_hidden_state
+        tokens = [model.config.decoder_start_token_id]
+        for step in range(4):
+            logits = exported(torch.tensor([[tokens[-1]]]), encoded, torch.tensor([step]))
+            tokens.append(int(logits[0, -1].argmax()))
+        expected = model.generate(input_ids, max_new_tokens=4, min_new_tokens=4, do_sample=False)
+    assert tokens == expected[0].tolist()

@@ -43,6 +43,7 @@ from .input_checks import (
     cut_to_length,
     pad_right,
     summarization_documents,
+    take_cache_argument,
 )
 
 logger = logging.get_logger(__name__)
@@ -938,10 +939,19 @@ class T5DecoderStack(nn.Module):
         encoder_attention_mask: torch.Tensor | None = None,
         inputs_embeds: torch.Tensor | None = None,
         past_key_values: Cache | None = None,
-        use_cache: bool = False,
+        use_cache: bool | None = None,
         output_attentions: bool = False,
         output_hidden_states: bool = False,
+        *,
+        cache: Cache | None = None,
+        return_dict: bool | None = None,
     ) -> BaseModelOutputWithPastAndCrossAttentions:
+        """As T5's decoder stack, also when called on its own (``model.get_decoder()``, transformers' ExecuTorch
+        export): the cache as ``cache`` (transformers >= 5.24) or ``past_key_values``, ``use_cache`` from the config
+        when not given, a tuple with ``return_dict=False``."""
+        past_key_values = take_cache_argument(past_key_values, {"cache": cache})
+        if use_cache is None:
+            use_cache = bool(getattr(self.config, "use_cache", False))
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Pass exactly one of `decoder_input_ids` and `decoder_inputs_embeds`.")
         if use_cache and self.training and torch.is_grad_enabled() and any(
@@ -1040,13 +1050,14 @@ class T5DecoderStack(nn.Module):
         hidden_states = self.dropout(self.final_layer_norm(hidden_states))
         if all_hidden is not None:
             all_hidden.append(hidden_states)
-        return BaseModelOutputWithPastAndCrossAttentions(
+        output = BaseModelOutputWithPastAndCrossAttentions(
             last_hidden_state=hidden_states,
             **cache_field(past_key_values if use_cache else None),
             hidden_states=tuple(all_hidden) if all_hidden is not None else None,
             attentions=tuple(all_self) if all_self is not None else None,
             cross_attentions=tuple(all_cross) if all_cross is not None else None,
         )
+        return output if return_dict is not False else output.to_tuple()
 
 
 # ---------------------------------------------------------------------------------------------------------------------
