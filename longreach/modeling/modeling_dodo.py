@@ -25,6 +25,7 @@ the chunk, top-k by ratio or threshold Λ) and the θ states of the remaining τ
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import inspect
 import json
@@ -292,6 +293,30 @@ def token_positions(mask: torch.Tensor, offset: torch.Tensor | int = 0) -> torch
 def last_real_column(mask: torch.Tensor) -> torch.LongTensor:
     """Index of each row's last real token (the forced nugget; correct for right and left padding)."""
     return mask.shape[1] - 1 - mask.flip(dims=[1]).int().argmax(dim=1)
+
+
+#: Dodo settings the model's modules are made from at construction (its LoRA layers and its soft prompt). Assigned to
+#: `model.config` afterwards, another value would not reach them (only the code that reads the config: `lora_layers`
+#: decides where the scorer reads its features), and a saved config.json would describe other weights.
+BUILT_SETTINGS = (
+    "lora_r",
+    "lora_alpha",
+    "lora_dropout",
+    "lora_target_modules",
+    "lora_layers",
+    "encoder_adapter_name",
+    "decoder_adapter_name",
+    "soft_prompt_length",
+)
+
+
+def _comparable_setting(name: str, value, num_hidden_layers: int):
+    """A built setting as the model uses it: LoRA layers and target modules as sorted sets (`None`: every layer)."""
+    if name == "lora_layers":
+        return list(range(num_hidden_layers)) if value is None else sorted(set(value))
+    if name == "lora_target_modules":
+        return sorted(set(value))
+    return value
 
 
 def _config_fingerprint(config: DodoLlamaConfig) -> str:
@@ -593,6 +618,7 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
                 layer.lora_A[name]._dodo_lora_role = "A"
                 layer.lora_B[name]._dodo_lora_role = "B"
         self._dodo_active_adapter = ()  # sentinel: nothing selected yet
+        self._dodo_built_settings = {name: copy.deepcopy(getattr(config, name)) for name in BUILT_SETTINGS}
         self.post_init()
         self.freeze_base_model()
 
@@ -630,6 +656,34 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
             "To fine-tune Dodo, train its own adapters, scorer and soft prompt (examples/finetune_dodo.py); to use θ on "
             "a plain Llama, see `export_peft_adapters`."
         )
+
+    def _check_config(self) -> None:
+        """`model.config` as this model can run it. Dodo's settings are read at every call, so one assigned after
+        loading counts: it must be valid (`DodoLlamaConfig.validate_dodo`, which `save_pretrained` runs too, only then),
+        and those the modules were built from (`BUILT_SETTINGS`) must be unchanged."""
+        layers = self.config.num_hidden_layers
+        for name, built in self._dodo_built_settings.items():
+            value = getattr(self.config, name)
+            if _comparable_setting(name, value, layers) != _comparable_setting(name, built, layers):
+                raise ValueError(
+                    f"`config.{name}` was changed to {value!r} after the model was built with {built!r}: the LoRA "
+                    "layers and the soft prompt are made from it at construction, so the change would not apply to "
+                    "them (and `save_pretrained` would write a config that does not describe the weights). Set it back, "
+                    f"or build a model with it (`DodoLlamaForCausalLM(config)`, or `from_pretrained(path, {name}=...)` "
+                    "where the checkpoint's weights fit it)."
+                )
+        self.config.validate_dodo()
+
+    def _check_model_state(self) -> None:
+        """What every call that starts from scratch checks first: the config (`_check_config`), then the adapters."""
+        self._check_config()
+        self._check_own_adapters()
+
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        """``PreTrainedModel.save_pretrained`` (with the code files, see `HubReadyMixin`), refused before anything is
+        written where `model.config` no longer describes the model (`_check_config`)."""
+        self._check_config()
+        return super().save_pretrained(save_directory, *args, **kwargs)
 
     def set_active_adapter(self, adapter_name: str | None) -> None:
         """Run the backbone with adapter ``adapter_name`` (φ or θ name), or with no adapter (``None``).
@@ -876,7 +930,7 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
                 ``generate`` pass ``context_input_ids`` / ``context_attention_mask``).
         """
         ids_name, mask_name = argument_names
-        self._check_own_adapters()
+        self._check_model_state()
         check_token_ids(ids_name, input_ids, vocab_size=self.get_input_embeddings().num_embeddings)
         check_mask(mask_name, attention_mask, ids_name, input_ids)
         check_binary_mask(mask_name, attention_mask)
@@ -1352,7 +1406,7 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
 
         cache = past_key_values if _is_a(past_key_values, DodoCache) and past_key_values.started else None
         if cache is None and context_input_ids is None:  # (compress() has just checked)
-            self._check_own_adapters()
+            self._check_model_state()
         if cache is None and past_key_values is not None and past_key_values.get_seq_length() > 0:
             raise ValueError(
                 "The cache (`cache`, or `past_key_values`) must be the DodoCache this model returned; got a "
