@@ -1,5 +1,5 @@
-"""Dodo as a Llama/PEFT user drives it after loading: edits of `model.config` (checked when the model runs or is
-saved)."""
+"""Dodo as a Llama/PEFT user drives it after loading: edits of `model.config` (checked when the model runs or is saved)
+and `from_pretrained` settings that would leave checkpoint weights unused."""
 
 from __future__ import annotations
 
@@ -8,6 +8,9 @@ import re
 import pytest
 import torch
 from test_modeling_dodo import ids, tiny_model
+from transformers import AutoModelForCausalLM
+
+import longreach  # noqa: F401  (Auto classes)
 
 
 @pytest.mark.parametrize(
@@ -78,3 +81,26 @@ def test_settings_the_model_was_built_with_cannot_be_changed_in_its_config(tmp_p
     setattr(model.config, field, built)  # set back: the model runs again
     with torch.no_grad():
         assert model(prompt, context_input_ids=context).logits.shape == (1, 4, model.config.vocab_size)
+
+
+@pytest.mark.parametrize(
+    "override, unused",
+    [
+        ({"lora_layers": [1, 2]}, r"model\.layers\.0\.self_attn\.(q|v|o)_proj\.base_layer\.weight"),
+        ({"lora_target_modules": ["v_proj", "o_proj"]}, r"self_attn\.q_proj\.base_layer\.weight"),
+        ({"encoder_adapter_name": "phi"}, r"lora_(A|B)\.encoder\.weight"),
+    ],
+)
+def test_from_pretrained_refuses_settings_that_leave_checkpoint_weights_unused(tmp_path, override, unused):
+    """Loading a Dodo folder with other LoRA layers or adapter names used to succeed with a load report only: the
+    projections the checkpoint stores as ``base_layer`` were left randomly initialised (`lora_layers`,
+    `lora_target_modules`), or the trained adapter was replaced by a fresh one (adapter names)."""
+    model = tiny_model()
+    model.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=rf"has no place for weights of the checkpoint: .*{unused}"):
+        AutoModelForCausalLM.from_pretrained(tmp_path, **override)
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path)  # the folder's own settings load every weight
+    context, prompt = ids(1, 20), ids(1, 4)
+    with torch.no_grad():
+        assert torch.equal(reloaded(prompt, context_input_ids=context).logits,
+                           model(prompt, context_input_ids=context).logits)

@@ -746,6 +746,19 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
                 "like a plain Llama checkpoint: load it with "
                 "DodoLlamaForCausalLM.from_base_model(path, dodo_config={...})."
             )
+        # A Dodo checkpoint loaded with other LoRA layers, target modules or adapter names: the projections it stores
+        # wrapped (`base_layer`) would stay randomly initialised, its trained adapters would give way to fresh ones.
+        unused = sorted(key for key in info.get("unexpected_keys", [])
+                        if ".base_layer." in key or ".lora_A." in key or ".lora_B." in key)
+        if unused:
+            settings = {name: getattr(model.config, name) for name in
+                        ("lora_layers", "lora_target_modules", "encoder_adapter_name", "decoder_adapter_name")}
+            raise ValueError(
+                f"A model with {settings} has no place for weights of the checkpoint: {unused[:4]}"
+                f"{'...' if len(unused) > 4 else ''} ({len(unused)} in all); the layers they belong to would be left "
+                f"randomly initialised or with fresh adapters. Load {pretrained_model_name_or_path} with the settings "
+                "of its own config.json (leave these out of `from_pretrained`)."
+            )
         # transformers would undo load-time renamings when saving (writing `q_proj.weight` again); a Dodo checkpoint is
         # always written with the model's own names.
         model._weight_conversions = []
