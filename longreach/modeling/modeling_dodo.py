@@ -668,9 +668,9 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
                 raise ValueError(
                     f"`config.{name}` was changed to {value!r} after the model was built with {built!r}: the LoRA "
                     "layers and the soft prompt are made from it at construction, so the change would not apply to "
-                    "them (and `save_pretrained` would write a config that does not describe the weights). Set it back, "
-                    f"or build a model with it (`DodoLlamaForCausalLM(config)`, or `from_pretrained(path, {name}=...)` "
-                    "where the checkpoint's weights fit it)."
+                    "them (and `save_pretrained` would write a config that does not describe the weights). Set it "
+                    "back, or build a model with it (`DodoLlamaForCausalLM(config)`, or "
+                    f"`from_pretrained(path, {name}=...)` where the checkpoint's weights fit it)."
                 )
         self.config.validate_dodo()
 
