@@ -461,6 +461,8 @@ def summarize_corpus_command(args: argparse.Namespace) -> int:
         raise UsageError(f"longreach summarize --input needs --output OUT.jsonl (one JSON line per summary), got "
                          f"{args.output!r}")
     kind = corpus_module.input_kind(args.input)
+    if kind == "unsupported":
+        raise UsageError(corpus_module.unsupported_input(args.input))
     given = getattr(args, "table_options_given", [])
     if kind in ("folder", "text") and given:
         raise UsageError(f"longreach summarize: {' / '.join(given)} appl{'ies' if len(given) == 1 else 'y'} to table "

@@ -38,6 +38,15 @@ from pathlib import Path
 
 TEXT_SUFFIXES = (".txt", ".md")
 TABLE_BUILDERS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
+#: Files that are not one document's text, and what to do with them (read as text, a .tsv would be one document).
+NOT_READ_SUFFIXES = {
+    **dict.fromkeys((".gz", ".bz2", ".xz", ".zst", ".zip", ".tar", ".tgz", ".7z"), "decompress it first"),
+    ".tsv": "write it as .csv (comma-separated)",
+    **dict.fromkeys((".ndjson", ".jsonlines"), "rename it to .jsonl (the same format)"),
+    **dict.fromkeys((".xlsx", ".xls", ".ods", ".arrow", ".feather", ".pkl", ".pickle"),
+                    "save it as .jsonl, .csv or .parquet"),
+    **dict.fromkeys((".pdf", ".docx", ".doc", ".odt", ".rtf", ".epub"), "extract its text into a .txt file first"),
+}
 
 
 class CorpusError(ValueError):
@@ -99,20 +108,30 @@ def _printable(text: str) -> str:
 
 def input_kind(source: str) -> str:
     """What ``--input`` names: ``"folder"``, ``"text"`` (one text file), ``"table"`` (a ``.jsonl`` / ``.json`` /
-    ``.csv`` / ``.parquet`` file), ``"hub"`` (a Hub dataset name) or ``"missing"`` (a local path that is not there:
-    anything :func:`~longreach.hub.looks_like_local_path` calls a path, and a name with a text or table suffix that is
-    not ``namespace/name``, such as a mistyped ``corpus.jsonl``)."""
+    ``.csv`` / ``.parquet`` file), ``"hub"`` (a Hub dataset name), ``"unsupported"`` (a file of a format that is not
+    read, such as ``.tsv`` or ``.jsonl.gz``: see :func:`unsupported_input`) or ``"missing"`` (a local path that is not
+    there: anything :func:`~longreach.hub.looks_like_local_path` calls a path, and a name with a text or table suffix
+    that is not ``namespace/name``, such as a mistyped ``corpus.jsonl``)."""
     from .hub import looks_like_local_path
 
     path = Path(source).expanduser()
     if path.is_dir():
         return "folder"
     if path.is_file():
+        if path.suffix.lower() in NOT_READ_SUFFIXES:
+            return "unsupported"
         return "table" if path.suffix.lower() in TABLE_BUILDERS else "text"
     has_file_suffix = path.suffix.lower() in (*TABLE_BUILDERS, *TEXT_SUFFIXES)
     if looks_like_local_path(source) or (has_file_suffix and (source.count("/") != 1 or path.parent.exists())):
         return "missing"
     return "hub"
+
+
+def unsupported_input(source: str) -> str:
+    """The one-line message for ``--input`` naming a file of a format that is not read (:data:`NOT_READ_SUFFIXES`)."""
+    suffix = Path(source).suffix.lower()
+    return (f"--input {source}: {suffix} files are not read (only .txt / .md text and .jsonl / .json / .csv / "
+            f".parquet tables); {NOT_READ_SUFFIXES[suffix]}.")
 
 
 def read_corpus(source: str, *, split: str = "train", text_column: str = "text", id_column: str | None = None,
@@ -138,6 +157,8 @@ def read_corpus(source: str, *, split: str = "train", text_column: str = "text",
             raise CorpusError(f"--input {source}: {corpus.errors[0]['error']}")
     elif kind == "missing":
         raise CorpusError(f"--input {source}: no such file or folder.")
+    elif kind == "unsupported":
+        raise CorpusError(unsupported_input(source))
     else:
         import datasets
 

@@ -1,4 +1,4 @@
-"""`longreach summarize` with the files users have: a byte order mark."""
+"""`longreach summarize` with the files users have: a byte order mark, data formats that are not read."""
 
 from __future__ import annotations
 
@@ -58,3 +58,31 @@ def test_a_byte_order_mark_is_not_part_of_the_document(model_folder, tmp_path, m
         assert capsys.readouterr().out.strip() == records["plain.txt"]["summary"]
     unknown = 2  # <unk>
     assert len(read) == 6 and unknown not in read[0] and all(ids == read[0] for ids in read), read
+
+
+@pytest.mark.parametrize("name, advice", [("corpus.tsv", "write it as .csv"),
+                                          ("corpus.jsonl.gz", "decompress it first"),
+                                          ("corpus.ndjson", "rename it to .jsonl")])
+def test_data_files_of_formats_that_are_not_read_are_refused(model_folder, tmp_path, capsys, name, advice):
+    """A .tsv or .ndjson table used to be summarized as ONE document (its rows run together, exit code 0); a
+    compressed table got "not UTF-8 text ... convert it with iconv". Refused before the model loads, with the fix."""
+    source = tmp_path / name
+    rows = [{"id": f"d{k}", "text": document(12, offset=k)} for k in range(3)]
+    if name.endswith(".tsv"):
+        source.write_text("id\ttext\n" + "".join(f"{row['id']}\t{row['text']}\n" for row in rows))
+    elif name.endswith(".gz"):
+        import gzip
+
+        source.write_bytes(gzip.compress("".join(json.dumps(row) + "\n" for row in rows).encode()))
+    else:
+        source.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    output = tmp_path / "out.jsonl"
+    assert main(["summarize", "--model", str(model_folder), "--input", str(source), "--output", str(output),
+                 *GENERATION]) == 2
+    error = capsys.readouterr().err.strip()
+    assert len(error.splitlines()) == 1 and f"--input {source}" in error and advice in error, error
+    assert "Traceback" not in error and not output.exists()
+    from longreach import corpus as corpus_module
+
+    with pytest.raises(corpus_module.CorpusError, match=advice):
+        corpus_module.read_corpus(str(source))
