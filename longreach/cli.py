@@ -497,12 +497,14 @@ def summarize_corpus_command(args: argparse.Namespace) -> int:
     unusable = "unreadable" if args.question_column is None else "unreadable or without a question"
     _progress(f"{len(corpus.ids)} documents in {args.input}" + (f" ({len(corpus.errors)} {unusable})" if corpus.errors
                                                                  else ""))
-    summarizer = load_summarizer(args.model, args.tokenizer, device, args.dtype)
-    _check_generation_options(args, summarizer.model)
-    try:
-        corpus_module.check_run_settings(args.output, _run_settings(args))
+    try:  # before minutes of loading the model: a rerun with other settings is refused at once
+        unrecorded = corpus_module.check_run_settings(args.output, _run_settings(args), record=False)
     except corpus_module.CorpusError as error:
         raise UsageError(str(error)) from None
+    summarizer = load_summarizer(args.model, args.tokenizer, device, args.dtype)
+    _check_generation_options(args, summarizer.model)
+    if unrecorded:  # written once the run can start
+        corpus_module.write_run_settings(args.output, _run_settings(args))
     try:
         stats = corpus_module.summarize_corpus(
             summarizer, corpus, args.output, max_batch_tokens=args.max_batch_tokens,

@@ -445,12 +445,14 @@ def settings_path_of(output: Path) -> Path:
 _ADDED_LATER = ("input", "text_column", "id_column", "split")
 
 
-def check_run_settings(output: str | os.PathLike, settings: dict) -> None:
+def check_run_settings(output: str | os.PathLike, settings: dict, record: bool = True) -> bool:
     """Record in ``OUT.settings.json`` what makes a summary (model, tokenizer, input length, generation options, the
     input and its text and id columns), or, where ``OUT`` or its parts already hold summaries made with other
     settings, stop with a :class:`CorpusError` that names them: a rerun finishes a run, it never mixes two. Output of
     a version that wrote no settings is accepted. A file there that is not ours (``OUT``, its parts or its settings)
-    is refused before anything is written."""
+    is refused before anything is written. ``record=False`` only checks (the CLI, before the model loads: nothing is
+    written for a run that then cannot start) and returns whether the settings are still to be written
+    (:func:`write_run_settings`)."""
     output = Path(output)
     path = settings_path_of(output)
     for part in [output, *part_files(output)]:  # a file that is not our output is refused before anything is written
@@ -474,7 +476,16 @@ def check_run_settings(output: str | os.PathLike, settings: dict) -> None:
                        for key in sorted(set(recorded) | set(settings)) if recorded.get(key) != settings.get(key)]
             raise CorpusError(f"--output {output} holds summaries made with other settings ({'; '.join(changed)}); "
                               "rerun with the same settings to finish it, or choose another --output.")
-        return
+        return False
+    if record:
+        write_run_settings(output, settings)
+    return not record
+
+
+def write_run_settings(output: str | os.PathLike, settings: dict) -> None:
+    """Write ``OUT.settings.json`` (atomically); :func:`check_run_settings` first."""
+    output = Path(output)
+    path = settings_path_of(output)
     output.parent.mkdir(parents=True, exist_ok=True)
     temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     temporary.write_text(json.dumps(settings, indent=2, sort_keys=True) + "\n", encoding="utf-8")

@@ -1,4 +1,5 @@
-"""`longreach summarize` with the files users have: a byte order mark, data formats that are not read."""
+"""`longreach summarize` with the files users have: a byte order mark, data formats that are not read, a rerun with
+other settings (refused before the model loads)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from pathlib import Path
 import pytest
 from workflow_helpers import document, save_tiny_locost
 
+from longreach import cli
 from longreach.cli import main
 
 GENERATION = ["--max_new_tokens", "4"]
@@ -86,3 +88,32 @@ def test_data_files_of_formats_that_are_not_read_are_refused(model_folder, tmp_p
 
     with pytest.raises(corpus_module.CorpusError, match=advice):
         corpus_module.read_corpus(str(source))
+
+
+def test_a_rerun_with_other_settings_is_refused_before_the_model_loads(model_folder, tmp_path, monkeypatch, capsys):
+    """The settings check needs no model: a 7B model must not load for minutes only to be told that OUT holds another
+    run's summaries. Nor is a settings file written for a run that could not start (a mistyped --tokenizer)."""
+    source = tmp_path / "corpus.jsonl"
+    source.write_text("".join(json.dumps({"text": document(12, offset=k)}) + "\n" for k in range(3)))
+    output = tmp_path / "out.jsonl"
+    command = ["summarize", "--model", str(model_folder), "--input", str(source), "--output", str(output)]
+    assert main([*command, "--max_new_tokens", "3"]) == 0
+    settings = (tmp_path / "out.settings.json").read_text()
+    capsys.readouterr()
+
+    loads = []
+    load_summarizer = cli.load_summarizer
+    monkeypatch.setattr(cli, "load_summarizer", lambda *args, **kwargs: loads.append(args) or load_summarizer(
+        *args, **kwargs))
+    assert main([*command, "--max_new_tokens", "4"]) == 2
+    assert "holds summaries made with other settings" in capsys.readouterr().err
+    assert loads == []  # refused before loading
+    assert (tmp_path / "out.settings.json").read_text() == settings
+
+    fresh = tmp_path / "fresh" / "out.jsonl"
+    assert main(["summarize", "--model", str(model_folder), "--tokenizer", str(tmp_path / "no-such-tokenizer"),
+                 "--input", str(source), "--output", str(fresh), *GENERATION]) == 2
+    assert "no-such-tokenizer" in capsys.readouterr().err
+    assert not (tmp_path / "fresh" / "out.settings.json").exists()
+    assert main([*command, "--max_new_tokens", "3"]) == 0  # the same settings finish the run, after loading
+    assert len(loads) == 2
