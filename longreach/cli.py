@@ -386,6 +386,17 @@ def summarize(args: argparse.Namespace) -> int:
     return 0
 
 
+def _weight_files(model: str) -> dict:
+    """``{"model_files": {name: [bytes, modification time in ns]}}`` of a local model folder's weight files (empty for
+    a Hub id): a model retrained into the same folder makes other summaries, which a rerun must not mix with the first
+    run's, though the path is the same."""
+    folder = Path(model).expanduser()
+    if not folder.is_dir():
+        return {}
+    files = sorted(path for path in folder.iterdir() if path.suffix in (".safetensors", ".bin") and path.is_file())
+    return {"model_files": {path.name: [path.stat().st_size, path.stat().st_mtime_ns] for path in files}}
+
+
 def _run_settings(args: argparse.Namespace) -> dict:
     """What makes a corpus run's summaries (recorded beside its output; see ``corpus.check_run_settings``)."""
 
@@ -393,7 +404,7 @@ def _run_settings(args: argparse.Namespace) -> dict:
         return str(Path(name).expanduser().resolve()) if name is not None and Path(name).expanduser().exists() else name
 
     settings = {"model": where(args.model), "tokenizer": where(args.tokenizer or args.model), "dtype": args.dtype,
-                "max_input_length": args.max_input_length,
+                **_weight_files(args.model), "max_input_length": args.max_input_length,
                 "generation": {key: value for key, value in _generate_kwargs(args).items()
                                if key != "cache_implementation"}}  # static or dynamic: the same summaries
     for option in ("question", "question_column"):  # only when given: settings recorded before them stay equal

@@ -440,9 +440,9 @@ def settings_path_of(output: Path) -> Path:
     return output.with_name(output.name.removesuffix(".jsonl") + ".settings.json")
 
 
-#: Run settings recorded since a later version (the input and its columns): an output whose settings file lacks them
-#: was written before, and is finished without comparing them.
-_ADDED_LATER = ("input", "text_column", "id_column", "split")
+#: Run settings recorded since a later version (the input and its columns, the model's weight files): an output whose
+#: settings file lacks them was written before, and is finished without comparing them.
+_ADDED_LATER = ("input", "text_column", "id_column", "split", "model_files")
 
 
 def check_run_settings(output: str | os.PathLike, settings: dict, record: bool = True) -> bool:

@@ -117,3 +117,21 @@ def test_a_rerun_with_other_settings_is_refused_before_the_model_loads(model_fol
     assert not (tmp_path / "fresh" / "out.settings.json").exists()
     assert main([*command, "--max_new_tokens", "3"]) == 0  # the same settings finish the run, after loading
     assert len(loads) == 2
+
+
+def test_a_rerun_after_the_model_was_retrained_in_the_same_folder_is_refused(tmp_path, capsys):
+    """The model's path is the same, its weights are not: the rerun would add the new model's summaries to the old
+    one's in one OUT. The weight files' sizes and times are part of the run's settings."""
+    model_folder = save_tiny_locost(tmp_path / "model")
+    source = tmp_path / "corpus.jsonl"
+    source.write_text("".join(json.dumps({"text": document(12, offset=k)}) + "\n" for k in range(3)))
+    output = tmp_path / "out.jsonl"
+    command = ["summarize", "--model", str(model_folder), "--input", str(source), "--output", str(output), *GENERATION]
+    assert main(command) == 0
+    assert main(command) == 0  # an unchanged model finishes (here: leaves) the run
+    capsys.readouterr()
+    save_tiny_locost(model_folder, seed=12345)  # "retrained" into the same folder
+    assert main(command) == 2
+    error = capsys.readouterr().err
+    assert "holds summaries made with other settings (model_files:" in error
+    assert len(read_output(output)) == 3
