@@ -204,13 +204,6 @@ class LocostConfig(FieldTypesCheckedOnAssignment, PreTrainedConfig):
             chunk = getattr(self, name)
             if chunk is not None and (not isinstance(chunk, int) or chunk < 1):
                 raise ValueError(f"`{name}` must be a positive integer or None, got {chunk!r}.")
-        logn_length = self.cross_attention_logn_length
-        if logn_length is not None and (isinstance(logn_length, bool) or not isinstance(logn_length, int)
-                                        or logn_length < 2):
-            raise ValueError(
-                "`cross_attention_logn_length` must be None or an integer >= 2 (the number of encoder tokens the model "
-                f"was trained on), got {logn_length!r}."
-            )
         check_field_types(self, LocostConfig)  # the fields not checked above have their annotated types too
         if not 0 < self.ssm_dt_min <= self.ssm_dt_max:
             raise ValueError(

@@ -265,13 +265,6 @@ class VCCT5Config(FieldTypesCheckedOnAssignment, PreTrainedConfig):
             not isinstance(self.segment_length, int) or isinstance(self.segment_length, bool) or self.segment_length < 1
         ):
             raise ValueError(f"`segment_length` must be a positive integer or None, got {self.segment_length!r}.")
-        logn_length = self.cross_attention_logn_length
-        if logn_length is not None and (isinstance(logn_length, bool) or not isinstance(logn_length, int)
-                                        or logn_length < 2):
-            raise ValueError(
-                "`cross_attention_logn_length` must be None or an integer >= 2 (the number of encoder tokens the model "
-                f"was trained on), got {logn_length!r}."
-            )
         check_field_types(self, VCCT5Config)  # the fields not checked above have their annotated types too
         if not 0.0 <= self.exploration_probability <= 1.0:
             raise ValueError(

@@ -177,7 +177,18 @@ def check_t5_config(config) -> None:
                for token in ids):
             either = " or a list of them" if name == "eos_token_id" else ""
             raise ValueError(f"`{name}` must be a token id (an integer >= 0){either} or None, got {value!r}.")
+    check_logn_length(getattr(config, "cross_attention_logn_length", None))
     ffn_activation(config)
+
+
+def check_logn_length(logn_length) -> None:
+    """`cross_attention_logn_length` is None or an integer >= 2: checked by the configs and, since the decoder reads it
+    at every call, there too (a value assigned after loading gave NaN logits for 1 and a "math domain error" below)."""
+    if logn_length is not None and (isinstance(logn_length, bool) or not isinstance(logn_length, int) or logn_length < 2):
+        raise ValueError(
+            "`cross_attention_logn_length` must be None or an integer >= 2 (the number of encoder tokens the model "
+            f"was trained on), got {logn_length!r}."
+        )
 
 
 def ffn_activation(config) -> tuple[bool, str]:
@@ -1023,6 +1034,7 @@ class T5DecoderStack(nn.Module):
         encoder_bias = padding_bias(encoder_attention_mask, dtype) if encoder_hidden_states is not None else None
         cross_attention_scale = None
         logn_length = getattr(self.config, "cross_attention_logn_length", None)
+        check_logn_length(logn_length)
         if logn_length is not None and encoder_hidden_states is not None:
             cross_attention_scale = logn_attention_scale(
                 encoder_attention_mask, encoder_hidden_states.shape[1], logn_length, device
