@@ -46,3 +46,59 @@ def test_logn_length_assigned_after_loading_is_checked_when_the_decoder_runs(kin
         model.config.cross_attention_logn_length = None
         plain = model(**inputs, decoder_input_ids=inputs["input_ids"][:, :3]).logits
     assert torch.isfinite(scaled).all() and not torch.allclose(scaled, plain)
+
+
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("num_vanilla_layers", 99, "`num_vanilla_layers` must be an integer between 0 and `num_layers` (3), got 99."),
+        # was used silently: every layer but the last vanilla, the last one a VCC layer
+        ("num_vanilla_layers", -1, "`num_vanilla_layers` must be an integer between 0 and `num_layers` (3), got -1."),
+        ("num_refined_blocks", 0, "`num_refined_blocks` must be a positive integer, got 0."),  # was used silently
+        ("block_size", 0, "`block_size` must be a positive integer, got 0."),  # was: ZeroDivisionError
+        ("segment_length", 0, "`segment_length` must be a positive integer or None, got 0."),  # ZeroDivisionError
+        ("num_vip_slots", 0, "`num_vip_slots` must be a positive integer, got 0."),  # was: "cannot reshape tensor ..."
+        ("block_size", 32, "`segment_length` (32) and `block_size` (32) do not fit `num_vip_slots` (8)"),  # was: a hang
+        ("num_vip_slots", 3, "`segment_length` (32) and `block_size` (4) do not fit `num_vip_slots` (3)"),  # a hang
+    ],
+)
+def test_vcc_settings_assigned_after_loading_are_checked_when_the_encoder_runs(field, value, message):
+    """VCC-T5 reads its compression settings at every call; `save_pretrained` checks them, but only then."""
+    model = tiny_vcc()
+    inputs = _inputs("vcc")
+    setattr(model.config, field, value)
+    with torch.no_grad():
+        for call in (lambda: model(**inputs, decoder_input_ids=inputs["input_ids"][:, :3]),
+                     lambda: model.generate(**inputs, max_new_tokens=2),
+                     lambda: model.get_encoder()(**inputs)):
+            with pytest.raises(ValueError, match=re.escape(message)):
+                call()
+    if "do not fit" in message:  # what hung: the config's own length helper, which users call too
+        with pytest.raises(ValueError, match=re.escape(message)):
+            model.config.padded_length(150)
+
+
+def test_vcc_num_layers_changed_after_loading_is_refused():
+    """With `num_layers` lowered to `num_vanilla_layers`, the encoder counted no VCC layer and ran 1 of its 3 layers."""
+    model = tiny_vcc()
+    model.config.num_layers = 1
+    with pytest.raises(ValueError, match=re.escape("`config.num_layers` was changed to 1 after the encoder was built "
+                                                   "with 3 layers")):
+        model.get_encoder()(**_inputs("vcc"))
+
+
+def test_vcc_num_vanilla_layers_changed_after_loading_takes_effect_whole():
+    """A valid `num_vanilla_layers` assigned after loading gives the model built with it (the attention dropout of
+    the layers that changed kind included: VCC layers have none, vanilla layers T5's)."""
+    torch.manual_seed(0)
+    model = tiny_vcc(dropout_rate=0.1)
+    built = tiny_vcc(dropout_rate=0.1, num_vanilla_layers=2)
+    built.load_state_dict(model.state_dict())
+    model.config.num_vanilla_layers = 2
+    inputs = _inputs("vcc")
+    with torch.no_grad():
+        torch.testing.assert_close(model(**inputs, decoder_input_ids=inputs["input_ids"][:, :3]).logits,
+                                   built(**inputs, decoder_input_ids=inputs["input_ids"][:, :3]).logits)
+    dropouts = [[block.layer[0].SelfAttention.dropout for block in m.encoder.block] for m in (model, built)]
+    assert dropouts[0] == dropouts[1] == [0.1, 0.1, 0.0]
+

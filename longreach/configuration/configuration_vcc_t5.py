@@ -298,9 +298,13 @@ class VCCT5Config(FieldTypesCheckedOnAssignment, PreTrainedConfig):
             return length
         minimum = self.num_vip_slots + self.num_refined_blocks * self.block_size
         length = max(length, -(-minimum // segment) * segment)
-        while (length - self.num_vip_slots) % self.block_size:  # at most block_size steps (validate_vcc)
+        for _ in range(self.block_size):  # at most block_size steps where validate_vcc passes
+            if (length - self.num_vip_slots) % self.block_size == 0:
+                return length
             length += segment
-        return length
+        self.validate_vcc()  # settings assigned after construction: name the ones that no length fits
+        raise ValueError(f"No length >= {num_tokens} fits this configuration's `segment_length`, `block_size` and "
+                         "`num_vip_slots`.")
 
     def compression_sizes(self, padded_length: int) -> dict[str, int]:
         """`{"num_blocks": n_b, "compressed_length": r}` for a padded length, checking the original's constraints

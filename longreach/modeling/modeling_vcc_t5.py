@@ -285,10 +285,32 @@ class VCCT5Encoder(nn.Module):
         self.block = nn.ModuleList(
             [VCCT5EncoderBlock(config, has_relative_attention_bias=(i == 0), layer_idx=i) for i in range(config.num_layers)]
         )
-        for block in self.block[config.num_vanilla_layers:]:
-            block.layer[0].SelfAttention.dropout = 0.0  # as the authors' VCC layers: no attention-probability dropout
         self.final_layer_norm = T5LayerNorm(config.d_model, eps=config.layer_norm_epsilon)
         self.dropout = Dropout(config.dropout_rate)
+        self.attention_dropout = config.dropout_rate
+        self._set_vcc_layers(config.num_vanilla_layers)
+
+    def _set_vcc_layers(self, num_vanilla_layers: int) -> None:
+        """As the authors' VCC layers, the layers after the first `num_vanilla_layers` apply no dropout to attention
+        probabilities; the vanilla ones apply T5's."""
+        for index, block in enumerate(self.block):
+            block.layer[0].SelfAttention.dropout = 0.0 if index >= num_vanilla_layers else self.attention_dropout
+        self._num_vanilla_layers = num_vanilla_layers
+
+    def check_config(self) -> None:
+        """`self.config` as this encoder runs it, checked when a call starts: the VCC settings are read at every call, so
+        an edit of `model.config` after loading counts. It must be valid (`VCCT5Config.validate_vcc`, which
+        `save_pretrained` runs too, only then: an invalid value hung, failed deep inside or was used silently) and keep
+        the number of layers the encoder was built with; a new `num_vanilla_layers` takes effect."""
+        config = self.config
+        if config.num_layers != len(self.block):
+            raise ValueError(
+                f"`config.num_layers` was changed to {config.num_layers!r} after the encoder was built with "
+                f"{len(self.block)} layers; set it back (to run fewer VCC layers, raise `num_vanilla_layers`)."
+            )
+        config.validate_vcc()
+        if config.num_vanilla_layers != self._num_vanilla_layers:
+            self._set_vcc_layers(config.num_vanilla_layers)
 
     def bias_per_distance(self, max_position: int, device: torch.device) -> torch.Tensor:
         """`[heads, 2·max_position + 1]`: the relative position bias of every distance in `[-max_position,
@@ -389,6 +411,8 @@ class VCCT5Encoder(nn.Module):
         """
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Pass exactly one of `input_ids` and `inputs_embeds` to the VCC-T5 encoder.")
+        if not torch.compiler.is_compiling():
+            self.check_config()
         check_token_ids("input_ids", input_ids, vocab_size=self.embed_tokens.num_embeddings)
         check_hidden_states("inputs_embeds", inputs_embeds, self.embed_tokens.embedding_dim)
         like = input_ids if input_ids is not None else inputs_embeds
