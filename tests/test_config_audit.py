@@ -102,3 +102,17 @@ def test_vcc_num_vanilla_layers_changed_after_loading_takes_effect_whole():
     dropouts = [[block.layer[0].SelfAttention.dropout for block in m.encoder.block] for m in (model, built)]
     assert dropouts[0] == dropouts[1] == [0.1, 0.1, 0.0]
 
+
+
+@pytest.mark.parametrize("field, value", [("relative_attention_max_distance", 40), ("relative_attention_num_buckets", 64)])
+def test_vcc_relative_attention_settings_are_those_it_was_built_with(field, value):
+    """As in T5, whose attention layers keep the bucketing they were built with: VCC-T5's encoder read it from the
+    config at every call instead (its decoder did not), so an edit changed the encoder's biases alone, or failed with
+    "IndexError: index out of range in self" (more buckets than the table has rows)."""
+    model = tiny_vcc()
+    inputs = _inputs("vcc")
+    with torch.no_grad():
+        expected = model(**inputs, decoder_input_ids=inputs["input_ids"][:, :3]).logits
+        setattr(model.config, field, value)
+        torch.testing.assert_close(model(**inputs, decoder_input_ids=inputs["input_ids"][:, :3]).logits, expected,
+                                   rtol=0, atol=0)

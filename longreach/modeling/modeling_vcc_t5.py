@@ -316,9 +316,10 @@ class VCCT5Encoder(nn.Module):
         """`[heads, 2·max_position + 1]`: the relative position bias of every distance in `[-max_position,
         max_position]`, from block 0's table (asked of its forward: see `VCCT5EncoderBlock`), for `relative_bias`."""
         distances = torch.arange(-max_position, max_position + 1, device=device)
+        table = self.block[0].layer[0].SelfAttention  # its bucketing, as T5's attention: the one the table was built for
         buckets = relative_position_bucket(distances, bidirectional=True,
-                                           num_buckets=self.config.relative_attention_num_buckets,
-                                           max_distance=self.config.relative_attention_max_distance)
+                                           num_buckets=table.relative_attention_num_buckets,
+                                           max_distance=table.relative_attention_max_distance)
         return self.block[0](relative_buckets=buckets)
 
     @staticmethod
