@@ -116,3 +116,53 @@ def test_vcc_relative_attention_settings_are_those_it_was_built_with(field, valu
         setattr(model.config, field, value)
         torch.testing.assert_close(model(**inputs, decoder_input_ids=inputs["input_ids"][:, :3]).logits, expected,
                                    rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("field, value", [
+    ("ssm_authors_fft_size", True),  # another function: the saved config said so, the model in memory did not
+    ("encoder_chunk_length", 8),
+    ("encoder_accelerator_chunk_length", 8),
+    ("ssm_kernel_chunk_size", 4),
+    ("ssm_kernel_cache_lengths", 0),
+    ("ssm_kernel_cache_bytes", 0),
+])
+def test_locost_encoder_settings_assigned_after_loading_take_effect(field, value):
+    """LOCOST's encoder copied these settings when it was built, so an edit of `model.config` after loading was
+    ignored, and `save_pretrained` wrote a config describing another computation. They now apply from the next call:
+    the model computes what a model built with them computes, the kernel cache of the old settings dropped."""
+    torch.manual_seed(0)
+    model = tiny_locost()
+    built = tiny_locost(**{field: value})
+    built.load_state_dict(model.state_dict())
+    input_ids = torch.randint(2, 99, (2, 37))  # an even-padded length of 38, not a power of two
+    decoder_input_ids = input_ids[:, :3]
+    with torch.no_grad():
+        model(input_ids, decoder_input_ids=decoder_input_ids)  # (fills the kernel cache with the old settings)
+        setattr(model.config, field, value)
+        logits = model(input_ids, decoder_input_ids=decoder_input_ids).logits
+        torch.testing.assert_close(logits, built(input_ids, decoder_input_ids=decoder_input_ids).logits,
+                                   rtol=0, atol=0)
+
+    def settings(m):
+        conv = m.encoder.block[1].layer[0].ssm.conv
+        return (m.encoder.chunk_length, m.encoder.accelerator_chunk_length, conv.kernel_chunk_size,
+                conv.kernel_cache_lengths, conv.kernel_cache_bytes, conv.authors_fft_size)
+
+    assert settings(model) == settings(built)
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("encoder_chunk_length", 0, "`encoder_chunk_length` must be a positive integer or None, got 0."),
+    ("ssm_kernel_chunk_size", -4, "`ssm_kernel_chunk_size` must be a positive integer, got -4."),
+    ("ssm_kernel_cache_bytes", -1, "`ssm_kernel_cache_bytes` must be a non-negative integer"),
+])
+def test_locost_encoder_settings_assigned_after_loading_are_checked(field, value, message):
+    model = tiny_locost()
+    input_ids = torch.randint(2, 99, (2, 37))
+    setattr(model.config, field, value)
+    with torch.no_grad():
+        for call in (lambda: model(input_ids, decoder_input_ids=input_ids[:, :3]),
+                     lambda: model.generate(input_ids, max_new_tokens=2),
+                     lambda: model.get_encoder()(input_ids)):
+            with pytest.raises(ValueError, match=re.escape(message)):
+                call()

@@ -18,6 +18,11 @@ class LocostConfig(FieldTypesCheckedOnAssignment, PreTrainedConfig):
     `encoder_attention_type`, `ssm_type`) are not kept; their `use_fast_fft_conv` is `ssm_authors_fft_size` below,
     off unless asked for.
 
+    The encoder's computation settings (`encoder_chunk_length`, `encoder_accelerator_chunk_length`,
+    `ssm_kernel_chunk_size`, `ssm_kernel_cache_lengths`, `ssm_kernel_cache_bytes`, `ssm_authors_fft_size`) can be
+    changed on a loaded model through `model.config`: they apply from its next call. The others are read when the model
+    is built, as T5's are.
+
     Args:
         vocab_size (`int`, defaults to 32100):
             Rows of the shared token embedding (the LongT5 tokenizer's `len(tokenizer)`).

@@ -132,6 +132,18 @@ class LocostEncoderBlock(GradientCheckpointingLayer):
             hidden_states[:, piece] = ff_layer(hidden_states[:, piece])
 
 
+#: `LocostConfig` fields that set how the encoder computes, not its weights -> where the encoder keeps them (``conv.``:
+#: in each block's SSM convolution). An edit of `model.config` after loading applies from the next call.
+ENCODER_RUNTIME_SETTINGS = {
+    "encoder_chunk_length": "chunk_length",
+    "encoder_accelerator_chunk_length": "accelerator_chunk_length",
+    "ssm_kernel_chunk_size": "conv.kernel_chunk_size",
+    "ssm_kernel_cache_lengths": "conv.kernel_cache_lengths",
+    "ssm_kernel_cache_bytes": "conv.kernel_cache_bytes",
+    "ssm_authors_fft_size": "conv.authors_fft_size",
+}
+
+
 class LocostEncoder(nn.Module):
     """embedding -> dropout -> SSM blocks -> RMSNorm -> dropout. The attention mask is applied in every block."""
 
@@ -139,12 +151,34 @@ class LocostEncoder(nn.Module):
 
     def __init__(self, config: LocostConfig, embed_tokens: nn.Embedding):
         super().__init__()
+        self.config = config
         self.embed_tokens = embed_tokens
         self.block = nn.ModuleList([LocostEncoderBlock(config) for _ in range(config.num_layers)])
         self.final_layer_norm = T5LayerNorm(config.d_model, eps=config.layer_norm_epsilon)
         self.dropout = Dropout(config.dropout_rate)
         self.chunk_length = config.encoder_chunk_length
         self.accelerator_chunk_length = config.encoder_accelerator_chunk_length
+        self._applied_settings = {name: getattr(config, name) for name in ENCODER_RUNTIME_SETTINGS}
+
+    def apply_config(self) -> None:
+        """Apply the `ENCODER_RUNTIME_SETTINGS` of `self.config` that changed since the last call (checked first with
+        `LocostConfig.validate_locost`): assigned to `model.config` after loading, they were ignored, and the saved
+        config then described another computation (`ssm_authors_fft_size` is another function)."""
+        current = {name: getattr(self.config, name) for name in ENCODER_RUNTIME_SETTINGS}
+        changed = {name: value for name, value in current.items() if value != self._applied_settings[name]}
+        if not changed:
+            return
+        self.config.validate_locost()
+        for name, value in changed.items():
+            target = ENCODER_RUNTIME_SETTINGS[name]
+            if target.startswith("conv."):
+                for block in self.block:
+                    conv = block.layer[0].ssm.conv
+                    setattr(conv, target.removeprefix("conv."), value)
+                    conv.clear_kernel_cache()  # spectra of the previous settings
+            else:
+                setattr(self, target, value)
+            self._applied_settings[name] = value
 
     def piece_length(self, device: torch.device) -> int | None:
         """Positions per piece of the long-input path for inputs on ``device`` (None: one piece): the CPU's
@@ -165,6 +199,8 @@ class LocostEncoder(nn.Module):
         block but the last, then the final-norm output. The encoder has no attention, so ``attentions`` is None."""
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Pass exactly one of `input_ids` and `inputs_embeds` to the LOCOST encoder.")
+        if not torch.compiler.is_compiling():
+            self.apply_config()
         check_token_ids("input_ids", input_ids, vocab_size=self.embed_tokens.num_embeddings)
         callers_embeddings = inputs_embeds is not None
         if inputs_embeds is None:
