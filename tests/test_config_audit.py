@@ -166,3 +166,23 @@ def test_locost_encoder_settings_assigned_after_loading_are_checked(field, value
                      lambda: model.get_encoder()(input_ids)):
             with pytest.raises(ValueError, match=re.escape(message)):
                 call()
+
+
+def test_vcc_from_pretrained_takes_overrides_under_the_original_names(tmp_path):
+    """`VCCT5Config(short_segment_size=64)` takes the original code's names; as `from_pretrained` overrides they were
+    left unused (a config kept the stored value, a model failed with "__init__() got an unexpected keyword argument
+    'short_segment_size'")."""
+    from transformers import AutoConfig, AutoModelForSeq2SeqLM
+
+    from longreach import VCCT5Config
+
+    tiny_vcc().save_pretrained(tmp_path)
+    for load in (VCCT5Config.from_pretrained, AutoConfig.from_pretrained):
+        config, unused = load(tmp_path, short_segment_size=64, num_important_tokens=16, explore_prob=0.5,
+                              return_unused_kwargs=True)
+        assert (config.segment_length, config.num_vip_slots, config.exploration_probability, unused) == (64, 16, 0.5, {})
+    assert AutoModelForSeq2SeqLM.from_pretrained(tmp_path, short_segment_size=64).config.segment_length == 64
+    with pytest.raises(ValueError, match="The original config sets `selector_type='random'`"):
+        VCCT5Config.from_pretrained(tmp_path, selector_type="random")
+    with pytest.raises(ValueError, match=re.escape("`segment_length` must be a positive integer or None, got 0.")):
+        AutoModelForSeq2SeqLM.from_pretrained(tmp_path, short_segment_size=0)

@@ -219,6 +219,10 @@ class VCCT5Config(FieldTypesCheckedOnAssignment, PreTrainedConfig):
             for stored in shadowed[name]:
                 config_dict.pop(stored, None)
         config_dict = pop_field_overrides(cls, config_dict, kwargs)
+        # overrides under the original code's names, which the constructor takes too (they were left unused)
+        originals = {*ORIGINAL_FIELD_NAMES, "encoder_layers", *ORIGINAL_FIXED_FIELDS, *ORIGINAL_IGNORED_FIELDS}
+        for original in set(kwargs) & originals:
+            config_dict[original] = kwargs.pop(original)
         return super().from_dict(config_dict, **kwargs)
 
     @classmethod
