@@ -298,8 +298,8 @@ class VCCT5Encoder(nn.Module):
         self._num_vanilla_layers = num_vanilla_layers
 
     def check_config(self) -> None:
-        """`self.config` as this encoder runs it, checked when a call starts: the VCC settings are read at every call, so
-        an edit of `model.config` after loading counts. It must be valid (`VCCT5Config.validate_vcc`, which
+        """`self.config` as this encoder runs it, checked when a call starts: the VCC settings are read at every call,
+        so an edit of `model.config` after loading counts. It must be valid (`VCCT5Config.validate_vcc`, which
         `save_pretrained` runs too, only then: an invalid value hung, failed deep inside or was used silently) and keep
         the number of layers the encoder was built with; a new `num_vanilla_layers` takes effect."""
         config = self.config
@@ -316,7 +316,7 @@ class VCCT5Encoder(nn.Module):
         """`[heads, 2·max_position + 1]`: the relative position bias of every distance in `[-max_position,
         max_position]`, from block 0's table (asked of its forward: see `VCCT5EncoderBlock`), for `relative_bias`."""
         distances = torch.arange(-max_position, max_position + 1, device=device)
-        table = self.block[0].layer[0].SelfAttention  # its bucketing, as T5's attention: the one the table was built for
+        table = self.block[0].layer[0].SelfAttention  # the bucketing its table was built for (T5's attention keeps it)
         buckets = relative_position_bucket(distances, bidirectional=True,
                                            num_buckets=table.relative_attention_num_buckets,
                                            max_distance=table.relative_attention_max_distance)

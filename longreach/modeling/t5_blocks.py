@@ -184,7 +184,8 @@ def check_t5_config(config) -> None:
 def check_logn_length(logn_length) -> None:
     """`cross_attention_logn_length` is None or an integer >= 2: checked by the configs and, since the decoder reads it
     at every call, there too (a value assigned after loading gave NaN logits for 1 and a "math domain error" below)."""
-    if logn_length is not None and (isinstance(logn_length, bool) or not isinstance(logn_length, int) or logn_length < 2):
+    if logn_length is not None and (isinstance(logn_length, bool) or not isinstance(logn_length, int)
+                                    or logn_length < 2):
         raise ValueError(
             "`cross_attention_logn_length` must be None or an integer >= 2 (the number of encoder tokens the model "
             f"was trained on), got {logn_length!r}."
