@@ -99,9 +99,16 @@ def _pipeline_module_for() -> str | None:
 
 
 def _own_class(model) -> type:
-    """The class that ``model`` was built from. FSDP2's ``fully_shard`` swaps an instance's class for a subclass
-    ``FSDP<Name>`` made inside torch (its ``__module__`` is torch's ``_fsdp_init``), whose module is not ours."""
-    return next(cls for cls in type(model).__mro__ if not cls.__module__.startswith("torch."))
+    """Our class that ``model`` was built from: the first class of its MRO whose module defines the classes that
+    ``auto_map`` names. Skipped: FSDP2's ``FSDP<Name>`` (``fully_shard`` swaps an instance's class for it; its module is
+    torch's) and subclasses written by the user (a notebook's cell has no source file, and a script's file is theirs,
+    not code to upload); their folders load with our class, as a subclass of T5 loads as T5."""
+    names = set(model._hub_auto_classes.values())
+    for cls in type(model).__mro__:
+        module = sys.modules.get(cls.__module__)
+        if names and all(getattr(getattr(module, name, None), "__module__", None) == cls.__module__ for name in names):
+            return cls
+    raise ValueError(f"{type(model).__name__} is not built on a class of a longreach modeling module.")
 
 
 #: The folders `Trainer` saves checkpoints in (transformers' `PREFIX_CHECKPOINT_DIR` + the step).
@@ -169,9 +176,10 @@ class HubReadyMixin:
     _hub_pipeline_auto_class: str | None = None
 
     def hub_auto_map(self) -> dict[str, str]:
-        config_module = type(self.config).__module__.rpartition(".")[2]
-        model_module = _own_class(self).__module__.rpartition(".")[2]
-        auto_map = {"AutoConfig": f"{config_module}.{type(self.config).__name__}"}
+        own = _own_class(self)
+        config_module = own.config_class.__module__.rpartition(".")[2]
+        model_module = own.__module__.rpartition(".")[2]
+        auto_map = {"AutoConfig": f"{config_module}.{own.config_class.__name__}"}
         auto_map.update({auto: f"{model_module}.{name}" for auto, name in self._hub_auto_classes.items()})
         return auto_map
 
@@ -183,7 +191,8 @@ class HubReadyMixin:
         """
         save_directory = Path(save_directory)
         save_directory.mkdir(parents=True, exist_ok=True)
-        roots = [_own_class(self).__module__, type(self.config).__module__]
+        own = _own_class(self)
+        roots = [own.__module__, own.config_class.__module__]
         pipeline_module = _pipeline_module_for() if self._hub_pipeline_auto_class else None
         if pipeline_module is not None:
             roots.append(pipeline_module)

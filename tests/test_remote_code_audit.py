@@ -1,0 +1,78 @@
+"""Hub-ready folders in situations the other tests do not cover: models subclassed in the user's own code, uploads from
+``save_pretrained(push_to_hub=True)``."""
+
+from __future__ import annotations
+
+import json
+import sys
+import types
+
+import torch
+from remote_code_helpers import run_without_longreach
+from workflow_helpers import tiny_locost
+
+from longreach import LocostConfig, LocostForConditionalGeneration
+
+
+def _subclass_in(module_name: str, monkeypatch, with_file: str | None = None) -> type:
+    """A subclass of LocostForConditionalGeneration (and of its config) defined in the user's module ``module_name``
+    (``with_file``: its source file; ``None``: a notebook's cell, which has none)."""
+    module = types.ModuleType(module_name)
+    if with_file is not None:
+        module.__file__ = with_file
+    monkeypatch.setitem(sys.modules, module_name, module)
+    config_class = types.new_class("MyLocostConfig", (LocostConfig,))
+    model_class = types.new_class("MyLocost", (LocostForConditionalGeneration,))
+    model_class.config_class = config_class
+    for cls in (config_class, model_class):
+        cls.__module__ = module_name
+        setattr(module, cls.__name__, cls)
+    return model_class
+
+
+def test_a_subclass_from_a_notebook_saves_our_code(tmp_path, monkeypatch):
+    """A model class subclassed in a notebook (its module has no file): save_pretrained raised "Cannot export module
+    '__main__' as remote code: it has no source file" (Trainer's checkpoints too), where a subclass of T5 saves."""
+    model_class = _subclass_in("__notebook_cell__", monkeypatch)
+    reference = tiny_locost()
+    model = model_class(model_class.config_class(**reference.config.to_diff_dict())).eval()
+    model.load_state_dict(reference.state_dict())
+    model.save_pretrained(tmp_path / "mine")
+    reference.save_pretrained(tmp_path / "reference")
+    code = sorted(path.name for path in (tmp_path / "mine").glob("*.py"))
+    assert code == sorted(path.name for path in (tmp_path / "reference").glob("*.py"))
+    config = json.loads((tmp_path / "mine" / "config.json").read_text())
+    assert config["auto_map"] == json.loads((tmp_path / "reference" / "config.json").read_text())["auto_map"]
+    assert config["architectures"] == ["MyLocost"]  # as transformers writes it for a subclass of T5
+
+
+def test_a_subclass_from_a_script_loads_where_longreach_cannot_be_imported(tmp_path, monkeypatch):
+    """A subclass defined in the user's script: the script itself was copied into the checkpoint (it may hold anything,
+    and it imports longreach), in place of our modeling files, and auto_map named `train.LocostModel`, which does not
+    exist: the folder did not load with trust_remote_code=True."""
+    script = tmp_path / "train.py"
+    script.write_text("from longreach import LocostForConditionalGeneration\nHF_TOKEN = 'hf_secret'\n")
+    model_class = _subclass_in("train", monkeypatch, with_file=str(script))
+    reference = tiny_locost()
+    model = model_class(model_class.config_class(**reference.config.to_diff_dict())).eval()
+    model.load_state_dict(reference.state_dict())
+    folder = tmp_path / "ckpt"
+    model.save_pretrained(folder)
+    assert not (folder / "train.py").exists()
+    input_ids = torch.randint(3, 90, (2, 30))
+    decoder_input_ids = torch.randint(3, 90, (2, 4))
+    with torch.no_grad():
+        expected = model(input_ids, decoder_input_ids=decoder_input_ids).logits
+    result = run_without_longreach(
+        f"""
+        import json, torch
+        from transformers import AutoModelForSeq2SeqLM
+        model = AutoModelForSeq2SeqLM.from_pretrained({str(folder)!r}, trust_remote_code=True).eval()
+        with torch.no_grad():
+            logits = model(torch.tensor({input_ids.tolist()}), decoder_input_ids=torch.tensor({decoder_input_ids.tolist()})).logits
+        print(json.dumps({{"cls": type(model).__name__, "logits": logits.tolist()}}))
+        """,
+        tmp_path,
+    )
+    assert result["cls"] == "LocostForConditionalGeneration"
+    assert torch.equal(torch.tensor(result["logits"]), expected)
