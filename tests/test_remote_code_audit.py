@@ -76,3 +76,23 @@ def test_a_subclass_from_a_script_loads_where_longreach_cannot_be_imported(tmp_p
     )
     assert result["cls"] == "LocostForConditionalGeneration"
     assert torch.equal(torch.tensor(result["logits"]), expected)
+
+
+def test_save_pretrained_with_push_to_hub_uploads_the_shards_it_saved(recorder, tmp_path):
+    """`save_pretrained(folder, push_to_hub=True, max_shard_size=...)` saved shards locally but uploaded one file of up
+    to 50GB: the upload re-saves the model without the shard size (transformers uploads the shards it saved)."""
+    from hub_recorder import single_commit
+
+    tiny_locost().save_pretrained(tmp_path / "m", push_to_hub=True, repo_id="someone/sharded", max_shard_size="20KB")
+    local = {path.name for path in (tmp_path / "m").iterdir() if path.name.startswith("model")}
+    assert "model.safetensors.index.json" in local and len(local) > 2
+    uploaded = {name for name in single_commit(recorder)["files"] if name.startswith("model")}
+    assert uploaded == local
+
+
+def test_a_process_that_does_not_save_writes_and_uploads_nothing(recorder, tmp_path):
+    """`save_pretrained(..., is_main_process=False)` (accelerate's pattern: every process calls it) wrote the code files
+    and, with push_to_hub=True, uploaded the model from every process; transformers writes and uploads nothing there."""
+    tiny_locost().save_pretrained(tmp_path / "m", is_main_process=False, push_to_hub=True, repo_id="someone/x")
+    assert list((tmp_path / "m").iterdir()) == []
+    assert not any(api.commits for api in recorder.instances)

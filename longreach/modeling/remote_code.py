@@ -216,15 +216,23 @@ class HubReadyMixin:
     def save_pretrained(self, save_directory, *args, push_to_hub: bool = False, **kwargs):
         """Like ``PreTrainedModel.save_pretrained``, plus the code files, ``auto_map`` and ``custom_pipelines``.
 
-        ``push_to_hub=True`` saves locally first and then uploads through :meth:`push_to_hub`, so that the code
-        files written here are part of the upload.
+        ``push_to_hub=True`` saves locally first and then uploads through :meth:`push_to_hub` (with the same
+        ``max_shard_size``), so that the code files written here are part of the upload. As in transformers, a process
+        that does not save (``is_main_process=False``, or not rank 0 of ``torch.distributed``) writes and uploads
+        nothing.
         """
         if os.path.isfile(save_directory):
             raise ValueError(f"`save_directory` must be a directory, got the file {save_directory!r}.")
-        self.write_remote_code(save_directory)
+        is_main_process = args[0] if args else kwargs.get("is_main_process", True)
+        saving = self.should_save_on_this_rank(is_main_process) if hasattr(self, "should_save_on_this_rank") \
+            else is_main_process
+        if saving:
+            self.write_remote_code(save_directory)
         hub_kwargs = {key: kwargs.pop(key) for key in _PUSH_OPTIONS if key in kwargs}
+        if "max_shard_size" in kwargs:
+            hub_kwargs["max_shard_size"] = kwargs["max_shard_size"]
         result = super().save_pretrained(save_directory, *args, **kwargs)
-        if push_to_hub:
+        if push_to_hub and saving:
             repo_id = hub_kwargs.pop("repo_id", Path(save_directory).name)
             self.push_to_hub(repo_id, **hub_kwargs)
         return result
