@@ -324,6 +324,25 @@ def hub_files(folder: str | Path) -> list[str]:
     return sorted(selected)
 
 
+def stale_code_files(folder: str | Path, names: list[str], model_type: str | None) -> list[str]:
+    """The code files among ``names`` in ``folder`` whose text differs from what the installed longreach writes for a
+    ``model_type`` model (a folder saved by another version, or edited by hand)."""
+    from . import DodoLlamaForCausalLM, LocostForConditionalGeneration, VCCT5ForConditionalGeneration
+    from .modeling.remote_code import collect_flat_sources
+    from .pipelines import pipeline_summarization
+
+    classes = {cls.config_class.model_type: cls for cls in (
+        LocostForConditionalGeneration, VCCT5ForConditionalGeneration, DodoLlamaForCausalLM)}
+    if model_type not in classes:
+        return []
+    model_class = classes[model_type]
+    installed = collect_flat_sources([model_class.__module__, model_class.config_class.__module__,
+                                      pipeline_summarization.__name__])
+    folder = Path(folder)
+    return sorted(name for name in names if name in installed
+                  and (folder / name).read_text(encoding="utf-8", errors="replace") != installed[name])
+
+
 def _card_for_upload(folder: Path, config: dict, repo_id: str, tags: list[str] | None) -> str:
     """Our model card for ``repo_id``: the folder's longreach card re-rendered for the repository (unless it was
     edited by hand, then it is kept as it is), or a new one for the model family."""
@@ -432,6 +451,13 @@ def push_folder_to_hub(
     folder = Path(folder)
     names = hub_files(folder)
     config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    stale = stale_code_files(folder, names, config.get("model_type"))
+    if stale:
+        logger.warning(
+            "%s: the code files %s differ from those longreach %s writes (the folder was saved by another version): "
+            "Hub users will run the folder's code. To upload this version's code, load the model with longreach and "
+            "save_pretrained it again first.", folder, ", ".join(stale), _longreach_version()
+        )
 
     api = HfApi(token=token, library_name="longreach", library_version=_longreach_version())
     # the full id ("someone/name" for "name"): the card's code must name the repository users will load

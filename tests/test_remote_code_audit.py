@@ -69,7 +69,8 @@ def test_a_subclass_from_a_script_loads_where_longreach_cannot_be_imported(tmp_p
         from transformers import AutoModelForSeq2SeqLM
         model = AutoModelForSeq2SeqLM.from_pretrained({str(folder)!r}, trust_remote_code=True).eval()
         with torch.no_grad():
-            logits = model(torch.tensor({input_ids.tolist()}), decoder_input_ids=torch.tensor({decoder_input_ids.tolist()})).logits
+            logits = model(torch.tensor({input_ids.tolist()}),
+                           decoder_input_ids=torch.tensor({decoder_input_ids.tolist()})).logits
         print(json.dumps({{"cls": type(model).__name__, "logits": logits.tolist()}}))
         """,
         tmp_path,
@@ -96,3 +97,22 @@ def test_a_process_that_does_not_save_writes_and_uploads_nothing(recorder, tmp_p
     tiny_locost().save_pretrained(tmp_path / "m", is_main_process=False, push_to_hub=True, repo_id="someone/x")
     assert list((tmp_path / "m").iterdir()) == []
     assert not any(api.commits for api in recorder.instances)
+
+
+def test_pushing_a_folder_saved_by_another_version_names_its_code_files(recorder, tmp_path, caplog):
+    """`longreach push` / push_folder_to_hub of a folder saved by another longreach version uploaded that version's
+    code files without a word: Hub users run that code, not the installed version's (the README says to re-save)."""
+    from workflow_helpers import save_tiny_locost
+
+    from longreach import hub
+
+    folder = save_tiny_locost(tmp_path / "current")
+    with caplog.at_level("WARNING", logger="longreach.hub"):
+        hub.push_folder_to_hub(folder, "someone/current")
+    assert "differ from those longreach" not in caplog.text
+    ssm = folder / "ssm.py"
+    ssm.write_text(ssm.read_text() + "\n# an older version's code\n")
+    with caplog.at_level("WARNING", logger="longreach.hub"):
+        hub.push_folder_to_hub(folder, "someone/older")
+    assert "the code files ssm.py differ from those longreach" in caplog.text
+    assert "save_pretrained it again" in caplog.text
