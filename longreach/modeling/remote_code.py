@@ -14,12 +14,17 @@ every import is already a sibling import and the rewrite is the identity).
 
 from __future__ import annotations
 
+import errno
 import importlib
 import json
 import os
 import re
+import shutil
+import socket
 import sys
+import tempfile
 import warnings
+from contextlib import contextmanager
 from pathlib import Path
 
 # `from <dots><dotted.name> import ...` at the start of a line (multi-line import lists only change what follows).
@@ -162,6 +167,80 @@ def _write_beside_trainer_output(output_dir: Path, sources: dict[str, str], auto
                       UserWarning, stacklevel=3)
 
 
+def _write_text_atomically(path: Path, text: str) -> None:
+    """``path`` holds ``text``, or what it held before: never a half-written file."""
+    temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        temporary.write_text(text, encoding="utf-8")
+        os.replace(temporary, path)
+    finally:
+        temporary.unlink(missing_ok=True)
+
+
+#: ``save_pretrained`` writes into a hidden folder inside the target, named this + PID + host + random.
+_SAVE_STAGING_PREFIX = ".longreach-save-"
+#: A weights shard, as transformers names them (``model-00001-of-00003.safetensors``).
+_SHARD = re.compile(r"^(?P<stem>.+?)-\d{5}-of-\d{5}\.(safetensors|bin)$")
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _remove_stale_saves(folder: Path) -> None:
+    """The staging folders that saves killed on this machine left in ``folder`` (their process is gone)."""
+    host = socket.gethostname()
+    for stale in folder.glob(f"{_SAVE_STAGING_PREFIX}*"):
+        pid, _, rest = stale.name[len(_SAVE_STAGING_PREFIX):].partition("-")
+        if stale.is_dir() and pid.isdigit() and rest.startswith(f"{host}-") and not _process_alive(int(pid)):
+            shutil.rmtree(stale, ignore_errors=True)
+
+
+def _weights_stem(name: str) -> str | None:
+    match = _SHARD.match(name)
+    return match.group("stem") if match else (name.removesuffix(".safetensors") if name.endswith(".safetensors")
+                                              else None)
+
+
+@contextmanager
+def _staged_save(save_directory: Path):
+    """Yield a hidden folder inside ``save_directory`` to save into; once the save is complete its files replace
+    those of ``save_directory`` (weights first, ``config.json`` last) and the shards of an earlier save that the new
+    one does not overwrite are removed, as transformers removes them. A save that fails (a full disk, an exception,
+    Ctrl-C) leaves the earlier checkpoint there as it was; one killed outright leaves the staging folder, which the
+    next save into the folder removes."""
+    save_directory.mkdir(parents=True, exist_ok=True)
+    _remove_stale_saves(save_directory)
+    staging = Path(tempfile.mkdtemp(prefix=f"{_SAVE_STAGING_PREFIX}{os.getpid()}-{socket.gethostname()}-",
+                                    dir=save_directory))
+    try:
+        try:
+            yield staging
+        except OSError as error:
+            if error.errno != errno.ENOSPC:
+                raise
+            raise OSError(errno.ENOSPC, f"No space left on device while saving to {save_directory}: nothing in it was "
+                                        "changed (a checkpoint already there is kept until the new one is complete, "
+                                        "so saving over it needs room for both); free some space or save to another "
+                                        "folder.") from error
+        names = sorted(os.listdir(staging), key=lambda name: (name == "config.json", _weights_stem(name) is None))
+        for name in names:
+            os.replace(staging / name, save_directory / name)
+        stems = {_weights_stem(name) for name in names} - {None}
+        for name in os.listdir(save_directory):
+            match = _SHARD.match(name)
+            if match and match.group("stem") in stems and name not in names and (save_directory / name).is_file():
+                (save_directory / name).unlink()
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
 class HubReadyMixin:
     """Mixin for our ``PreTrainedModel`` classes: ``save_pretrained`` writes a folder that loads anywhere.
 
@@ -189,8 +268,11 @@ class HubReadyMixin:
         Returns the names of the files written. Called by :meth:`save_pretrained`; public so that tools that build
         a folder by hand (the converters) can call it too.
         """
-        save_directory = Path(save_directory)
-        save_directory.mkdir(parents=True, exist_ok=True)
+        return self._write_remote_code(Path(save_directory), Path(save_directory))
+
+    def _write_remote_code(self, folder: Path, save_directory: Path) -> list[str]:
+        """:meth:`write_remote_code` into ``folder``, a save's staging folder (or ``save_directory`` itself)."""
+        folder.mkdir(parents=True, exist_ok=True)
         own = _own_class(self)
         roots = [own.__module__, own.config_class.__module__]
         pipeline_module = _pipeline_module_for() if self._hub_pipeline_auto_class else None
@@ -198,7 +280,7 @@ class HubReadyMixin:
             roots.append(pipeline_module)
         sources = collect_flat_sources(roots)
         for file_name, text in sources.items():
-            (save_directory / file_name).write_text(text, encoding="utf-8")
+            _write_text_atomically(folder / file_name, text)
         if _TRAINER_CHECKPOINT.match(save_directory.name) and _saving_a_trainer_checkpoint():
             _write_beside_trainer_output(save_directory.parent, sources, self.hub_auto_map())
 
@@ -220,18 +302,26 @@ class HubReadyMixin:
         ``max_shard_size``), so that the code files written here are part of the upload. As in transformers, a process
         that does not save (``is_main_process=False``, or not rank 0 of ``torch.distributed``) writes and uploads
         nothing.
+
+        Unlike transformers' (which writes the weights over those of an earlier save), it never loses a checkpoint
+        already in ``save_directory``: everything is written into a hidden folder inside it first and moved into
+        place once complete (see :func:`_staged_save`).
         """
         if os.path.isfile(save_directory):
             raise ValueError(f"`save_directory` must be a directory, got the file {save_directory!r}.")
-        is_main_process = args[0] if args else kwargs.get("is_main_process", True)
-        saving = self.should_save_on_this_rank(is_main_process) if hasattr(self, "should_save_on_this_rank") \
-            else is_main_process
-        if saving:
-            self.write_remote_code(save_directory)
         hub_kwargs = {key: kwargs.pop(key) for key in _PUSH_OPTIONS if key in kwargs}
         if "max_shard_size" in kwargs:
             hub_kwargs["max_shard_size"] = kwargs["max_shard_size"]
-        result = super().save_pretrained(save_directory, *args, **kwargs)
+        is_main_process = args[0] if args else kwargs.get("is_main_process", True)
+        saving = getattr(self, "should_save_on_this_rank", lambda main: main)(is_main_process)
+        if not saving or kwargs.get("distributed_checkpoint"):  # other ranks write nothing; DCP: every rank its part
+            if saving:
+                self._write_remote_code(Path(save_directory), Path(save_directory))
+            result = super().save_pretrained(save_directory, *args, **kwargs)
+        else:
+            with _staged_save(Path(save_directory)) as staging:
+                self._write_remote_code(staging, Path(save_directory))
+                result = super().save_pretrained(staging, *args, **kwargs)
         if push_to_hub and saving:
             repo_id = hub_kwargs.pop("repo_id", Path(save_directory).name)
             self.push_to_hub(repo_id, **hub_kwargs)

@@ -1,0 +1,114 @@
+"""Faults while longreach writes files: nothing a user had is lost, nothing is left half-written under its final name,
+the error says what happened, and a rerun recovers."""
+
+from __future__ import annotations
+
+import errno
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from workflow_helpers import save_tiny_locost, tiny_locost
+
+from longreach import LocostForConditionalGeneration
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def snapshot(folder: Path) -> dict[str, bytes]:
+    return {path.name: path.read_bytes() for path in folder.iterdir() if path.is_file()}
+
+
+def same_weights(model, other) -> bool:
+    theirs = other.state_dict()
+    return all(torch.equal(tensor, theirs[key]) for key, tensor in model.state_dict().items())
+
+
+def test_a_save_that_fails_midway_keeps_the_earlier_checkpoint_and_a_rerun_saves(tmp_path, monkeypatch):
+    # transformers' own save_pretrained writes the weights over the earlier ones: a full disk halfway leaves a
+    # model.safetensors that no longer loads
+    import transformers.modeling_utils as modeling_utils
+
+    folder = save_tiny_locost(tmp_path / "model")
+    (folder / "notes.txt").write_text("the user's own", encoding="utf-8")
+    before = snapshot(folder)
+    retrained = tiny_locost(seed=5)
+
+    def disk_full(tensors, filename, *args, **kwargs):
+        Path(filename).write_bytes(b"\0" * 100)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(modeling_utils, "safe_save_file", disk_full)
+        with pytest.raises(OSError, match=f"while saving to {folder}: nothing in it was changed") as caught:
+            retrained.save_pretrained(folder)
+    assert caught.value.errno == errno.ENOSPC
+    assert snapshot(folder) == before
+    assert sorted(path.name for path in folder.iterdir()) == sorted(before)  # no staging folder left behind
+    assert not same_weights(retrained, LocostForConditionalGeneration.from_pretrained(folder))
+
+    retrained.save_pretrained(folder)
+    assert same_weights(retrained, LocostForConditionalGeneration.from_pretrained(folder))
+    assert (folder / "notes.txt").read_text(encoding="utf-8") == "the user's own"
+    assert sorted(path.name for path in folder.iterdir()) == sorted(before)
+
+
+KILLED_SAVE = textwrap.dedent(
+    """
+    import os, signal, sys
+    from pathlib import Path
+    import transformers.modeling_utils as modeling_utils
+    sys.path.insert(0, "tests")
+    from workflow_helpers import tiny_locost
+
+    def killed(tensors, filename, *args, **kwargs):
+        Path(filename).write_bytes(b"\\0" * 100)  # part of the weights on disk, then the kill
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    modeling_utils.safe_save_file = killed
+    tiny_locost(seed=5).save_pretrained(sys.argv[1])
+    """
+)
+
+
+def test_a_save_killed_while_writing_keeps_the_earlier_checkpoint_and_the_next_save_clears_its_leftovers(tmp_path):
+    folder = save_tiny_locost(tmp_path / "model")
+    before = snapshot(folder)
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    process = subprocess.run([sys.executable, "-c", KILLED_SAVE, str(folder)], cwd=REPO, env=env,
+                             capture_output=True, text=True, timeout=300)
+    assert process.returncode == -signal.SIGKILL, process.stderr[-2000:]
+    assert snapshot(folder) == before
+    leftovers = [path for path in folder.iterdir() if path.is_dir()]
+    assert len(leftovers) == 1 and leftovers[0].name.startswith(".longreach-save-")
+    LocostForConditionalGeneration.from_pretrained(folder)  # still the complete earlier checkpoint
+
+    retrained = tiny_locost(seed=5)
+    retrained.save_pretrained(folder)
+    assert not leftovers[0].exists()
+    assert same_weights(retrained, LocostForConditionalGeneration.from_pretrained(folder))
+
+
+@pytest.mark.parametrize("first, second", [("100KB", "50GB"), ("50GB", "100KB"), ("60KB", "100KB")])
+def test_a_save_over_another_sharding_leaves_the_weight_files_transformers_leaves(tmp_path, first, second):
+    from transformers import PreTrainedModel
+
+    def weight_files(folder):
+        return sorted(name for name in os.listdir(folder) if name.startswith(("model.", "model-")))
+
+    model = tiny_locost()
+    for save, folder in ((model.save_pretrained, tmp_path / "ours"),
+                         (lambda *args, **kwargs: PreTrainedModel.save_pretrained(model, *args, **kwargs),
+                          tmp_path / "transformers")):
+        save(folder, max_shard_size=first)
+        (folder / "model-notes.txt").write_text("kept", encoding="utf-8")  # starts like a shard's name, is not one
+        save(folder, max_shard_size=second)
+    assert weight_files(tmp_path / "ours") == weight_files(tmp_path / "transformers")
+    assert "model-notes.txt" in weight_files(tmp_path / "ours")
+    assert same_weights(model, LocostForConditionalGeneration.from_pretrained(tmp_path / "ours"))
+
