@@ -410,11 +410,19 @@ def _append(handle, records: Iterable[dict]) -> None:
     os.fsync(handle.fileno())
 
 
-def _write_atomically(path: Path, records: Iterable[dict]) -> None:
+def _write_atomically(path: Path, records: Iterable[dict] | None = None, text: str | None = None) -> None:
+    """``path`` holds the ``records`` (JSON lines, synced) or the ``text``, or what it held before: written under a
+    temporary name renamed into place, which a failure (a full disk) removes."""
     temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(temporary, "w", encoding="utf-8") as handle:
-        _append(handle, records)
-    os.replace(temporary, path)
+    try:
+        if text is not None:
+            temporary.write_text(text, encoding="utf-8")
+        else:
+            with open(temporary, "w", encoding="utf-8") as handle:
+                _append(handle, records)
+        os.replace(temporary, path)
+    finally:
+        temporary.unlink(missing_ok=True)
 
 
 def part_path(output: Path, rank: int, world_size: int) -> Path:
@@ -487,9 +495,7 @@ def write_run_settings(output: str | os.PathLike, settings: dict) -> None:
     output = Path(output)
     path = settings_path_of(output)
     output.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    temporary.write_text(json.dumps(settings, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-    os.replace(temporary, path)
+    _write_atomically(path, text=json.dumps(settings, indent=2, sort_keys=True) + "\n")
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -678,7 +684,5 @@ def corpus_rouge(output: str | os.PathLike, corpus: Corpus, records: list[dict] 
         scores.update(answer_scores(predictions, references))
     metrics = {**scores, "documents": len(pairs)}
     path = output.with_name(output.name.removesuffix(".jsonl") + ".metrics.json")
-    temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    temporary.write_text(json.dumps(metrics, indent=2) + "\n", encoding="utf-8")
-    os.replace(temporary, path)
+    _write_atomically(path, text=json.dumps(metrics, indent=2) + "\n")
     return metrics

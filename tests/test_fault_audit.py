@@ -4,6 +4,7 @@ the error says what happened, and a rerun recovers."""
 from __future__ import annotations
 
 import errno
+import json
 import os
 import signal
 import subprocess
@@ -112,3 +113,43 @@ def test_a_save_over_another_sharding_leaves_the_weight_files_transformers_leave
     assert "model-notes.txt" in weight_files(tmp_path / "ours")
     assert same_weights(model, LocostForConditionalGeneration.from_pretrained(tmp_path / "ours"))
 
+
+def test_a_full_disk_while_the_corpus_output_is_merged_keeps_every_summary_and_leaves_no_hidden_copy(tmp_path,
+                                                                                                    monkeypatch):
+    from longreach import corpus as corpus_module
+
+    corpus = corpus_module.Corpus(ids=["a", "b"], texts=["x y", "z w"], references=["x", "z"])
+    output = tmp_path / "out.jsonl"
+    output.write_text(json.dumps({"id": "a", "summary": "one"}) + "\n", encoding="utf-8")
+    part = tmp_path / "out.jsonl.part-1-of-2.jsonl"
+    part.write_text(json.dumps({"id": "b", "summary": "two"}) + "\n", encoding="utf-8")
+    before = snapshot(tmp_path)
+    append = corpus_module._append
+
+    def disk_full(handle, records):
+        handle.write("{\"id\": ")
+        handle.flush()
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(corpus_module, "_append", disk_full)
+        with pytest.raises(OSError):
+            corpus_module.merge_parts(output, corpus, world_size=1)
+        assert snapshot(tmp_path) == before  # the output and its part as they were, no hidden half-written copy
+
+    def half_written(path, text, *args, **kwargs):
+        with open(path, "w", encoding="utf-8") as handle:
+            handle.write(text[: len(text) // 2])
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(Path, "write_text", half_written)
+        with pytest.raises(OSError):
+            corpus_module.write_run_settings(output, {"model": "m", "generation": {}})
+        with pytest.raises(OSError):
+            corpus_module.corpus_rouge(output, corpus, [{"id": "a", "summary": "x"}])
+        assert snapshot(tmp_path) == before
+    assert corpus_module._append is append
+    merged = corpus_module.merge_parts(output, corpus, world_size=1)  # the rerun finishes the merge
+    assert merged == [{"id": "a", "summary": "one"}, {"id": "b", "summary": "two"}]
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["out.jsonl"]
