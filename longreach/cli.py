@@ -524,6 +524,10 @@ def summarize_corpus_command(args: argparse.Namespace) -> int:
         )
     except corpus_module.CorpusError as error:
         raise CommandError(str(error)) from None
+    except OSError as error:  # the output cannot be written (a full disk): what is written so far is kept
+        target = corpus_module.part_path(Path(args.output), rank, world_size)
+        raise CommandError(f"cannot write {target}: {error.strerror or error}; the summaries written before are kept, "
+                           "and rerunning the same command goes on from them") from None
     if world_size > 1:
         import torch.distributed as dist
 

@@ -635,3 +635,32 @@ def test_merge_parts_rewrites_an_output_whose_lines_are_not_its_records(tmp_path
     expected = [{"id": "a", "summary": "one"}, {"id": "b", "summary": "three"}]
     assert corpus_module.json_lines(output) == merged == expected
     assert not (tmp_path / "out.jsonl.part-1-of-2.jsonl").exists()
+
+
+def test_a_full_disk_midway_names_the_output_and_a_rerun_finishes_without_losing_or_duplicating(model_folder, tmp_path,
+                                                                                                capsys, monkeypatch):
+    import errno
+
+    write_jsonl(tmp_path / "corpus.jsonl", 30)
+    reference, output = tmp_path / "uninterrupted.jsonl", tmp_path / "out.jsonl"
+    options = ("--id_column", "doc_id", "--max_batch_tokens", "160")
+    assert main(summarize_args(model_folder, tmp_path / "corpus.jsonl", reference, *options)) == 0
+    append, calls = corpus_module._append, []
+
+    def disk_full_at_the_third_batch(handle, records):
+        calls.append(1)
+        if len(calls) == 3:
+            handle.write('{"id": "d0')  # the part of a line that still fitted
+            handle.flush()
+            raise OSError(errno.ENOSPC, "No space left on device")
+        append(handle, records)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(corpus_module, "_append", disk_full_at_the_third_batch)
+        capsys.readouterr()
+        assert main(summarize_args(model_folder, tmp_path / "corpus.jsonl", output, *options)) == 1
+    error = capsys.readouterr().err
+    assert f"error: cannot write {output}: No space left on device; the summaries written before are kept" in error
+    assert main(summarize_args(model_folder, tmp_path / "corpus.jsonl", output, *options)) == 0
+    assert read_output(output) == read_output(reference)
+    assert len(output.read_text().splitlines()) == 30
