@@ -631,6 +631,10 @@ def locost_cells(args) -> list[dict]:
     return cells
 
 
+#: The first line of the report run_all writes as ``--out/README.md`` (a README.md there that starts otherwise is not
+#: its own, and is neither replaced nor deleted).
+REPORT_TITLE = "# Benchmarks\n"
+
 #: The reports of the benchmark scripts that run_all runs (``script_suite``), in ``--out``, and the JSONL files their
 #: cells and rows are appended to as they finish (``name.jsonl`` beside ``name.md``).
 SCRIPT_SUITE_REPORTS = ("vcc_t5.md", "dodo.md", "dodo_training.md")
@@ -919,6 +923,11 @@ def _main(args, argv: list[str]) -> Path:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     results = out / "cells.jsonl"
+    report = out / "README.md"
+    if report.is_file() and not report.read_text(encoding="utf-8", errors="replace").startswith(REPORT_TITLE):
+        # (--out . in a project's folder): its README.md is not ours to replace, nor to delete with --fresh
+        raise SystemExit(f"--out {args.out}: {report} is not a report of run_all.py (it does not start with "
+                         f"{REPORT_TITLE.strip()!r}) and would be replaced; move it away or pass another --out.")
     if args.fresh:  # what this script writes, not the other reports that --out (results/ by default) holds
         results.unlink(missing_ok=True)
         for name in ("README.md", *SCRIPT_SUITE_REPORTS, *SCRIPT_SUITE_ROWS):
@@ -956,7 +965,7 @@ def _main(args, argv: list[str]) -> Path:
         suites = {"vcc": ["vcc_t5"], "dodo": ["dodo", "dodo_training"]}
         suites = [name for suite in args.suites for name in suites.get(suite, [])]
         args.device, args.dtype, args.quick = report_settings(cells, results, out, suites, args)
-    sections = [f"# Benchmarks\n\n{' / '.join(machines)}; device {args.device}, {args.dtype}"
+    sections = [f"{REPORT_TITLE}\n{' / '.join(machines)}; device {args.device}, {args.dtype}"
                 f"{', quick (tiny models)' if args.quick else ''}."
                 " Regenerate: `python benchmarks/run_all.py "
                 + " ".join(argv) + "`.\n"]
@@ -986,7 +995,6 @@ def _main(args, argv: list[str]) -> Path:
                    *training]
         sections.append("## Dodo training step, activation checkpointing (float32)\n\n"
                         + script_suite("dodo_training", command, out, args.timeout, run=not args.report_only))
-    report = out / "README.md"
     temporary = out / "README.md.tmp"
     temporary.write_text("\n\n".join(sections), encoding="utf-8")
     temporary.replace(report)

@@ -530,7 +530,7 @@ def test_fresh_removes_only_what_run_all_writes_and_a_resume_refuses_other_setti
     run_all.main(argv)
     with pytest.raises(SystemExit, match=r"measured otherwise \(threads 1 there, 2 now\): pass --fresh"):
         run_all.main([*argv[:-4], "--threads", "2", "--skip_flops", "--cells_only", "--out", str(tmp_path)])
-    (tmp_path / "README.md").write_text("report\n")
+    (tmp_path / "README.md").write_text("# Benchmarks\n\nan earlier report\n")
     (tmp_path / "vcc_t5.md").write_text("table\n")
     run_all.main([*argv, "--fresh"])
     assert sorted(path.name for path in tmp_path.iterdir()) == ["cells.jsonl", "cuda.md"]
@@ -819,3 +819,14 @@ def test_vcc_t5_benchmark_memory_does_not_count_the_t5_copy(run_all, monkeypatch
     assert "peak RSS above weights" in module.table(cells)
     assert 0 <= vcc_memory < copy_mib / 2 and 0 <= t5_memory < copy_mib / 2, (vcc_memory, t5_memory)
     assert cells[0]["peak_rss_mib"] > 2 * copy_mib  # the whole process's peak, both copies: kept in the JSON only
+
+
+def test_a_readme_in_out_that_is_not_a_report_is_neither_replaced_nor_deleted(run_all, tmp_path):
+    """`--out .` in a project's folder: its README.md was replaced by the report (and deleted by --fresh)."""
+    readme = tmp_path / "README.md"
+    readme.write_text("# My project\n")
+    for options in (["--report_only"], ["--fresh", "--cells_only"]):
+        with pytest.raises(SystemExit, match=f"{readme} is not a report of run_all.py"):
+            run_all.main([*options, "--suites", "locost", "--out", str(tmp_path)])
+        assert readme.read_text() == "# My project\n"
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["README.md"]
