@@ -46,7 +46,7 @@ def test_a_save_that_fails_midway_keeps_the_earlier_checkpoint_and_a_rerun_saves
 
     with monkeypatch.context() as patch:
         patch.setattr(modeling_utils, "safe_save_file", disk_full)
-        with pytest.raises(OSError, match=f"while saving to {folder}: nothing in it was changed") as caught:
+        with pytest.raises(OSError, match=f"while saving to {folder}: the checkpoint already there is kept") as caught:
             retrained.save_pretrained(folder)
     assert caught.value.errno == errno.ENOSPC
     assert snapshot(folder) == before
@@ -58,6 +58,20 @@ def test_a_save_that_fails_midway_keeps_the_earlier_checkpoint_and_a_rerun_saves
     assert (folder / "notes.txt").read_text(encoding="utf-8") == "the user's own"
     assert sorted(path.name for path in folder.iterdir()) == sorted(before)
 
+
+
+def test_a_save_into_a_new_folder_that_fails_midway_leaves_no_weights_under_their_name(tmp_path, monkeypatch):
+    import transformers.modeling_utils as modeling_utils
+
+    def disk_full(tensors, filename, *args, **kwargs):
+        Path(filename).write_bytes(b"\0" * 100)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    folder = tmp_path / "model"
+    monkeypatch.setattr(modeling_utils, "safe_save_file", disk_full)
+    with pytest.raises(OSError, match=f"while saving to {folder}: nothing was written under the names of its files"):
+        tiny_locost().save_pretrained(folder)
+    assert list(folder.iterdir()) == []
 
 KILLED_SAVE = textwrap.dedent(
     """
@@ -153,3 +167,4 @@ def test_a_full_disk_while_the_corpus_output_is_merged_keeps_every_summary_and_l
     merged = corpus_module.merge_parts(output, corpus, world_size=1)  # the rerun finishes the merge
     assert merged == [{"id": "a", "summary": "one"}, {"id": "b", "summary": "two"}]
     assert sorted(path.name for path in tmp_path.iterdir()) == ["out.jsonl"]
+

@@ -217,6 +217,7 @@ def _staged_save(save_directory: Path):
     next save into the folder removes."""
     save_directory.mkdir(parents=True, exist_ok=True)
     _remove_stale_saves(save_directory)
+    earlier = any(_weights_stem(name) is not None for name in os.listdir(save_directory))
     staging = Path(tempfile.mkdtemp(prefix=f"{_SAVE_STAGING_PREFIX}{os.getpid()}-{socket.gethostname()}-",
                                     dir=save_directory))
     try:
@@ -225,10 +226,10 @@ def _staged_save(save_directory: Path):
         except OSError as error:
             if error.errno != errno.ENOSPC:
                 raise
-            raise OSError(errno.ENOSPC, f"No space left on device while saving to {save_directory}: nothing in it was "
-                                        "changed (a checkpoint already there is kept until the new one is complete, "
-                                        "so saving over it needs room for both); free some space or save to another "
-                                        "folder.") from error
+            kept = (" the checkpoint already there is kept as it was (saving over it needs room for both until the new "
+                    "one is complete);" if earlier else " nothing was written under the names of its files;")
+            raise OSError(errno.ENOSPC, f"No space left on device while saving to {save_directory}:{kept} free some "
+                                        "space or save to another folder.") from error
         names = sorted(os.listdir(staging), key=lambda name: (name == "config.json", _weights_stem(name) is None))
         for name in names:
             os.replace(staging / name, save_directory / name)
