@@ -168,3 +168,25 @@ def test_a_full_disk_while_the_corpus_output_is_merged_keeps_every_summary_and_l
     assert merged == [{"id": "a", "summary": "one"}, {"id": "b", "summary": "two"}]
     assert sorted(path.name for path in tmp_path.iterdir()) == ["out.jsonl"]
 
+
+def test_a_full_disk_during_a_conversion_is_one_line_naming_the_output_and_leaves_nothing(fixtures_dir, tmp_path,
+                                                                                         monkeypatch, capsys):
+    import transformers.modeling_utils as modeling_utils
+
+    from longreach.cli import main
+
+    def disk_full(tensors, filename, *args, **kwargs):
+        Path(filename).write_bytes(b"\0" * 100)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    output = tmp_path / "out"
+    command = ["convert", "locost", "--checkpoint_path", str(fixtures_dir / "locost" / "hf_checkpoint"),
+               "--pytorch_dump_folder_path", str(output)]
+    with monkeypatch.context() as patch:
+        patch.setattr(modeling_utils, "safe_save_file", disk_full)
+        assert main(command) == 1
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert error == (f"error: No space left on device while writing the converted checkpoint to {output}; nothing "
+                     "was written there: free some space or choose a folder on another disk.")
+    assert list(tmp_path.iterdir()) == []
+    assert main(command) == 0 and (output / "model.safetensors").is_file()  # the rerun, with room

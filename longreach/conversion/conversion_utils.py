@@ -22,6 +22,7 @@ Rules every converter follows:
 
 from __future__ import annotations
 
+import errno
 import gc
 import hashlib
 import json
@@ -520,13 +521,17 @@ def staged_output(output: Path) -> Iterator[Path]:
             staging.rmdir()
         else:
             os.rename(staging, output)
-    except BaseException:
+    except BaseException as error:
         shutil.rmtree(staging, ignore_errors=True)
         for folder in created:  # the parent folders this conversion made, innermost first, if still empty
             try:
                 folder.rmdir()
             except OSError:
                 break
+        if isinstance(error, OSError) and error.errno == errno.ENOSPC:  # not a traceback naming the staging folder
+            raise ConversionError(f"No space left on device while writing the converted checkpoint to {output}; "
+                                  "nothing was written there: free some space or choose a folder on another disk."
+                                  ) from error
         raise
     finally:
         if previous_handler is not None:
