@@ -90,19 +90,31 @@ def _holds_optimizer_state(checkpoint: Path) -> bool:
     return any(checkpoint.glob("optimizer*")) or any(checkpoint.glob("global_step*"))
 
 
+def _state_is_whole(checkpoint: Path) -> bool:
+    """Whether ``checkpoint/trainer_state.json`` is there and whole: a kill, a full disk or a machine crash while it
+    was written leaves it empty or cut short (and ``Trainer.train`` would fail on it at every rerun)."""
+    import json
+
+    try:
+        json.loads((checkpoint / "trainer_state.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return True
+
+
 def resume_checkpoint(training_args) -> str | None:
     """The checkpoint ``Trainer.train`` resumes from: ``--resume_from_checkpoint PATH``; ``True`` or ``last`` for the
     last complete one in ``--output_dir``; and, when not given, that same last complete checkpoint if the folder holds
     one (a rerun of the same command continues, as documented, instead of starting over and deleting the earlier
-    checkpoints). A checkpoint is complete once ``trainer_state.json``, written last, is there: one cut short by a crash
-    is skipped."""
+    checkpoints). A checkpoint is complete once ``trainer_state.json``, written last, is there and whole: one cut short
+    by a crash is skipped."""
     asked = training_args.resume_from_checkpoint
     if asked is not None and str(asked).lower() not in ("true", "last"):
         return asked
     output_dir = Path(training_args.output_dir)
     steps = sorted(((int(match.group(1)), path) for path in output_dir.iterdir() if path.is_dir()
                     and (match := _CHECKPOINT.match(path.name))), reverse=True) if output_dir.is_dir() else []
-    complete = [path for _, path in steps if (path / "trainer_state.json").is_file()]
+    complete = [path for _, path in steps if _state_is_whole(path)]
     if not complete:
         if asked is not None:
             raise ValueError(f"--resume_from_checkpoint {asked}: {output_dir} holds no complete checkpoint.")

@@ -190,3 +190,20 @@ def test_a_full_disk_during_a_conversion_is_one_line_naming_the_output_and_leave
                      "was written there: free some space or choose a folder on another disk.")
     assert list(tmp_path.iterdir()) == []
     assert main(command) == 0 and (output / "model.safetensors").is_file()  # the rerun, with room
+
+
+@pytest.mark.parametrize("state", ["", '{"global_step": 7, "best_met'])
+def test_a_checkpoint_whose_trainer_state_was_cut_short_is_skipped_when_resuming(tmp_path, capsys, state):
+    # a full disk or a machine crash while Trainer wrote trainer_state.json, its last file: resuming from that
+    # checkpoint failed at every rerun with "error: Unterminated string starting at: line 1 column 20"
+    from types import SimpleNamespace
+
+    from longreach.finetuning import resume_checkpoint
+
+    for step, text in ((3, '{"global_step": 3}'), (7, state)):
+        (tmp_path / f"checkpoint-{step}").mkdir()
+        (tmp_path / f"checkpoint-{step}" / "optimizer.pt").write_bytes(b"")
+        (tmp_path / f"checkpoint-{step}" / "trainer_state.json").write_text(text)
+    args = SimpleNamespace(output_dir=str(tmp_path), max_steps=20, num_train_epochs=3, resume_from_checkpoint=None)
+    assert resume_checkpoint(args) == str(tmp_path / "checkpoint-3")
+    assert "(skipping the incomplete checkpoint-7)" in capsys.readouterr().err
