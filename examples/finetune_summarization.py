@@ -168,18 +168,22 @@ class SummarizationCollator:
         return self.seq2seq(features)
 
 
-def build_compute_metrics(tokenizer, references: list[str] | None = None):
+def build_compute_metrics(tokenizer, references: list[str] | None = None,
+                          reference_labels: list[list[int]] | None = None):
     """ROUGE of the generated summaries against ``references``, the validation set's summaries as written (the labels
-    are cut to --max_target_length; they stand in only where the references are not known)."""
+    are cut to --max_target_length; they stand in only where the references are not known). Each prediction's
+    reference is found by its labels (``reference_labels``, those of the validation features in order), not by its
+    place: the evaluation may see the examples in another order (``--train_sampling_strategy group_by_length``)."""
     import numpy as np
 
     def compute_metrics(eval_prediction) -> dict[str, float]:
         predictions, labels = eval_prediction.predictions, eval_prediction.label_ids
         predictions = np.where(predictions >= 0, predictions, tokenizer.pad_token_id)
         summaries = tokenizer.batch_decode(predictions, skip_special_tokens=True)
-        if references is not None and len(references) == len(summaries):
-            targets = references
-        else:
+        targets = None
+        if references is not None and reference_labels is not None and len(references) == len(summaries):
+            targets = references_in_order(labels, references, reference_labels)
+        if targets is None:
             targets = tokenizer.batch_decode(np.where(labels >= 0, labels, tokenizer.pad_token_id),
                                              skip_special_tokens=True)
         metrics = rouge_scores(summaries, targets, digits=4)
@@ -187,6 +191,21 @@ def build_compute_metrics(tokenizer, references: list[str] | None = None):
         return metrics
 
     return compute_metrics
+
+
+def references_in_order(label_rows, references: list[str], reference_labels: list[list[int]]) -> list[str] | None:
+    """The reference of each row of ``label_ids`` (padded with -100), matched on the labels of the features it came
+    from; equal labels take their references in the data's order. None if a row matches no feature."""
+    unused: dict[tuple[int, ...], list[int]] = {}
+    for index, labels in enumerate(reference_labels):
+        unused.setdefault(tuple(labels), []).append(index)
+    ordered = []
+    for row in label_rows:
+        indices = unused.get(tuple(int(token) for token in row if token != -100))
+        if not indices:
+            return None
+        ordered.append(references[indices.pop(0)])
+    return ordered
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -318,7 +337,8 @@ def run(model_args: ModelArguments, data_args: DataArguments, training_args: Seq
     trainer = Seq2SeqTrainer(
         model=model, args=training_args, train_dataset=train_dataset, eval_dataset=eval_dataset,
         processing_class=tokenizer, data_collator=collator,
-        compute_metrics=build_compute_metrics(tokenizer, references),
+        compute_metrics=build_compute_metrics(tokenizer, references,
+                                              eval_dataset["labels"] if eval_dataset is not None else None),
     )
     metrics = {}
     generation_config = copy.deepcopy(model.generation_config)
