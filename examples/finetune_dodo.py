@@ -389,7 +389,8 @@ def run(model_args: ModelArguments, data_args: DataArguments, training_args: Dod
     # (perplexity is computed after the last evaluation only: its order is eval_loss's)
     check_best_model_metric(training_args, {"loss"})
     if training_args.do_train:
-        check_output_dir(training_args.output_dir)  # before training: the card written after it keeps what is there
+        # before training: the card written after it keeps what is there, and no earlier model is replaced
+        check_output_dir(training_args.output_dir, training_args)
 
     def features(split: str, limit: int | None):
         if split not in raw:

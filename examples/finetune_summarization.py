@@ -278,7 +278,8 @@ def run(model_args: ModelArguments, data_args: DataArguments, training_args: Seq
     check_training_arguments(training_args, data_args.max_train_samples, data_args.max_eval_samples)
     check_best_model_metric(training_args, {"loss", "rouge1", "rouge2", "rougeLsum", "gen_len"})
     if training_args.do_train:
-        check_output_dir(training_args.output_dir)  # before training: the card written after it keeps what is there
+        # before training: the card written after it keeps what is there, and no earlier model is replaced
+        check_output_dir(training_args.output_dir, training_args)
 
     def features(split: str, limit: int | None):
         if split not in raw:

@@ -102,6 +102,13 @@ def _state_is_whole(checkpoint: Path) -> bool:
     return True
 
 
+def _checkpoints(output_dir: str | Path) -> list[tuple[int, Path]]:
+    """``(step, folder)`` of the ``checkpoint-N`` folders in ``output_dir``, the last first."""
+    output_dir = Path(output_dir)
+    return sorted(((int(match.group(1)), path) for path in output_dir.iterdir() if path.is_dir()
+                   and (match := _CHECKPOINT.match(path.name))), reverse=True) if output_dir.is_dir() else []
+
+
 def resume_checkpoint(training_args) -> str | None:
     """The checkpoint ``Trainer.train`` resumes from: ``--resume_from_checkpoint PATH``; ``True`` or ``last`` for the
     last complete one in ``--output_dir``; and, when not given, that same last complete checkpoint if the folder holds
@@ -112,8 +119,7 @@ def resume_checkpoint(training_args) -> str | None:
     if asked is not None and str(asked).lower() not in ("true", "last"):
         return asked
     output_dir = Path(training_args.output_dir)
-    steps = sorted(((int(match.group(1)), path) for path in output_dir.iterdir() if path.is_dir()
-                    and (match := _CHECKPOINT.match(path.name))), reverse=True) if output_dir.is_dir() else []
+    steps = _checkpoints(output_dir)
     complete = [path for _, path in steps if _state_is_whole(path)]
     if not complete:
         if asked is not None:
@@ -203,15 +209,30 @@ def check_best_model_metric(training_args, metrics: set[str]) -> None:
                          "the eval_ prefix).")
 
 
-def check_output_dir(output_dir: str | Path) -> None:
+#: The weight files of a model saved with ``save_pretrained`` (one file or the index of its shards).
+_WEIGHT_FILES = (
+    "model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json",
+)
+
+
+def check_output_dir(output_dir: str | Path, training_args=None) -> None:
     """Before training: ``--output_dir`` gets a model card (``README.md``) at the end; one that is not a longreach card
-    (the user's own) is refused now rather than overwritten then."""
+    (the user's own) is refused now rather than overwritten then. With ``training_args``, a model an earlier run
+    saved there is refused too when there is no checkpoint to resume from (``--save_strategy no``, or checkpoints
+    deleted): the run would start again from the model it starts from and replace it when it saves."""
     from .hub import read_card_state
 
     readme = Path(output_dir) / "README.md"
     if readme.is_file() and read_card_state(readme) is None:
         raise ValueError(f"--output_dir {output_dir} holds a README.md that is not a longreach model card, which the "
                          "model card written after training would replace; move it away or pass another folder.")
+    saved = [name for name in _WEIGHT_FILES if (Path(output_dir) / name).is_file()]
+    if training_args is not None and training_args.resume_from_checkpoint is None and saved and \
+            not any(_state_is_whole(path) for _, path in _checkpoints(output_dir)):
+        raise ValueError(f"--output_dir {output_dir} holds the model an earlier run saved ({saved[0]}) and no "
+                         "checkpoint to resume from: this run would start over and replace it. Pass another "
+                         f"--output_dir (with --model_name_or_path {output_dir} to train that model further), or move "
+                         "it away to start over.")
 
 
 def check_not_the_model_folder(output_dir: str | Path, option: str, model_path: str | None) -> None:

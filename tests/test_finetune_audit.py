@@ -65,3 +65,39 @@ def test_group_by_length_evaluation_scores_against_the_right_references(tmp_path
     expected = [row["summary"] for row in _summarization_rows(8)]
     assert labels_seen[0] != expected  # (the test needs an evaluation in another order than the data's)
     assert scored[0] == labels_seen[0]  # each summary against its own example's reference
+
+
+@pytest.mark.parametrize("name", ["finetune_summarization", "finetune_dodo"])
+def test_a_rerun_without_checkpoints_does_not_replace_the_finished_model(tmp_path, monkeypatch, name):
+    """A run saved without checkpoints (`--save_strategy no`, as the smoke runs do, or checkpoints deleted to free the
+    disk): a rerun into the same --output_dir had nothing to resume, started over from the original model and
+    replaced the fine-tuned one without a word."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    example = _load_example(name, monkeypatch)
+    output_dir = tmp_path / "ft"
+    smoke = example.smoke_arguments(str(output_dir))
+    argv = smoke[0] if name == "finetune_dodo" else smoke
+    argv = [a for i, a in enumerate(argv) if a != "--do_eval"] + ["--do_eval", "false", "--max_steps", "1"]
+    example.main(argv)
+    weights = (output_dir / "model.safetensors").read_bytes()
+    with pytest.raises(ValueError, match=re.escape(f"--output_dir {output_dir} holds the model an earlier run saved "
+                                                   "(model.safetensors) and no checkpoint to resume from")):
+        example.main(argv)
+    assert (output_dir / "model.safetensors").read_bytes() == weights
+    # evaluating it is fine; so is training further from it into another folder
+    evaluation = example.main(argv + ["--do_train", "false", "--do_eval", "true", "--validation_file",
+                                      argv[argv.index("--train_file") + 1]])
+    assert evaluation["eval_loss"] > 0
+    option = "--model_name_or_path" if name == "finetune_summarization" else "--base_model_name_or_path"
+    further = list(argv)
+    if name == "finetune_dodo":  # a Dodo checkpoint is continued with --model_name_or_path, without --dodo_config
+        at = further.index("--dodo_config")
+        del further[at:at + 2]
+        option_at = further.index(option)
+        further[option_at] = "--model_name_or_path"
+    else:
+        option_at = further.index(option)
+    further[option_at + 1] = str(output_dir)
+    further[further.index("--output_dir") + 1] = str(tmp_path / "further")
+    assert example.main(further)["train_loss"] > 0
+    assert (output_dir / "model.safetensors").read_bytes() == weights
