@@ -266,6 +266,9 @@ def run(model_args: ModelArguments, data_args: DataArguments, training_args: Seq
     training_args.predict_with_generate = True
     if training_args.generation_max_length is None:  # counts the decoder start token: max_target_length new tokens
         training_args.generation_max_length = data_args.max_target_length + 1
+    elif training_args.generation_max_length < 2:  # (it failed in generate(), at the first evaluation, unnamed)
+        raise ValueError(f"--generation_max_length must be >= 2 (the decoder start token, then at least one new "
+                         f"token), got {training_args.generation_max_length}.")
     model, tokenizer = load_model_and_tokenizer(model_args)
     if data_args.question_column is not None and getattr(model, "prepare_question_inputs", None) is None:
         raise ValueError(f"--question_column {data_args.question_column}: {type(model).__name__} has no question format "

@@ -73,6 +73,9 @@ def decide_what_to_run(training_args, raw, argv: list[str]) -> None:
                                                                           "--validation_file")):
         if option in given and getattr(training_args, option[2:]) and split not in raw:
             raise ValueError(f"{option} needs {split} data: pass {data} (or a --dataset_name with a {split} split).")
+    if not (training_args.do_train or training_args.do_eval):  # (it ended with no word, as if it had run)
+        raise ValueError(f"Nothing to run: the data has no train or validation split (it has {sorted(raw)}); pass "
+                         "--train_file and/or --validation_file, or a --dataset_name with a train or validation split.")
 
 
 def check_one_data_source(data_args) -> None:

@@ -101,3 +101,36 @@ def test_a_rerun_without_checkpoints_does_not_replace_the_finished_model(tmp_pat
     further[further.index("--output_dir") + 1] = str(tmp_path / "further")
     assert example.main(further)["train_loss"] > 0
     assert (output_dir / "model.safetensors").read_bytes() == weights
+
+
+def test_bad_generation_max_length_is_refused_before_training(tmp_path, monkeypatch):
+    """--generation_max_length 1 (or 0) trained the whole run, then failed at the first evaluation inside generate()
+    ("`max_new_tokens` must be greater than 0, but is 0"), naming no option."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    example = _load_example("finetune_summarization", monkeypatch)
+    argv = example.smoke_arguments(str(tmp_path / "ft"))
+    for value in ("1", "0"):
+        with pytest.raises(ValueError, match=re.escape(f"--generation_max_length must be >= 2 (the decoder start token, "
+                                                       f"then at least one new token), got {value}.")):
+            example.main(argv + ["--generation_max_length", value])
+    assert not (tmp_path / "ft").exists()
+
+
+@pytest.mark.parametrize("name", ["finetune_summarization", "finetune_dodo"])
+def test_data_with_neither_a_train_nor_a_validation_split_is_refused(tmp_path, monkeypatch, name):
+    """A --dataset_name folder with a test split only: the run did nothing, printed `{}` and exited 0."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    example = _load_example(name, monkeypatch)
+    smoke = example.smoke_arguments(str(tmp_path / "ft"))
+    argv = smoke[0] if name == "finetune_dodo" else smoke
+    data = tmp_path / "only-test"
+    data.mkdir()
+    (data / "test.jsonl").write_text(open(argv[argv.index("--validation_file") + 1]).read())
+    for option in ("--train_file", "--validation_file"):
+        at = argv.index(option)
+        argv = argv[:at] + argv[at + 2:]
+    argv = [a for a in argv if a not in ("--do_train", "--do_eval")] + ["--dataset_name", str(data)]
+    with pytest.raises(ValueError, match=re.escape("Nothing to run: the data has no train or validation split (it has "
+                                                   "['test'])")):
+        example.main(argv)
+    assert not (tmp_path / "ft").exists()
