@@ -93,6 +93,7 @@ from longreach.finetuning import (
     first_text,
     json_option,
     load_data_files,
+    pop_option,
     train_or_resume,
 )
 from longreach.hub import push_folder_to_hub, write_model_card
@@ -533,11 +534,9 @@ def main(argv: list[str] | None = None) -> dict:
     argv = list(sys.argv[1:] if argv is None else argv)
     smoke_inputs = None
     if "--smoke" in argv:
-        output_dir = (argv[argv.index("--output_dir") + 1] if "--output_dir" in argv
-                      else tempfile.mkdtemp(prefix="finetune-dodo-smoke-"))
-        smoke_argv, smoke_inputs = smoke_arguments(output_dir)
-        argv = smoke_argv + [a for i, a in enumerate(argv) if a != "--output_dir"
-                             and (i == 0 or argv[i - 1] != "--output_dir")]
+        output_dir, rest = pop_option(argv, "--output_dir")  # (--output_dir=DIR too)
+        smoke_argv, smoke_inputs = smoke_arguments(output_dir or tempfile.mkdtemp(prefix="finetune-dodo-smoke-"))
+        argv = smoke_argv + rest
     parser = HfArgumentParser((ModelArguments, DataArguments, DodoTrainingArguments))
     model_args, data_args, training_args = parser.parse_args_into_dataclasses(args=argv)
     metrics = run(model_args, data_args, training_args, argv)

@@ -66,6 +66,7 @@ from longreach.finetuning import (
     first_text,
     json_option,
     load_data_files,
+    pop_option,
     train_or_resume,
 )
 from longreach.hub import push_folder_to_hub, write_model_card
@@ -416,10 +417,8 @@ def smoke_arguments(output_dir: str) -> list[str]:
 def main(argv: list[str] | None = None) -> dict:
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--smoke" in argv:
-        output_dir = (argv[argv.index("--output_dir") + 1] if "--output_dir" in argv
-                      else tempfile.mkdtemp(prefix="finetune-smoke-"))
-        argv = smoke_arguments(output_dir) + [a for i, a in enumerate(argv) if a != "--output_dir"
-                                              and (i == 0 or argv[i - 1] != "--output_dir")]
+        output_dir, rest = pop_option(argv, "--output_dir")  # (--output_dir=DIR too)
+        argv = smoke_arguments(output_dir or tempfile.mkdtemp(prefix="finetune-smoke-")) + rest
     parser = HfArgumentParser((ModelArguments, DataArguments, Seq2SeqTrainingArguments))
     model_args, data_args, training_args = parser.parse_args_into_dataclasses(args=argv)
     metrics = run(model_args, data_args, training_args, argv)

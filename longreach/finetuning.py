@@ -78,6 +78,22 @@ def decide_what_to_run(training_args, raw, argv: list[str]) -> None:
                          "--train_file and/or --validation_file, or a --dataset_name with a train or validation split.")
 
 
+def pop_option(argv: list[str], option: str) -> tuple[str | None, list[str]]:
+    """The value of ``option`` on a command line (``--option VALUE`` or ``--option=VALUE``; the last one given, as
+    argparse reads it) and the command line without it."""
+    value, rest, skip = None, [], False
+    for index, argument in enumerate(argv):
+        if skip:
+            skip = False
+        elif argument == option and index + 1 < len(argv):
+            value, skip = argv[index + 1], True
+        elif argument.startswith(option + "="):
+            value = argument[len(option) + 1:]
+        else:
+            rest.append(argument)
+    return value, rest
+
+
 def check_one_data_source(data_args) -> None:
     """``--dataset_name`` or ``--train_file`` / ``--validation_file``: given both, the files were dropped unread."""
     files = [f"--{name} {value}" for name in ("train_file", "validation_file")

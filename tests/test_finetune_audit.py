@@ -134,3 +134,26 @@ def test_data_with_neither_a_train_nor_a_validation_split_is_refused(tmp_path, m
                                                    "['test'])")):
         example.main(argv)
     assert not (tmp_path / "ft").exists()
+
+
+@pytest.mark.parametrize("name", ["finetune_summarization", "finetune_dodo"])
+def test_smoke_takes_output_dir_with_an_equals_sign(tmp_path, monkeypatch, name):
+    """`--smoke --output_dir=DIR`: the smoke inputs went to a new folder of the system's temporary folder (left there,
+    with an empty one beside it) instead of beside DIR."""
+    import tempfile
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(tempfile, "mkdtemp", lambda **kwargs: pytest.fail("a temporary folder was made"))
+    example = _load_example(name, monkeypatch)
+    metrics = example.main(["--smoke", f"--output_dir={tmp_path / 'ft'}", "--max_steps", "1", "--do_eval", "false"])
+    assert metrics["train_loss"] > 0 and (tmp_path / "ft" / "model.safetensors").is_file()
+    assert (tmp_path / "ft-smoke-inputs").is_dir()
+
+
+def test_pop_option_reads_both_spellings():
+    from longreach.finetuning import pop_option
+
+    assert pop_option(["--a", "1", "--output_dir", "x", "--b"], "--output_dir") == ("x", ["--a", "1", "--b"])
+    assert pop_option(["--output_dir=x", "--a"], "--output_dir") == ("x", ["--a"])
+    assert pop_option(["--output_dir", "x", "--output_dir=y"], "--output_dir") == ("y", [])
+    assert pop_option(["--output_dirs", "x"], "--output_dir") == (None, ["--output_dirs", "x"])
