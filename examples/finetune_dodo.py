@@ -298,8 +298,9 @@ class ExampleEncoder:
             if args.task == "autoencoding":
                 prompts, targets = [[] for _ in contexts], features["context_input_ids"]
             else:
-                prompts = (self._tokens(batch[args.prompt_column]) if args.prompt_column
-                           else [list(self.bos) for _ in contexts])  # no prompt: start from BOS, as the authors
+                # no prompt (or an empty one): start from BOS, as the authors, and as generation_inputs does
+                prompts = ([ids or list(self.bos) for ids in self._tokens(batch[args.prompt_column])]
+                           if args.prompt_column else [list(self.bos) for _ in contexts])
                 targets = self._tokens(batch[args.target_column])
         for prompt, target in zip(prompts, targets):
             ids, prompt_length = self._decoder(prompt, target)

@@ -157,3 +157,22 @@ def test_pop_option_reads_both_spellings():
     assert pop_option(["--output_dir=x", "--a"], "--output_dir") == ("x", ["--a"])
     assert pop_option(["--output_dir", "x", "--output_dir=y"], "--output_dir") == ("y", [])
     assert pop_option(["--output_dirs", "x"], "--output_dir") == (None, ["--output_dirs", "x"])
+
+
+def test_dodo_an_empty_prompt_trains_from_bos_as_generation_starts(monkeypatch):
+    """--prompt_column with an empty prompt: training started the decoder on the target itself (its first token
+    never learned, no BOS), while generation (and rows without a prompt column) start from BOS."""
+    from test_workflows_vcc_t5_dodo import llama_word_tokenizer
+
+    example = _load_example("finetune_dodo", monkeypatch)
+    tokenizer = llama_word_tokenizer()
+    data_args = example.DataArguments(prompt_column="prompt")
+    batch = {"context": ["w1 w2 w3", "w4 w5"], "prompt": ["", "w6"], "target": ["w7 w8", "w9"]}
+    features = example.ExampleEncoder(None, tokenizer, data_args)(batch)
+    target = tokenizer("w7 w8", add_special_tokens=False)["input_ids"]
+    assert features["input_ids"][0] == [tokenizer.bos_token_id] + target + [tokenizer.eos_token_id]
+    assert features["prompt_length"][0] == 1
+    row = {key: values[0] for key, values in batch.items()}
+    prompt = example.generation_inputs(tokenizer, None, data_args, row)["input_ids"][0].tolist()
+    assert prompt == features["input_ids"][0][:features["prompt_length"][0]]  # generation starts as training did
+    assert features["input_ids"][1][:1] == tokenizer("w6", add_special_tokens=False)["input_ids"]  # a prompt: as is
