@@ -82,6 +82,7 @@ import longreach  # noqa: F401  (registers Dodo with the Auto classes)
 from longreach import DodoDataCollator, DodoLlamaForCausalLM
 from longreach.finetuning import (
     check_best_model_metric,
+    check_documents,
     check_not_the_model_folder,
     check_one_data_source,
     check_output_dir,
@@ -412,8 +413,10 @@ def run(model_args: ModelArguments, data_args: DataArguments, training_args: Dod
         if limit is not None:
             dataset = dataset.select(range(min(limit, len(dataset))))
         check_text_columns(dataset, needed, split)
-        if data_args.task == "question_answering":
-            check_questions(dataset, data_args.question_column, split)
+        if data_args.task == "question_answering":  # Dodo's prompts need a document (as at inference)
+            check_questions(dataset, data_args.question_column, split, document_column=data_args.context_column)
+        elif data_args.task == "summarization":
+            check_documents(dataset, data_args.context_column, split)
         encoder = ExampleEncoder(model, tokenizer, data_args)
         # `new_fingerprint` spares datasets from hashing the model the encoder holds.
         mapped = dataset.map(encoder, batched=True, batch_size=64, remove_columns=dataset.column_names,

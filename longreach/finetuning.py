@@ -324,6 +324,15 @@ def check_questions(dataset, column: str, split: str, document_column: str | Non
                              "document its question is asked of.")
 
 
+def check_documents(dataset, column: str, split: str) -> None:
+    """Every document of ``column`` holds text, for a model whose summarization prompt refuses a blank one (Dodo's):
+    it would fail inside a batch of the tokenization, named by its place in that batch."""
+    for row, value in enumerate(dataset[column]):
+        if not value.strip():
+            raise ValueError(f"The {split} data: row {row} of column {column!r} is {value!r}, expected a document to "
+                             "summarize.")
+
+
 def first_text(dataset, column: str) -> int | None:
     """The index of the first row whose ``column`` holds non-blank text, or None."""
     return next((row for row, value in enumerate(dataset[column]) if isinstance(value, str) and value.strip()), None)
