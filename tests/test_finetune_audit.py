@@ -110,8 +110,9 @@ def test_bad_generation_max_length_is_refused_before_training(tmp_path, monkeypa
     example = _load_example("finetune_summarization", monkeypatch)
     argv = example.smoke_arguments(str(tmp_path / "ft"))
     for value in ("1", "0"):
-        with pytest.raises(ValueError, match=re.escape(f"--generation_max_length must be >= 2 (the decoder start token, "
-                                                       f"then at least one new token), got {value}.")):
+        message = (f"--generation_max_length must be >= 2 (the decoder start token, then at least one new token), "
+                   f"got {value}.")
+        with pytest.raises(ValueError, match=re.escape(message)):
             example.main(argv + ["--generation_max_length", value])
     assert not (tmp_path / "ft").exists()
 
