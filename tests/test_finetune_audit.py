@@ -144,7 +144,9 @@ def test_smoke_takes_output_dir_with_an_equals_sign(tmp_path, monkeypatch, name)
     import tempfile
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setattr(tempfile, "mkdtemp", lambda **kwargs: pytest.fail("a temporary folder was made"))
+    make_folder = tempfile.mkdtemp  # (save_pretrained stages its files in a folder made inside the target)
+    monkeypatch.setattr(tempfile, "mkdtemp", lambda **kwargs: make_folder(**kwargs) if kwargs.get("dir")
+                        else pytest.fail("a temporary folder was made"))
     example = _load_example(name, monkeypatch)
     metrics = example.main(["--smoke", f"--output_dir={tmp_path / 'ft'}", "--max_steps", "1", "--do_eval", "false"])
     assert metrics["train_loss"] > 0 and (tmp_path / "ft" / "model.safetensors").is_file()
