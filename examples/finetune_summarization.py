@@ -183,7 +183,9 @@ def build_compute_metrics(tokenizer, references: list[str] | None = None,
         summaries = tokenizer.batch_decode(predictions, skip_special_tokens=True)
         targets = None
         if references is not None and reference_labels is not None and len(references) == len(summaries):
-            targets = references_in_order(labels, references, reference_labels)
+            # (Seq2SeqTrainer pads the labels to the generation length with the pad token, or EOS without one)
+            pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+            targets = references_in_order(labels, references, reference_labels, pad)
         if targets is None:
             targets = tokenizer.batch_decode(np.where(labels >= 0, labels, tokenizer.pad_token_id),
                                              skip_special_tokens=True)
@@ -194,15 +196,24 @@ def build_compute_metrics(tokenizer, references: list[str] | None = None,
     return compute_metrics
 
 
-def references_in_order(label_rows, references: list[str], reference_labels: list[list[int]]) -> list[str] | None:
-    """The reference of each row of ``label_ids`` (padded with -100), matched on the labels of the features it came
-    from; equal labels take their references in the data's order. None if a row matches no feature."""
+def references_in_order(label_rows, references: list[str], reference_labels: list[list[int]],
+                        pad_token_id: int | None = None) -> list[str] | None:
+    """The reference of each row of ``label_ids`` (padded with -100, and by ``Seq2SeqTrainer`` with ``pad_token_id``
+    up to the generation length), matched on the labels of the features it came from, both without their trailing
+    padding; equal labels take their references in the data's order. None if a row matches no feature."""
+
+    def key(tokens) -> tuple[int, ...]:
+        kept = [int(token) for token in tokens if token != -100]
+        while kept and kept[-1] == pad_token_id:
+            kept.pop()
+        return tuple(kept)
+
     unused: dict[tuple[int, ...], list[int]] = {}
     for index, labels in enumerate(reference_labels):
-        unused.setdefault(tuple(labels), []).append(index)
+        unused.setdefault(key(labels), []).append(index)
     ordered = []
     for row in label_rows:
-        indices = unused.get(tuple(int(token) for token in row if token != -100))
+        indices = unused.get(key(row))
         if not indices:
             return None
         ordered.append(references[indices.pop(0)])

@@ -67,6 +67,31 @@ def test_group_by_length_evaluation_scores_against_the_right_references(tmp_path
     assert scored[0] == labels_seen[0]  # each summary against its own example's reference
 
 
+
+@pytest.mark.parametrize("order", ["data", "group_by_length"])
+def test_rouge_is_scored_against_the_summaries_as_written_when_they_are_cut(tmp_path, monkeypatch, order):
+    """Seq2SeqTrainer pads the label rows to the generation length with the pad token: matched with those pads, no
+    row found its reference, and ROUGE was scored against the labels cut to --max_target_length, while the run says
+    it is scored against the summaries as written."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    example = _load_example("finetune_summarization", monkeypatch)
+    example.smoke_arguments(str(tmp_path / "ft"))
+    model = tmp_path / "ft-smoke-inputs" / "tiny-locost"
+    topics = ["state space models", "token compression", "context nuggets", "relative position buckets"]
+    rows = [{"document": " ".join(f"Paragraph {p} explains how {topics[k]} works." for p in range(1 + 3 * k)),
+             "summary": f"How {topics[k]} keep long inputs affordable."} for k in range(4)]
+    (tmp_path / "val.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    scored = []
+    rouge_scores = example.rouge_scores
+    monkeypatch.setattr(example, "rouge_scores", lambda summaries, targets, **kw: scored.append(targets) or
+                        rouge_scores(summaries, targets, **kw))
+    grouping = ["--train_sampling_strategy", "group_by_length"] if order == "group_by_length" else []
+    example.main(["--model_name_or_path", str(model), "--validation_file", str(tmp_path / "val.jsonl"),
+                  "--output_dir", str(tmp_path / "eval"), "--report_to", "none", "--use_cpu",
+                  "--per_device_eval_batch_size", "2", "--max_target_length", "4", *grouping])
+    assert sorted(scored[0]) == sorted(row["summary"] for row in rows)  # not the labels cut to 4 tokens
+
+
 @pytest.mark.parametrize("name", ["finetune_summarization", "finetune_dodo"])
 def test_a_rerun_without_checkpoints_does_not_replace_the_finished_model(tmp_path, monkeypatch, name):
     """A run saved without checkpoints (`--save_strategy no`, as the smoke runs do, or checkpoints deleted to free the
