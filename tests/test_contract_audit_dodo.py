@@ -62,6 +62,7 @@ def test_runtime_settings_assigned_after_loading_take_effect_and_bad_ones_are_na
         ("lora_r", 8),
         ("soft_prompt_length", 5),
         ("encoder_adapter_name", "phi"),  # was: "adapters ['encoder'] were added to it"
+        ("lora_target_modules", None),  # was: "TypeError: 'NoneType' object is not iterable" (a ValueError before)
     ],
 )
 def test_settings_the_model_was_built_with_cannot_be_changed_in_its_config(tmp_path, field, value):

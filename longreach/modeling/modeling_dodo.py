@@ -311,10 +311,11 @@ BUILT_SETTINGS = (
 
 
 def _comparable_setting(name: str, value, num_hidden_layers: int):
-    """A built setting as the model uses it: LoRA layers and target modules as sorted sets (`None`: every layer)."""
-    if name == "lora_layers":
-        return list(range(num_hidden_layers)) if value is None else sorted(set(value))
-    if name == "lora_target_modules":
+    """A built setting as the model uses it: LoRA layers and target modules as sorted sets (`None`: every layer). Any
+    other value (`lora_target_modules=None`) is kept as it is, so that it compares unequal and is named."""
+    if name == "lora_layers" and value is None:
+        return list(range(num_hidden_layers))
+    if name in ("lora_layers", "lora_target_modules") and isinstance(value, (list, tuple)):
         return sorted(set(value))
     return value
 
