@@ -207,3 +207,38 @@ def test_a_checkpoint_whose_trainer_state_was_cut_short_is_skipped_when_resuming
     args = SimpleNamespace(output_dir=str(tmp_path), max_steps=20, num_train_epochs=3, resume_from_checkpoint=None)
     assert resume_checkpoint(args) == str(tmp_path / "checkpoint-3")
     assert "(skipping the incomplete checkpoint-7)" in capsys.readouterr().err
+
+
+def safetensors_disk_full(tensors, filename, *args, **kwargs):
+    """What safetensors raises on a full disk (seen on a full tmpfs): a SafetensorError, which is not an OSError."""
+    from safetensors import SafetensorError
+
+    raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+
+def test_a_full_disk_while_safetensors_writes_the_weights_is_named_and_keeps_the_earlier_checkpoint(tmp_path,
+                                                                                                   monkeypatch):
+    import transformers.modeling_utils as modeling_utils
+
+    folder = save_tiny_locost(tmp_path / "model")
+    before = snapshot(folder)
+    monkeypatch.setattr(modeling_utils, "safe_save_file", safetensors_disk_full)
+    with pytest.raises(OSError, match=f"while saving to {folder}: the checkpoint already there is kept") as caught:
+        tiny_locost(seed=5).save_pretrained(folder)
+    assert caught.value.errno == errno.ENOSPC
+    assert snapshot(folder) == before and sorted(path.name for path in folder.iterdir()) == sorted(before)
+
+
+def test_a_full_disk_while_a_conversion_writes_the_weights_is_one_line(fixtures_dir, tmp_path, monkeypatch, capsys):
+    import transformers.modeling_utils as modeling_utils
+
+    from longreach.cli import main
+
+    output = tmp_path / "out"
+    monkeypatch.setattr(modeling_utils, "safe_save_file", safetensors_disk_full)
+    assert main(["convert", "locost", "--checkpoint_path", str(fixtures_dir / "locost" / "hf_checkpoint"),
+                 "--pytorch_dump_folder_path", str(output)]) == 1
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"error: No space left on device while writing the converted checkpoint to {output}; nothing was written "
+        "there: free some space or choose a folder on another disk.")
+    assert list(tmp_path.iterdir()) == []

@@ -22,7 +22,6 @@ Rules every converter follows:
 
 from __future__ import annotations
 
-import errno
 import gc
 import hashlib
 import json
@@ -41,6 +40,8 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file as load_safetensors
+
+from ..modeling.remote_code import disk_full
 
 logger = logging.getLogger(__name__)
 
@@ -528,7 +529,7 @@ def staged_output(output: Path) -> Iterator[Path]:
                 folder.rmdir()
             except OSError:
                 break
-        if isinstance(error, OSError) and error.errno == errno.ENOSPC:  # not a traceback naming the staging folder
+        if disk_full(error):  # not a traceback naming the staging folder
             raise ConversionError(f"No space left on device while writing the converted checkpoint to {output}; "
                                   "nothing was written there: free some space or choose a folder on another disk."
                                   ) from error

@@ -208,6 +208,14 @@ def _weights_stem(name: str) -> str | None:
                                               else None)
 
 
+def disk_full(error: BaseException) -> bool:
+    """Whether ``error`` says the disk is full: an ``OSError`` with ``ENOSPC``, or safetensors' ``SafetensorError``
+    (not an ``OSError``), which a full disk raises while the weights are written ("... (os error 28)")."""
+    if isinstance(error, OSError):
+        return error.errno == errno.ENOSPC
+    return type(error).__name__ == "SafetensorError" and f"(os error {errno.ENOSPC})" in str(error)
+
+
 @contextmanager
 def _staged_save(save_directory: Path):
     """Yield a hidden folder inside ``save_directory`` to save into; once the save is complete its files replace
@@ -223,8 +231,8 @@ def _staged_save(save_directory: Path):
     try:
         try:
             yield staging
-        except OSError as error:
-            if error.errno != errno.ENOSPC:
+        except Exception as error:
+            if not disk_full(error):
                 raise
             kept = (" the checkpoint already there is kept as it was (saving over it needs room for both until the new "
                     "one is complete);" if earlier else " nothing was written under the names of its files;")
