@@ -306,11 +306,13 @@ def _read_document(file: str) -> str:
             raise CommandError("FILE - reads standard input, which is closed; pipe a document in or pass a FILE")
         if file == "-":  # the bytes, decoded here: the locale's text stream may pass bad bytes on as surrogates
             stdin_bytes = getattr(sys.stdin, "buffer", None)  # (none where stdin was replaced by a text stream)
-            # "-sig": a byte order mark (Windows editors write one) is not the document's first word
-            document = sys.stdin.read() if stdin_bytes is None else stdin_bytes.read().decode("utf-8-sig")
+            document = sys.stdin.read() if stdin_bytes is None else stdin_bytes.read().decode("utf-8")
         else:
-            with open(file, encoding="utf-8-sig") as handle:
+            with open(file, encoding="utf-8") as handle:
                 document = handle.read()
+        # a byte order mark (Windows editors write one) is not the document's first word; removed after decoding, so
+        # that an error's offset counts it
+        document = document.removeprefix("\ufeff")
     except UnicodeDecodeError as error:
         name = "standard input" if file == "-" else file
         convert = "iconv -f latin1 -t utf-8 FILE | longreach summarize ... -" if file == "-" else \

@@ -314,7 +314,8 @@ def _path_id(relative_path: str) -> str:
 
 def _add_text_file(corpus: Corpus, file: Path, record_id: str) -> None:
     try:
-        corpus.add(record_id, file.read_text(encoding="utf-8-sig"))  # a byte order mark is not the text's
+        # a byte order mark is not the text's (removed after decoding, so that an error's offset counts it)
+        corpus.add(record_id, file.read_text(encoding="utf-8").removeprefix("\ufeff"))
     except UnicodeDecodeError as error:
         corpus.errors.append({"id": record_id, "error": f"{file} is not UTF-8 text (byte {error.object[error.start]:#04x} "
                                                         f"at offset {error.start}): convert it, e.g. with iconv"})

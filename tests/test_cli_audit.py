@@ -135,3 +135,23 @@ def test_a_rerun_after_the_model_was_retrained_in_the_same_folder_is_refused(tmp
     error = capsys.readouterr().err
     assert "holds summaries made with other settings (model_files:" in error
     assert len(read_output(output)) == 3
+
+
+def test_a_byte_that_is_not_utf8_after_a_byte_order_mark_is_named_at_its_offset_in_the_file(model_folder, tmp_path,
+                                                                                             monkeypatch, capsys):
+    """The mark is three bytes of the file: an error's offset counts them (it was 3 too small, counted after it)."""
+    data = BOM + b"abc \xe9t\xe9"  # the first bad byte is the file's 7th: offset 7
+    (tmp_path / "doc.txt").write_bytes(data)
+    assert main(["summarize", "--model", str(model_folder), str(tmp_path / "doc.txt"), *GENERATION]) == 1
+    assert "(byte 0xe9 at offset 7)" in capsys.readouterr().err
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(data)))
+    assert main(["summarize", "--model", str(model_folder), "-", *GENERATION]) == 1
+    assert "(byte 0xe9 at offset 7)" in capsys.readouterr().err
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "doc.txt").write_bytes(data)
+    (tmp_path / "docs" / "ok.txt").write_text(document(12))
+    output = tmp_path / "out.jsonl"
+    main(["summarize", "--model", str(model_folder), "--input", str(tmp_path / "docs"), "--output", str(output),
+          *GENERATION])
+    errors = (tmp_path / "out.errors.jsonl").read_text()
+    assert "(byte 0xe9 at offset 7)" in errors, errors
