@@ -225,3 +225,15 @@ def test_dodo_a_blank_document_is_named_by_its_row_in_the_data(tmp_path, monkeyp
                                                    f"{expected}")):
         example.main(argv)
     assert not (tmp_path / "d").exists()
+
+
+def test_both_stages_turned_off_is_named_as_such(tmp_path, monkeypatch):
+    """`--do_eval false` alone (do_train is off unless asked for): nothing to run, but the data has a validation split;
+    the message said it had none."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    example = _load_example("finetune_summarization", monkeypatch)
+    argv = [a for a in example.smoke_arguments(str(tmp_path / "ft")) if a not in ("--do_train", "--do_eval")]
+    with pytest.raises(ValueError, match=re.escape("Nothing to run: --do_train and --do_eval are both off (the data has "
+                                                   "['train', 'validation']); turn one of them on.")):
+        example.main(argv + ["--do_eval", "false"])
+    assert not (tmp_path / "ft").exists()
