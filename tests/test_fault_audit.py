@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -107,6 +108,20 @@ def test_a_save_killed_while_writing_keeps_the_earlier_checkpoint_and_the_next_s
     retrained.save_pretrained(folder)
     assert not leftovers[0].exists()
     assert same_weights(retrained, LocostForConditionalGeneration.from_pretrained(folder))
+
+
+def test_a_save_clears_a_day_old_staging_folder_of_another_machine_and_keeps_a_recent_one(tmp_path):
+    """A save killed on another node or in another container cannot be told dead by its process id: its partial copy
+    of the weights is removed once untouched for a day (no save takes that long); a recent one may be a live save."""
+    folder = save_tiny_locost(tmp_path / "model")
+    old, recent = (folder / f".longreach-save-1-another-host-{name}" for name in ("old", "recent"))
+    for staging in (old, recent):
+        staging.mkdir()
+        (staging / "model.safetensors").write_bytes(b"partial")
+    day_and_a_minute_ago = time.time() - 24 * 3600 - 60
+    os.utime(old, (day_and_a_minute_ago, day_and_a_minute_ago))
+    tiny_locost(seed=5).save_pretrained(folder)
+    assert not old.exists() and recent.exists()
 
 
 @pytest.mark.parametrize("first, second", [("100KB", "50GB"), ("50GB", "100KB"), ("60KB", "100KB")])

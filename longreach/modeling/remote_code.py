@@ -23,6 +23,7 @@ import shutil
 import socket
 import sys
 import tempfile
+import time
 import warnings
 from contextlib import contextmanager
 from pathlib import Path
@@ -183,7 +184,13 @@ _SAVE_STAGING_PREFIX = ".longreach-save-"
 _SHARD = re.compile(r"^(?P<stem>.+?)-\d{5}-of-\d{5}\.(safetensors|bin)$")
 
 
+#: A staging folder untouched for this long is a killed save's, whatever machine made it (no save takes a day).
+_STALE_AFTER_SECONDS = 24 * 3600
+
+
 def _process_alive(pid: int) -> bool:
+    if os.name == "nt":  # (os.kill(pid, 0) sends CTRL_C_EVENT there): counted alive, so only the age rule applies
+        return True
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -194,11 +201,18 @@ def _process_alive(pid: int) -> bool:
 
 
 def _remove_stale_saves(folder: Path) -> None:
-    """The staging folders that saves killed on this machine left in ``folder`` (their process is gone)."""
-    host = socket.gethostname()
+    """The staging folders that killed saves left in ``folder``: those of this machine whose process is gone, and
+    any untouched for a day (a save killed on another machine or in another container)."""
+    host, now = socket.gethostname(), time.time()
     for stale in folder.glob(f"{_SAVE_STAGING_PREFIX}*"):
         pid, _, rest = stale.name[len(_SAVE_STAGING_PREFIX):].partition("-")
-        if stale.is_dir() and pid.isdigit() and rest.startswith(f"{host}-") and not _process_alive(int(pid)):
+        try:
+            if not stale.is_dir():
+                continue
+            old = now - stale.stat().st_mtime > _STALE_AFTER_SECONDS
+        except OSError:  # (removed meanwhile)
+            continue
+        if old or (pid.isdigit() and rest.startswith(f"{host}-") and not _process_alive(int(pid))):
             shutil.rmtree(stale, ignore_errors=True)
 
 
