@@ -592,3 +592,23 @@ def test_peft_adapters_with_options_beyond_plain_lora_are_refused(dodo_fixtures,
     assert not (tmp_path / "out").exists()
     assert converter.unsupported_lora_options({"use_rslora": False, "alpha_pattern": {}, "modules_to_save": None,
                                                "bias": "none", "layer_replication": None}) == []
+
+
+def test_a_base_whose_generation_config_samples_gives_a_greedy_model(dodo_fixtures, tmp_path):
+    """Llama-2-7b-hf's generation_config.json samples (temperature 0.6, top_p 0.9); copied as it is, the converted Dodo
+    sampled, where the authors decode greedily, and two runs of `longreach summarize` disagreed."""
+    import shutil
+
+    folder = tmp_path / "run"
+    folder.mkdir()
+    shutil.copytree(dodo_fixtures / "base", folder / "base")
+    shutil.copytree(dodo_fixtures / "dodo_ckpt", folder / "dodo_ckpt")
+    generation = json.loads((folder / "base" / "generation_config.json").read_text())
+    generation.update(do_sample=True, temperature=0.6, top_p=0.9)
+    (folder / "base" / "generation_config.json").write_text(json.dumps(generation))
+    output = converter.convert_dodo_checkpoint(folder / "dodo_ckpt" / "weights.ckpt", tmp_path / "out")
+    written = json.loads((output / "generation_config.json").read_text())
+    assert not written.get("do_sample") and "temperature" not in written and "top_p" not in written, written
+    assert written["eos_token_id"] == 2 and written["max_new_tokens"] == 10  # the rest as before
+    model = DodoLlamaForCausalLM.from_pretrained(output)
+    assert model.generation_config.do_sample is False

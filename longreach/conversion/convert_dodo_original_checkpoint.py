@@ -550,6 +550,12 @@ def _build_and_save(
         from transformers import GenerationConfig
 
         model.generation_config = GenerationConfig.from_pretrained(base_path)
+        if model.generation_config.do_sample:  # (Llama-2's own file samples: do_sample, temperature 0.6, top_p 0.9)
+            logger.info("%s samples (do_sample=True); the converted model decodes greedily, as the authors do (paper "
+                        "§5): pass do_sample=True to generate() to sample.", generation_file)
+            model.generation_config.do_sample = False
+            for name in ("temperature", "top_p", "top_k", "min_p", "typical_p"):  # sampling only: unset
+                setattr(model.generation_config, name, None)
     if max_new_tokens is not None:
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise ConversionError(f"--max_new_tokens {max_new_tokens!r}: expected a positive integer.")
