@@ -667,7 +667,8 @@ def build_parser() -> argparse.ArgumentParser:
                                 help="Column holding unique ids (default: row number).")
     corpus_options.add_argument("--reference_column", default=None, type=non_empty,
                                 help="Column holding reference summaries (or answers): ROUGE (with a question, "
-                                     "also SQuAD's exact match and F1) is printed and written to OUT.metrics.json.")
+                                     "also SQuAD's exact match and F1) is printed and written to OUT.metrics.json. A "
+                                     "list of texts, or SQuAD's answers {\"text\": [...]}, scores the best of them.")
     corpus_options.add_argument("--question_column", default=None, type=non_empty,
                                 help="Column holding a question per record, answered instead of a summary (VCC-T5, "
                                      "Dodo); each record of OUT keeps its question.")

@@ -18,7 +18,8 @@ models answer the question instead of summarizing; the answer is the record's ``
 * Several processes (``torchrun`` / ``accelerate launch``: ``RANK`` and ``WORLD_SIZE``) split the documents; each
   appends to its own ``OUT.part-R-of-W.jsonl`` (resumable on its own) and rank 0 merges the parts into ``OUT``.
 * With a reference column, ROUGE-1/2/Lsum (``rouge-score``) is printed and written to ``OUT.metrics.json``; answers
-  to a question are also scored with SQuAD's exact match and F1.
+  to a question are also scored with SQuAD's exact match and F1. A reference may list several acceptable texts (a
+  list of strings, or SQuAD's ``answers`` ``{"text": [...], ...}``): the best of them counts, as in SQuAD.
 * What makes a summary (model, tokenizer, ``--max_input_length``, generation options, the question, the input and its
   text and id columns) is kept in ``OUT.settings.json``; a rerun with other settings is refused rather than mixing two
   runs in ``OUT``.
@@ -60,7 +61,7 @@ class Corpus:
 
     ids: list[str] = field(default_factory=list)
     texts: list[str] = field(default_factory=list)
-    references: list[str | None] = field(default_factory=list)
+    references: list[str | list[str] | None] = field(default_factory=list)
     errors: list[dict] = field(default_factory=list)
     questions: list[str] | None = None
 
@@ -82,9 +83,22 @@ class Corpus:
             return
         self.ids.append(record_id)
         self.texts.append(text)
-        self.references.append(reference if isinstance(reference, str) and reference.strip() else None)  # "" = none
+        self.references.append(_reference_texts(reference))
         if self.questions is not None:
             self.questions.append(question)
+
+
+def _reference_texts(reference) -> str | list[str] | None:
+    """A record's reference: its text, or the list of its non-empty texts where it holds several acceptable answers (a
+    list of strings, or 🤗 SQuAD's ``answers`` ``{"text": [...], "answer_start": [...]}``); None where it has none."""
+    if isinstance(reference, dict):
+        reference = reference.get("text")
+    if isinstance(reference, str):
+        return reference if reference.strip() else None  # "" = none
+    if isinstance(reference, (list, tuple)):
+        texts = [text for text in reference if isinstance(text, str) and text.strip()]
+        return texts or None
+    return None
 
 
 def _lone_surrogate(text: str) -> int | None:

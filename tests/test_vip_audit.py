@@ -1,0 +1,47 @@
+"""From an audit of VCC-T5's question answering and VIP-token workflows: SQuAD-style references (several acceptable
+answers) and `prepare_vip_inputs`' queries."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from workflow_helpers import document
+
+from longreach import corpus as corpus_module
+from longreach.metrics import answer_scores, rouge_scores
+
+
+def test_answer_scores_take_the_best_of_several_references_as_squad_does():
+    """SQuAD lists several answers per question; its exact match and F1 are the best over them. A list of references
+    raised `AttributeError: 'list' object has no attribute 'lower'`."""
+    assert answer_scores(["the cat"], [["dog", "Cat."]]) == {"exact_match": 100.0, "f1": 100.0}
+    # exact match and F1 are maxima of their own: F1 4/7 against the second answer, 0 against the first
+    assert answer_scores(["in Paris France"], [["Rome", "Paris in northern Europe"]]) == {"exact_match": 0.0,
+                                                                                          "f1": 57.14}
+    assert answer_scores(["x", "y"], [["x"], "z"]) == answer_scores(["x", "y"], ["x", "z"])
+    best = rouge_scores(["w1 w2 w3"], [["w7 w8", "w1 w2 w3"]])
+    assert best == rouge_scores(["w1 w2 w3"], ["w1 w2 w3"]) and best["rouge1"] == 100.0
+    with pytest.raises(ValueError, match="Each reference must be a string or a non-empty list of strings, got "
+                                         r"\[\] for prediction 1"):
+        answer_scores(["x", "y"], ["x", []])
+
+
+def test_squad_answers_columns_are_references(tmp_path):
+    """`--reference_column answers` of a SQuAD-format table (`{"text": [...], "answer_start": [...]}`, or a list of
+    texts) was read as no reference: "no summarized document has a reference", and no scores."""
+    rows = [{"id": "a", "context": document(30), "question": "w3", "answers": {"text": ["w5", "w5 w6"],
+                                                                                 "answer_start": [0, 0]}},
+            {"id": "b", "context": document(20, offset=2), "question": "w4", "answers": {"text": ["", " "],
+                                                                                          "answer_start": [0, 0]}}]
+    source = tmp_path / "squad.jsonl"
+    source.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    corpus = corpus_module.read_corpus(str(source), text_column="context", id_column="id", reference_column="answers",
+                                       question_column="question")
+    assert corpus.references == [["w5", "w5 w6"], None]  # empty answers are none, as an empty string is
+    records = [{"id": "a", "summary": "w5 w6", "question": "w3"}, {"id": "b", "summary": "w1", "question": "w4"}]
+    metrics = corpus_module.corpus_rouge(tmp_path / "out.jsonl", corpus, records)
+    assert metrics == {"rouge1": 100.0, "rouge2": 100.0, "rougeLsum": 100.0, "exact_match": 100.0, "f1": 100.0,
+                       "documents": 1}
+    source.write_text(json.dumps({"text": document(5), "answers": ["w1", "w2"]}) + "\n")
+    assert corpus_module.read_corpus(str(source), reference_column="answers").references == [["w1", "w2"]]
