@@ -4,6 +4,7 @@ answers) and `prepare_vip_inputs`' queries."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from workflow_helpers import document
@@ -45,3 +46,23 @@ def test_squad_answers_columns_are_references(tmp_path):
                        "documents": 1}
     source.write_text(json.dumps({"text": document(5), "answers": ["w1", "w2"]}) + "\n")
     assert corpus_module.read_corpus(str(source), reference_column="answers").references == [["w1", "w2"]]
+
+
+@pytest.mark.parametrize("queries, contexts, message", [
+    ("", [document(20)], "`queries` must be non-empty text, got '' for context 0 (a row without a question: ask "
+                         "'summarize', as `prepare_summarization_inputs` does)"),
+    (["w1", "  "], [document(20), document(9)], "`queries` must be non-empty text, got '  ' for context 1"),
+    ([None], [document(20)], "`queries` must be non-empty text, got None for context 0"),
+    ("w1", [document(20), 3], "`contexts` must be a string or a list of strings, got int '3' for context 1"),
+])
+def test_prepare_vip_inputs_refuses_empty_queries_and_contexts_that_are_not_text(queries, contexts, message):
+    """An empty query made the first context token the row's only VIP token, silently (its EOS alone was counted); a
+    None query or a non-text context raised Python's `TypeError: unsupported operand type(s) for +`."""
+    from workflow_helpers import word_tokenizer
+
+    from longreach import prepare_vip_inputs
+
+    with pytest.raises(ValueError, match=re.escape(message)):
+        prepare_vip_inputs(word_tokenizer(), queries, contexts)
+    inputs = prepare_vip_inputs(word_tokenizer(), ["w1", "summarize"], [document(20), document(9)])
+    assert inputs["vip_mask"].sum(dim=1).tolist() == [2, 2]  # w1 / <unk> and their EOS count

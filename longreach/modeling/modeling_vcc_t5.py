@@ -696,6 +696,16 @@ def prepare_vip_inputs(
     >>> answer_ids = model.generate(**inputs, max_new_tokens=32)
     ```
     """
+    contexts = [contexts] if isinstance(contexts, str) else list(contexts)
+    for row, context in enumerate(contexts):
+        if not isinstance(context, str):
+            raise ValueError(f"`contexts` must be a string or a list of strings, got {type(context).__name__} "
+                             f"{_shorten(str(context))} for context {row}.")
+    for row, query in enumerate([queries] if isinstance(queries, str) else list(queries)):
+        # an empty query would make the first context token the row's only VIP token (its EOS count marks one)
+        if not isinstance(query, str) or not query.strip():
+            raise ValueError(f"`queries` must be non-empty text, got {query!r} for context {row} (a row without a "
+                             f"question: ask {SUMMARIZATION_QUERY!r}, as `prepare_summarization_inputs` does).")
     encoding, _ = _encode_queries_and_contexts(tokenizer, queries, contexts, max_length, separator)
     return BatchEncoding(encoding)
 
