@@ -556,6 +556,10 @@ def summarize_corpus(
 
     if question is not None and corpus.questions is not None:
         raise ValueError("Pass `question` (one for every document) or a corpus with its own questions, not both.")
+    sequences = (generate_kwargs or {}).get("num_return_sequences")
+    if sequences not in (None, 1):
+        raise ValueError(f"`num_return_sequences`={sequences!r}: a corpus record holds one summary per document; use "
+                         "the summarization pipeline for several.")
     if question is not None:
         if not isinstance(question, str) or not question.strip():
             raise ValueError(f"`question` must be non-empty text, got {question!r}.")
@@ -639,6 +643,8 @@ def _summarize_batch(summarizer, corpus: Corpus, batch: list[int], max_input_len
         output_ids = summarizer.model.generate(**inputs, **options)
     if not summarizer.model.config.is_encoder_decoder:
         output_ids = output_ids[:, inputs["input_ids"].shape[1]:]  # decoder-only: drop the prompt
+    if output_ids.shape[0] != len(batch):  # the model's generation config returns several per document: the first
+        output_ids = output_ids.reshape(len(batch), -1, output_ids.shape[1])[:, 0]
     summaries = summarizer.tokenizer.batch_decode(output_ids, skip_special_tokens=True,
                                                   clean_up_tokenization_spaces=False)  # as the pipeline decodes
     # what the model reads of each document: Dodo's compressed context (its `attention_mask` is the decoder prompt's)

@@ -66,3 +66,33 @@ def test_prepare_vip_inputs_refuses_empty_queries_and_contexts_that_are_not_text
         prepare_vip_inputs(word_tokenizer(), queries, contexts)
     inputs = prepare_vip_inputs(word_tokenizer(), ["w1", "summarize"], [document(20), document(9)])
     assert inputs["vip_mask"].sum(dim=1).tolist() == [2, 2]  # w1 / <unk> and their EOS count
+
+
+def test_corpus_answers_stay_with_their_documents_when_the_model_returns_several_sequences(tmp_path):
+    """A model whose generation config returns several sequences per document (`num_return_sequences`) gave a batch's
+    records the first document's sequences in turn: record 2 held document 1's second answer. Each record now holds its
+    document's first (best) sequence; asking for several in `generate_kwargs` is refused."""
+    from test_workflows_vcc_t5_dodo import tiny_vcc
+    from transformers import pipeline
+    from workflow_helpers import word_tokenizer
+
+    summarizer = pipeline("long-summarization", model=tiny_vcc(seed=13), tokenizer=word_tokenizer())
+    texts, questions = [document(50, offset=3), document(30)], ["w4 w5", "w3"]
+    corpus = corpus_module.Corpus(["a", "b"], texts, [None, None], [], questions)
+    options = {"max_new_tokens": 4, "num_beams": 3}
+    best = [record[0]["summary_text"] for record in summarizer(texts, question=questions, num_return_sequences=3,
+                                                                **options)]
+    assert best == [record["summary_text"] for record in summarizer(texts, question=questions, **options)]
+    config = summarizer.model.generation_config
+    config.num_beams, config.num_return_sequences = 3, 3
+    try:
+        corpus_module.summarize_corpus(summarizer, corpus, tmp_path / "out.jsonl", generate_kwargs=options,
+                                       progress=False)
+    finally:
+        config.num_beams, config.num_return_sequences = 1, 1
+    records = {record["id"]: record for record in map(json.loads, (tmp_path / "out.jsonl").read_text().splitlines())}
+    assert [records[key]["summary"] for key in ("a", "b")] == best
+    with pytest.raises(ValueError, match=re.escape("`num_return_sequences`=2: a corpus record holds one summary per "
+                                                   "document")):
+        corpus_module.summarize_corpus(summarizer, corpus, tmp_path / "two.jsonl",
+                                       generate_kwargs={**options, "num_return_sequences": 2}, progress=False)
