@@ -285,7 +285,7 @@ def load_summarizer(model_path: str, tokenizer_path: str | None = None, device: 
 def _generate_kwargs(args: argparse.Namespace) -> dict:
     return {name: getattr(args, name) for name in ("max_new_tokens", "num_beams", "length_penalty",
                                                    "no_repeat_ngram_size", "repetition_penalty", "min_new_tokens",
-                                                   "cache_implementation")
+                                                   "do_sample", "cache_implementation")
             if getattr(args, name, None) is not None}
 
 
@@ -682,6 +682,9 @@ def build_parser() -> argparse.ArgumentParser:
     generation.add_argument("--no_repeat_ngram_size", type=positive_int, default=None)
     generation.add_argument("--repetition_penalty", type=positive_float, default=None,
                             help="Above 1 discourages repeated tokens (1: no penalty).")
+    generation.add_argument("--do_sample", action=argparse.BooleanOptionalAction, default=None,
+                            help="Sample (--do_sample) or pick the likeliest tokens (--no-do_sample); default: the "
+                                 "checkpoint's generation_config (a Llama-2 base's, copied by `convert dodo`, samples).")
     generation.add_argument("--cache_implementation", default=None, choices=["dynamic", "static"],
                             help="static (LOCOST, VCC-T5): preallocated decoder caches, the same summaries; on a "
                                  "GPU generate() then compiles the decoding step (CUDA graphs). A new batch shape "
