@@ -684,7 +684,7 @@ def build_parser() -> argparse.ArgumentParser:
                             help="Above 1 discourages repeated tokens (1: no penalty).")
     generation.add_argument("--do_sample", action=argparse.BooleanOptionalAction, default=None,
                             help="Sample (--do_sample) or pick the likeliest tokens (--no-do_sample); default: the "
-                                 "checkpoint's generation_config (a Llama-2 base's, copied by `convert dodo`, samples).")
+                                 "checkpoint's generation_config (one that samples gives other summaries each run).")
     generation.add_argument("--cache_implementation", default=None, choices=["dynamic", "static"],
                             help="static (LOCOST, VCC-T5): preallocated decoder caches, the same summaries; on a "
                                  "GPU generate() then compiles the decoding step (CUDA graphs). A new batch shape "
