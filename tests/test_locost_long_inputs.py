@@ -53,7 +53,7 @@ def test_chunked_path_equals_the_one_piece_path(monkeypatch, overrides):
 def test_chunked_path_only_without_autograd_and_above_the_threshold(monkeypatch):
     encoder = tiny_encoder(encoder_chunk_length=8)
     calls = []
-    monkeypatch.setattr(LocostEncoderBlock, "forward_in_pieces_", lambda *args: calls.append(args[-1]))
+    monkeypatch.setattr(LocostEncoderBlock, "forward_in_pieces_", lambda *args: calls.append(args[-1]) or args[1])
     encoder(input_ids=torch.randint(2, 50, (1, 9)))  # autograd on: one piece
     with torch.no_grad():
         encoder(input_ids=torch.randint(2, 50, (1, 8)))  # not longer than the threshold
@@ -80,3 +80,53 @@ def test_accelerators_use_their_own_piece_length():
     assert encoder.piece_length(torch.device("cuda", 1)) == 64
     assert encoder.piece_length(torch.device("mps")) == 64
     assert LocostConfig(**TINY).encoder_accelerator_chunk_length == 32768
+
+
+def half_model_with_float32_wo() -> LocostEncoder:
+    """A float16 encoder as `from_pretrained(dtype=torch.float16)` loads it: the feed-forward `wo` stay float32."""
+    encoder = tiny_encoder().half()
+    for block in encoder.block:
+        block.layer[1].DenseReluDense.wo.float()
+    return encoder
+
+
+@pytest.mark.parametrize("case", ["float16 with float32 wo", "bfloat16 model, float32 embeddings",
+                                  "float32 model, bfloat16 embeddings"])
+def test_chunked_path_keeps_the_dtypes_of_the_one_piece_path(case):
+    # the pieces wrote every sublayer's output into the input's dtype: float32 embeddings in a bfloat16 model failed
+    # ("mat1 and mat2 must have the same dtype"), and the float32 residual stream of the others was rounded
+    if case == "float16 with float32 wo":
+        encoder = half_model_with_float32_wo()
+        inputs = {"input_ids": torch.randint(2, 50, (2, 29))}
+    else:
+        model_dtype, embeds_dtype = (torch.bfloat16, torch.float32) if case.startswith("bfloat16") else \
+            (torch.float32, torch.bfloat16)
+        encoder = tiny_encoder().to(model_dtype)
+        inputs = {"inputs_embeds": torch.randn(2, 29, 16, dtype=embeds_dtype)}
+    attention_mask = torch.ones(2, 29, dtype=torch.long)
+    attention_mask[1, 11:] = 0
+    with torch.no_grad():
+        encoder.chunk_length = None
+        reference = encoder(**inputs, attention_mask=attention_mask).last_hidden_state
+        encoder.chunk_length = 6
+        chunked = encoder(**inputs, attention_mask=attention_mask).last_hidden_state
+    assert chunked.dtype == reference.dtype
+    # float32 outputs differ in rounding only (the convolution runs over channel groups); half ones not at all here
+    tolerance = 1e-5 if reference.dtype == torch.float32 else 0
+    torch.testing.assert_close(chunked, reference, atol=tolerance, rtol=0)
+
+
+def test_chunked_float16_does_not_overflow_where_one_piece_does_not():
+    # T5 v1.1 keeps `wo` in float32 under float16 because its outputs can pass 65504: the one-piece path keeps them in
+    # a float32 residual stream, the pieces rounded them to float16 (inf, then NaN after the next norm)
+    encoder = half_model_with_float32_wo()
+    with torch.no_grad():
+        encoder.block[0].layer[1].DenseReluDense.wo.weight.mul_(1e7)  # outputs of about 3e6
+        input_ids = torch.randint(2, 50, (1, 20))
+        encoder.chunk_length = None
+        reference = encoder(input_ids=input_ids).last_hidden_state
+        encoder.chunk_length = 6
+        chunked = encoder(input_ids=input_ids).last_hidden_state
+    assert torch.isfinite(reference).all()
+    assert torch.isfinite(chunked).all()
+    torch.testing.assert_close(chunked, reference, atol=0, rtol=0)

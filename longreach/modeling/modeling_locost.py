@@ -101,35 +101,51 @@ class LocostEncoderBlock(GradientCheckpointingLayer):
         """With ``piece_length``: ``forward_in_pieces_`` (no autograd, in place), run through this call so that hooks
         on the block see it (FSDP gathers the block's weights only around its ``forward``)."""
         if piece_length is not None:
-            self.forward_in_pieces_(hidden_states, attention_mask, piece_length)
-            return hidden_states
+            return self.forward_in_pieces_(hidden_states, attention_mask, piece_length)
         return self.layer[1](self.layer[0](hidden_states, attention_mask))
 
     @torch.no_grad()
-    def forward_in_pieces_(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor, piece_length: int) -> None:
-        """``forward`` for long inputs without autograd, updating ``hidden_states`` in place.
+    def forward_in_pieces_(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor,
+                           piece_length: int) -> torch.Tensor:
+        """``forward`` for long inputs without autograd, updating ``hidden_states`` in place, and returning it.
 
         Norms, projections, gate and feed-forward run over ``piece_length`` positions at a time, the convolution over
         groups of channels of about the same number of elements; one extra [B, L, H] buffer holds k, then the
-        convolution's output.
+        convolution's output. Dtypes are those of ``forward``: where a sublayer's output is wider than
+        ``hidden_states`` (a float16 model's float32 ``wo``, float32 ``inputs_embeds`` in a bfloat16 model), the
+        residual stream is widened (a new tensor, returned) instead of the output rounded into it.
         """
         ssm_layer, ff_layer = self.layer
         ssm = ssm_layer.ssm
         batch, length, width = hidden_states.shape
         pieces = [slice(start, start + piece_length) for start in range(0, length, piece_length)]
-        mask = attention_mask[:, :, None].to(hidden_states.dtype)
-        k = torch.empty_like(hidden_states)
+        k = None
         for piece in pieces:
-            k[:, piece] = ssm.k_proj(ssm_layer.layer_norm(hidden_states[:, piece])) * mask[:, piece]
+            normed = ssm_layer.layer_norm(hidden_states[:, piece])
+            value = ssm.k_proj(normed) * attention_mask[:, piece, None].to(normed.dtype)
+            if k is None:
+                k = value.new_empty(batch, length, width)  # the dtype that `LocostGatedSSM.forward` convolves in
+            k[:, piece] = value
         ssm.conv.convolve_in_channel_groups_(k, group=max(1, piece_length * width // (batch * length)))
         for piece in pieces:
             y = k[:, piece]
             if ssm.gating:
                 y = ssm.q_proj(ssm_layer.layer_norm(hidden_states[:, piece])) * y
-            hidden_states[:, piece] += ssm_layer.dropout(ssm.out_proj(y))
+            update = ssm_layer.dropout(ssm.out_proj(y))
+            hidden_states = _widened_for(hidden_states, update)
+            hidden_states[:, piece] += update
         del k
         for piece in pieces:
-            hidden_states[:, piece] = ff_layer(hidden_states[:, piece])
+            value = ff_layer(hidden_states[:, piece])
+            hidden_states = _widened_for(hidden_states, value)
+            hidden_states[:, piece] = value
+        return hidden_states
+
+
+def _widened_for(hidden_states: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """``hidden_states``, or a copy in the wider dtype that ``hidden_states + value`` has (as the one-piece path)."""
+    dtype = torch.result_type(hidden_states, value)
+    return hidden_states if dtype == hidden_states.dtype else hidden_states.to(dtype)
 
 
 #: `LocostConfig` fields that set how the encoder computes, not its weights -> where the encoder keeps them (``conv.``:
@@ -224,9 +240,15 @@ class LocostEncoder(nn.Module):
                 if all_hidden is not None:
                     all_hidden.append(hidden_states.clone())
                 hidden_states = block(hidden_states, attention_mask, piece_length=piece_length)
+            output = None
             for start in range(0, length, piece_length):
                 piece = slice(start, start + piece_length)
-                hidden_states[:, piece] = self.dropout(self.final_layer_norm(hidden_states[:, piece]))
+                value = self.dropout(self.final_layer_norm(hidden_states[:, piece]))
+                if output is None:  # the norm's dtype, as in one piece (half precision for a half-precision norm)
+                    same = value.dtype == hidden_states.dtype
+                    output = hidden_states if same else value.new_empty(hidden_states.shape)
+                output[:, piece] = value
+            hidden_states = output
         else:
             for block in self.block:
                 if all_hidden is not None:
