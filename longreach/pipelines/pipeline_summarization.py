@@ -284,13 +284,9 @@ class LongSummarizationPipeline(Pipeline):
         ``min_length`` counted as the class docstring says. The corpus command (``longreach.corpus``) uses it too."""
         if summarizing and self._summarization_task_parameters() and "generation_config" not in generate_kwargs:
             # a plain model (e.g. a T5 checkpoint) with transformers v4's `task_specific_params["summarization"]`:
-            # its generation settings, under the caller's, as v4's summarization pipeline applied them (its lengths
-            # only when the caller gives none: a caller's max_new_tokens=2 and the checkpoint's min_length=30 clash)
-            lengths = ("max_length", "min_length", "max_new_tokens", "min_new_tokens")
-            caller_length = any(key in generate_kwargs for key in lengths)
-            defaults = {key: value for key, value in self._summarization_task_parameters().items()
-                        if key != "prefix" and not (caller_length and key in lengths)}
-            generate_kwargs = {**defaults, **generate_kwargs}
+            # its generation settings, under the caller's, key by key as v4's summarization pipeline applied them
+            defaults = {key: value for key, value in self._summarization_task_parameters().items() if key != "prefix"}
+            generate_kwargs = {**self._without_replaced_lengths(defaults, generate_kwargs), **generate_kwargs}
         for total, new_tokens in (("max_length", "max_new_tokens"), ("min_length", "min_new_tokens")):
             if total in generate_kwargs and new_tokens not in generate_kwargs:
                 generate_kwargs = dict(generate_kwargs)
@@ -302,6 +298,30 @@ class LongSummarizationPipeline(Pipeline):
                     # the prompt is ours, not the user's: a summary's max_length / min_length count the summary alone
                     generate_kwargs[new_tokens] = generate_kwargs.pop(total)
         return generate_kwargs
+
+    def _without_replaced_lengths(self, defaults: dict, generate_kwargs: dict) -> dict:
+        """``defaults`` (a checkpoint's ``task_specific_params``) less the bounds on the summary's length that the
+        caller's ``generate_kwargs`` replace: the checkpoint's maximum when the caller gives one, or a smaller one than
+        the caller's minimum (and the same for minimums). A caller's ``min_length=5`` keeps the checkpoint's
+        ``max_length=200``; a caller's ``max_new_tokens=2`` drops the checkpoint's ``min_length=30``, which would clash
+        with it."""
+        # in summary tokens: an encoder-decoder's max_length / min_length count the decoder start token too
+        start = 1 if self.model.config.is_encoder_decoder else 0
+
+        def bound(options, side):
+            values = [options[f"{side}_length"] - start] if options.get(f"{side}_length") is not None else []
+            values += [options[f"{side}_new_tokens"]] if options.get(f"{side}_new_tokens") is not None else []
+            return None if not values else min(values) if side == "max" else max(values)
+
+        caller_max, caller_min = bound(generate_kwargs, "max"), bound(generate_kwargs, "min")
+        own_max, own_min = bound(defaults, "max"), bound(defaults, "min")
+        drop_max = any(f"max_{key}" in generate_kwargs for key in ("length", "new_tokens")) or (
+            own_max is not None and caller_min is not None and own_max < caller_min)
+        drop_min = any(f"min_{key}" in generate_kwargs for key in ("length", "new_tokens")) or (
+            own_min is not None and caller_max is not None and own_min > caller_max)
+        dropped = {f"{side}_{key}" for side, drop in (("max", drop_max), ("min", drop_min)) if drop
+                   for key in ("length", "new_tokens")}
+        return {key: value for key, value in defaults.items() if key not in dropped}
 
     def _summarization_task_parameters(self) -> dict:
         """``config.task_specific_params["summarization"]`` of a plain model (a v4-era T5 checkpoint: its prefix,
