@@ -4,8 +4,11 @@ around a plain model."""
 
 from __future__ import annotations
 
+import json
+
 import torch
-from transformers import T5ForConditionalGeneration
+from remote_code_helpers import run_without_longreach
+from transformers import T5ForConditionalGeneration, pipeline
 from workflow_helpers import document, tiny_t5_with_summarization_params, word_tokenizer
 
 from longreach import LongSummarizationPipeline
@@ -39,3 +42,34 @@ def test_a_callers_length_replaces_only_the_same_bound_of_the_task_specific_para
     summarizer(doc, max_new_tokens=6)  # the checkpoint's min_length=5 (4 summary tokens) fits under it and stays
     assert _options(calls) == {"num_beams": 3, "min_length": 5, "no_repeat_ngram_size": 3, "max_new_tokens": 6,
                                "min_new_tokens": None}
+
+
+def test_a_saved_plain_t5_pipeline_reloads_as_summarization(tmp_path, isolated_hf_env):
+    """`save_pretrained` of the pipeline around a plain T5 names it `custom_pipelines["summarization"]`, as longreach
+    models do: before, it was saved as "long-summarization", so `pipeline("summarization", model=folder,
+    trust_remote_code=True)` raised transformers' KeyError (task removed) and `pipeline("long-summarization",
+    model=folder)` asked for `trust_remote_code` although the pipeline is registered in this process."""
+    t5, _ = tiny_t5_with_summarization_params()
+    del t5.generate  # the recording wrapper is not saved
+    summarizer = pipeline("long-summarization", model=t5, tokenizer=word_tokenizer())
+    folder = tmp_path / "t5"
+    summarizer.save_pretrained(folder)
+    config = json.loads((folder / "config.json").read_text())
+    assert config["custom_pipelines"] == {"summarization": {
+        "impl": "pipeline_summarization.LongSummarizationPipeline", "pt": ["AutoModelForSeq2SeqLM"], "type": "text"}}
+    doc = document(12)
+    expected = summarizer(doc, return_tensors=True)[0]["summary_token_ids"].tolist()
+    reloaded = pipeline("long-summarization", model=str(folder))
+    assert isinstance(reloaded, LongSummarizationPipeline)
+    assert reloaded(doc, return_tensors=True)[0]["summary_token_ids"].tolist() == expected
+    result = run_without_longreach(
+        f"""
+        import json
+        from transformers import pipeline
+        summarizer = pipeline("summarization", model={str(folder)!r}, trust_remote_code=True)
+        print(json.dumps({{"ids": summarizer({doc!r}, return_tensors=True)[0]["summary_token_ids"].tolist(),
+                           "pipeline_class": type(summarizer).__name__}}))
+        """,
+        tmp_path,
+    )
+    assert result == {"ids": expected, "pipeline_class": "LongSummarizationPipeline"}

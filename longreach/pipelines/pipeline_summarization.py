@@ -399,6 +399,21 @@ class LongSummarizationPipeline(Pipeline):
             records.append(record)
         return records
 
+    def save_pretrained(self, save_directory, **kwargs):
+        """transformers' ``Pipeline.save_pretrained``, with the folder's ``config.custom_pipelines`` naming this
+        pipeline under ``"summarization"`` (as longreach models save it), also for a plain model (a T5): the folder then
+        answers ``pipeline("summarization", model=folder, trust_remote_code=True)``, and, where longreach is imported,
+        ``pipeline("long-summarization", model=folder)``."""
+        from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
+
+        auto_class = AutoModelForSeq2SeqLM if self.model.config.is_encoder_decoder else AutoModelForCausalLM
+        # read by the base class in place of the registry's entry (registered as "long-summarization")
+        self._registered_impl = {"summarization": {"impl": type(self), "pt": (auto_class,), "type": "text"}}
+        try:
+            return super().save_pretrained(save_directory, **kwargs)
+        finally:
+            del self._registered_impl
+
     def push_to_hub(self, repo_id: str, **kwargs):
         """Upload the model, its code, the tokenizer and the model card in one commit.
 
