@@ -300,6 +300,19 @@ def _check_generation_options(args: argparse.Namespace, model) -> None:
                          "which holds the nuggets; leave the option out or pass dynamic")
 
 
+def _check_max_input_length(args: argparse.Namespace, summarizer) -> None:
+    """A corpus run's ``--max_input_length`` that leaves no room for any document (Dodo's: at or under its prompt's
+    prefix tokens), refused once, before any document, rather than in the errors file for every one of them."""
+    prepare = getattr(summarizer.model, "prepare_summarization_inputs", None)
+    if args.max_input_length is None or prepare is None:
+        return
+    try:
+        prepare(summarizer.tokenizer, ["a document"], max_input_length=args.max_input_length)
+    except ValueError as error:
+        if "max_input_length" in str(error):
+            raise UsageError(f"--max_input_length {args.max_input_length}: {error}") from None
+
+
 def _read_document(file: str) -> str:
     try:
         if file == "-" and sys.stdin is None:  # started with standard input closed (`<&-`)
@@ -516,6 +529,7 @@ def summarize_corpus_command(args: argparse.Namespace) -> int:
         raise UsageError(str(error)) from None
     summarizer = load_summarizer(args.model, args.tokenizer, device, args.dtype)
     _check_generation_options(args, summarizer.model)
+    _check_max_input_length(args, summarizer)
     if unrecorded:  # written once the run can start
         corpus_module.write_run_settings(args.output, _run_settings(args))
     try:

@@ -1,5 +1,6 @@
 """Dodo through the application layers (audit): `longreach summarize` on a Dodo folder whose generation_config samples,
-as a Llama-2 base's does (`convert dodo` copies the base's `generation_config.json`)."""
+as a Llama-2 base's does (`convert dodo` now writes a greedy one; a folder saved by hand may not), and a corpus run's
+--max_input_length that no document fits."""
 
 from __future__ import annotations
 
@@ -55,3 +56,19 @@ def test_corpus_no_do_sample_is_a_recorded_setting(sampling_dodo, tmp_path, caps
     capsys.readouterr()
     assert cli_main([*command, "--do_sample"]) == 2  # another setting: refused, not mixed into the same file
     assert "do_sample" in capsys.readouterr().err
+
+
+def test_corpus_max_input_length_that_leaves_no_room_is_refused_once(sampling_dodo, tmp_path, capsys):
+    """At or under Dodo's prompt prefix (BOS and "[INST]"), every document failed on its own into the errors file and
+    the run exited 3; it is one usage error now, before any document and before OUT is written."""
+    folder, text, _ = sampling_dodo
+    (tmp_path / "docs").mkdir()
+    for name in ("a", "b"):
+        (tmp_path / "docs" / f"{name}.txt").write_text(text, encoding="utf-8")
+    output = tmp_path / "out.jsonl"
+    assert cli_main(["summarize", "--model", str(folder), "--input", str(tmp_path / "docs"), "--output", str(output),
+                     "--max_input_length", "2", "--no-do_sample"]) == 2
+    error = capsys.readouterr().err
+    assert "--max_input_length 2: `max_input_length` must leave room for the document after the 2 prefix tokens" in error
+    assert not output.exists() and not (tmp_path / "out.errors.jsonl").exists()
+    assert not (tmp_path / "out.settings.json").exists()
