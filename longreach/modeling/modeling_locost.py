@@ -408,7 +408,9 @@ class LocostForConditionalGeneration(_LocostSeq2Seq, GenerationMixin):
     ) -> Seq2SeqLMOutput:
         r"""
         input_ids (`torch.LongTensor` of shape `(batch, length)`): the document; any length, right or left padded.
-        attention_mask (`torch.Tensor` of shape `(batch, length)`): 1 for real tokens, 0 for padding.
+        attention_mask (`torch.Tensor` of shape `(batch, length)`): 1 for real tokens, 0 for padding. Zeros between
+            real tokens are taken too: no real token sees the masked ones, but the gap still counts as distance for
+            the convolution (as it does for T5's relative position bias), so it is not the same as deleting them.
         labels (`torch.LongTensor` of shape `(batch, target_length)`): target ids, -100 where ignored; the decoder
             inputs are derived from them (shift right) when `decoder_input_ids` is not given.
         """
