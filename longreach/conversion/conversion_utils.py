@@ -41,7 +41,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file as load_safetensors
 
-from ..modeling.remote_code import disk_full
+from ..modeling.remote_code import disk_full, process_alive
 
 logger = logging.getLogger(__name__)
 
@@ -438,7 +438,7 @@ def _remove_stale_staging(folder: Path, prefix: str) -> None:
     """Remove the staging folders in ``folder`` whose conversion process is gone."""
     for stale in folder.glob(f"{prefix}*"):
         pid = stale.name[len(prefix):].split("-")[0]
-        if stale.is_dir() and not (pid.isdigit() and _process_alive(int(pid))):
+        if stale.is_dir() and not (pid.isdigit() and process_alive(int(pid))):
             shutil.rmtree(stale, ignore_errors=True)
 
 
@@ -479,16 +479,6 @@ def check_push_target(repo_id: str | None) -> None:
                               "upload later with `longreach push`.")
     if get_token() is None:
         raise ConversionError("--push_to_hub: not logged in to the Hub; run `hf auth login` or set HF_TOKEN.")
-
-
-def _process_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 @contextmanager

@@ -156,19 +156,14 @@ def _write_beside_trainer_output(output_dir: Path, sources: dict[str, str], auto
         if target.exists() and not ours and target.read_text(encoding="utf-8", errors="replace") != text:
             kept.append(file_name)
             continue
-        temporary = target.with_name(f".{file_name}.tmp-{os.getpid()}")
-        try:
-            temporary.write_text(text, encoding="utf-8")
-            os.replace(temporary, target)
-        finally:
-            temporary.unlink(missing_ok=True)
+        write_text_atomically(target, text)
     if kept:
         warnings.warn(f"{output_dir} holds {', '.join(sorted(kept))}, not written by longreach: left as they are, so "
                       "an upload of that folder (Trainer's push_to_hub) may not load with trust_remote_code=True.",
                       UserWarning, stacklevel=3)
 
 
-def _write_text_atomically(path: Path, text: str) -> None:
+def write_text_atomically(path: Path, text: str) -> None:
     """``path`` holds ``text``, or what it held before: never a half-written file."""
     temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
@@ -188,8 +183,9 @@ _SHARD = re.compile(r"^(?P<stem>.+?)-\d{5}-of-\d{5}\.(safetensors|bin)$")
 _STALE_AFTER_SECONDS = 24 * 3600
 
 
-def _process_alive(pid: int) -> bool:
-    if os.name == "nt":  # (os.kill(pid, 0) sends CTRL_C_EVENT there): counted alive, so only the age rule applies
+def process_alive(pid: int) -> bool:
+    """Whether process ``pid`` of this machine still runs (a staging folder's owner)."""
+    if os.name == "nt":  # os.kill(pid, 0) sends CTRL_C_EVENT there: counted alive (never taken for a dead one's)
         return True
     try:
         os.kill(pid, 0)
@@ -212,7 +208,7 @@ def _remove_stale_saves(folder: Path) -> None:
             old = now - stale.stat().st_mtime > _STALE_AFTER_SECONDS
         except OSError:  # (removed meanwhile)
             continue
-        if old or (pid.isdigit() and rest.startswith(f"{host}-") and not _process_alive(int(pid))):
+        if old or (pid.isdigit() and rest.startswith(f"{host}-") and not process_alive(int(pid))):
             shutil.rmtree(stale, ignore_errors=True)
 
 
@@ -303,7 +299,7 @@ class HubReadyMixin:
             roots.append(pipeline_module)
         sources = collect_flat_sources(roots)
         for file_name, text in sources.items():
-            _write_text_atomically(folder / file_name, text)
+            write_text_atomically(folder / file_name, text)
         if _TRAINER_CHECKPOINT.match(save_directory.name) and _saving_a_trainer_checkpoint():
             _write_beside_trainer_output(save_directory.parent, sources, self.hub_auto_map())
 
