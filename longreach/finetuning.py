@@ -75,8 +75,8 @@ def decide_what_to_run(training_args, raw, argv: list[str]) -> None:
             raise ValueError(f"{option} needs {split} data: pass {data} (or a --dataset_name with a {split} split).")
     if not (training_args.do_train or training_args.do_eval):  # (it ended with no word, as if it had run)
         if {"--do_train", "--do_eval"} & given:
-            raise ValueError(f"Nothing to run: --do_train and --do_eval are both off (the data has {sorted(raw)}); turn "
-                             "one of them on.")
+            raise ValueError(f"Nothing to run: --do_train and --do_eval are both off (the data has {sorted(raw)}); "
+                             "turn one of them on.")
         raise ValueError(f"Nothing to run: the data has no train or validation split (it has {sorted(raw)}); pass "
                          "--train_file and/or --validation_file, or a --dataset_name with a train or validation split.")
 

@@ -69,6 +69,7 @@ def test_corpus_max_input_length_that_leaves_no_room_is_refused_once(sampling_do
     assert cli_main(["summarize", "--model", str(folder), "--input", str(tmp_path / "docs"), "--output", str(output),
                      "--max_input_length", "2", "--no-do_sample"]) == 2
     error = capsys.readouterr().err
-    assert "--max_input_length 2: `max_input_length` must leave room for the document after the 2 prefix tokens" in error
+    assert ("--max_input_length 2: `max_input_length` must leave room for the document after the 2 prefix tokens"
+            in error)
     assert not output.exists() and not (tmp_path / "out.errors.jsonl").exists()
     assert not (tmp_path / "out.settings.json").exists()

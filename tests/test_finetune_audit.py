@@ -233,7 +233,8 @@ def test_both_stages_turned_off_is_named_as_such(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     example = _load_example("finetune_summarization", monkeypatch)
     argv = [a for a in example.smoke_arguments(str(tmp_path / "ft")) if a not in ("--do_train", "--do_eval")]
-    with pytest.raises(ValueError, match=re.escape("Nothing to run: --do_train and --do_eval are both off (the data has "
-                                                   "['train', 'validation']); turn one of them on.")):
+    message = ("Nothing to run: --do_train and --do_eval are both off (the data has ['train', 'validation']); turn one "
+               "of them on.")
+    with pytest.raises(ValueError, match=re.escape(message)):
         example.main(argv + ["--do_eval", "false"])
     assert not (tmp_path / "ft").exists()
