@@ -569,3 +569,28 @@ def test_saved_folder_loads_with_auto_classes_and_without_longreach(tmp_path, is
     with torch.no_grad():
         expected = model.generate(input_ids, attention_mask=attention_mask, vip_mask=vip_mask, max_new_tokens=4)
     assert result["generated"] == expected.tolist()
+
+
+def test_generate_returns_the_encoders_compression_info():
+    """`generate(output_compression_info=True, return_dict_in_generate=True)` returns the encoder's compression info (it
+    was dropped); without `return_dict_in_generate` there is nowhere to put it, and that is said."""
+    model = tiny_model()
+    input_ids, attention_mask, vip_mask = batch()
+    inputs = dict(input_ids=input_ids, attention_mask=attention_mask, vip_mask=vip_mask)
+    with torch.no_grad():
+        expected = model.encoder(**inputs, output_compression_info=True).compression_info
+        for num_beams in (1, 2):
+            out = model.generate(**inputs, max_new_tokens=3, num_beams=num_beams, output_compression_info=True,
+                                 return_dict_in_generate=True)
+            info = out.encoder_compression_info
+            assert info.padded_length == expected.padded_length
+            assert torch.equal(info.vip_sort_order, expected.vip_sort_order)
+            for got, want in zip(info.fine_block_indices, expected.fine_block_indices, strict=True):
+                assert torch.equal(got, want)
+            assert torch.equal(out.sequences, model.generate(**inputs, max_new_tokens=3, num_beams=num_beams))
+        encoder_outputs = model.encoder(**inputs, output_compression_info=True)
+        out = model.generate(encoder_outputs=encoder_outputs, attention_mask=attention_mask, max_new_tokens=3,
+                             output_compression_info=True, return_dict_in_generate=True)
+        assert out.encoder_compression_info is encoder_outputs.compression_info
+        with pytest.raises(ValueError, match="return_dict_in_generate"):
+            model.generate(**inputs, max_new_tokens=3, output_compression_info=True)

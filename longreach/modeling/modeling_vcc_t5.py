@@ -987,3 +987,26 @@ class VCCT5ForConditionalGeneration(_VCCT5Seq2Seq, GenerationMixin):
             encoder_compression_info=getattr(encoder_outputs, "compression_info", None),
         )
         return output if returns_dict(return_dict, self.config) else output.to_tuple()
+
+    def generate(self, *args, output_compression_info: bool = False, **kwargs):
+        """`GenerationMixin.generate()`; with `output_compression_info=True` and `return_dict_in_generate=True`, the
+        output also has the encoder's [`VCCT5CompressionInfo`] as `encoder_compression_info` (the encoder runs once per
+        `generate()`, as T5's encoder attentions are returned)."""
+        if not output_compression_info:
+            return super().generate(*args, **kwargs)
+        generation_config = args[1] if len(args) > 1 else kwargs.get("generation_config")
+        return_dict = kwargs.get("return_dict_in_generate",
+                                 (generation_config or self.generation_config).return_dict_in_generate)
+        if not return_dict:
+            raise ValueError("generate(output_compression_info=True) returns the compression info only with "
+                             f"return_dict_in_generate=True; got return_dict_in_generate={return_dict!r}.")
+        encoder_outputs = []
+        hook = self.get_encoder().register_forward_hook(lambda module, inputs, output: encoder_outputs.append(output))
+        try:
+            output = super().generate(*args, output_compression_info=True, **kwargs)
+        finally:
+            hook.remove()
+        if not encoder_outputs and kwargs.get("encoder_outputs") is not None:  # the caller ran the encoder
+            encoder_outputs.append(as_encoder_output(kwargs["encoder_outputs"], VCCT5EncoderOutput))
+        output["encoder_compression_info"] = getattr(encoder_outputs[0], "compression_info", None)
+        return output
