@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
+import hashlib
 import importlib
 import importlib.util
 import json
@@ -402,14 +404,23 @@ def summarize(args: argparse.Namespace) -> int:
 
 
 def _weight_files(model: str) -> dict:
-    """``{"model_files": {name: [bytes, modification time in ns]}}`` of a local model folder's weight files (empty for
-    a Hub id): a model retrained into the same folder makes other summaries, which a rerun must not mix with the first
-    run's, though the path is the same."""
+    """``{"model_files": {name: [bytes, SHA-256]}}`` of a local model folder's weight files (empty for a Hub id): a
+    model retrained into the same folder makes other summaries, which a rerun must not mix with the first run's, though
+    the path is the same; a copy of the same weights (with new file times, or another node's copy) is the same model."""
     folder = Path(model).expanduser()
     if not folder.is_dir():
         return {}
     files = sorted(path for path in folder.iterdir() if path.suffix in (".safetensors", ".bin") and path.is_file())
-    return {"model_files": {path.name: [path.stat().st_size, path.stat().st_mtime_ns] for path in files}}
+    return {"model_files": {path.name: [path.stat().st_size, _sha256(path.resolve(), path.stat().st_mtime_ns)]
+                            for path in files}}
+
+
+@functools.lru_cache(maxsize=None)
+def _sha256(path: Path, mtime_ns: int) -> str:
+    """The file's SHA-256, once per process for unchanged file times (the settings are made twice; a read of the
+    weights just before the model loads them, about a second per gigabyte)."""
+    with open(path, "rb") as file:
+        return hashlib.file_digest(file, "sha256").hexdigest()
 
 
 def _run_settings(args: argparse.Namespace) -> dict:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -121,7 +122,7 @@ def test_a_rerun_with_other_settings_is_refused_before_the_model_loads(model_fol
 
 def test_a_rerun_after_the_model_was_retrained_in_the_same_folder_is_refused(tmp_path, capsys):
     """The model's path is the same, its weights are not: the rerun would add the new model's summaries to the old
-    one's in one OUT. The weight files' sizes and times are part of the run's settings."""
+    one's in one OUT. The weight files' sizes and digests are part of the run's settings."""
     model_folder = save_tiny_locost(tmp_path / "model")
     source = tmp_path / "corpus.jsonl"
     source.write_text("".join(json.dumps({"text": document(12, offset=k)}) + "\n" for k in range(3)))
@@ -135,6 +136,28 @@ def test_a_rerun_after_the_model_was_retrained_in_the_same_folder_is_refused(tmp
     error = capsys.readouterr().err
     assert "holds summaries made with other settings (model_files:" in error
     assert len(read_output(output)) == 3
+
+
+def test_a_rerun_with_a_copy_of_the_same_weights_finishes_the_run(tmp_path, capsys):
+    """The same weights copied into place again (new file times: a fresh download, another node's copy) make the same
+    summaries: a rerun finishes the run instead of being refused as another model."""
+    model_folder = save_tiny_locost(tmp_path / "model")
+    source = tmp_path / "corpus.jsonl"
+    source.write_text("".join(json.dumps({"text": document(12, offset=k)}) + "\n" for k in range(3)))
+    output = tmp_path / "out.jsonl"
+    command = ["summarize", "--model", str(model_folder), "--input", str(source), "--output", str(output), *GENERATION]
+    assert main(command) == 0
+    first = read_output(output)
+    lines = output.read_text().splitlines()
+    output.write_text("\n".join(lines[:1]) + "\n")  # an interrupted run: one summary of three
+    for weights in model_folder.glob("*.safetensors"):
+        copy = weights.with_name(weights.name + ".copy")
+        copy.write_bytes(weights.read_bytes())
+        os.utime(copy, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns + 10**9))
+        copy.replace(weights)
+    capsys.readouterr()
+    assert main(command) == 0, capsys.readouterr().err
+    assert read_output(output) == first
 
 
 def test_a_byte_that_is_not_utf8_after_a_byte_order_mark_is_named_at_its_offset_in_the_file(model_folder, tmp_path,
