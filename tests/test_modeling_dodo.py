@@ -285,6 +285,26 @@ def test_from_base_model_loads_a_plain_llama(tmp_path):
         DodoLlamaForCausalLM.from_pretrained(tmp_path / "llama")
 
 
+def test_from_base_model_takes_config_overrides_as_from_pretrained_does(tmp_path):
+    """`LlamaForCausalLM.from_pretrained(path, use_cache=False)` sets the config attribute; `from_base_model` passed
+    such arguments to `from_pretrained` next to its own config object, which hands them to `__init__` ("TypeError:
+    DodoLlamaForCausalLM.__init__() got an unexpected keyword argument 'use_cache'")."""
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                                 num_attention_heads=4, num_key_value_heads=2)).save_pretrained(tmp_path / "llama")
+    llama = LlamaForCausalLM.from_pretrained(tmp_path / "llama", use_cache=False, output_hidden_states=True)
+    dodo = DodoLlamaForCausalLM.from_base_model(
+        tmp_path / "llama", {"nugget_layer": 2, "lora_r": 4}, use_cache=False, output_hidden_states=True,
+        nugget_ratio=0.5, dtype=torch.bfloat16)
+    assert (llama.config.use_cache, llama.config.output_hidden_states) == (False, True)
+    assert (dodo.config.use_cache, dodo.config.output_hidden_states, dodo.config.nugget_ratio) == (False, True, 0.5)
+    assert (dodo.config.lora_r, dodo.dtype) == (4, torch.bfloat16)  # `dodo_config` and `from_pretrained`'s own
+    with pytest.raises(ValueError, match=r"\['lora_r'\] given both in `dodo_config` and as keyword arguments"):
+        DodoLlamaForCausalLM.from_base_model(tmp_path / "llama", {"lora_r": 4}, lora_r=8)
+    with pytest.raises(TypeError, match="not_a_setting"):  # as in transformers: neither an option nor an attribute
+        DodoLlamaForCausalLM.from_base_model(tmp_path / "llama", not_a_setting=1)
+
+
 # --------------------------------------------------------------------------------------------------------------------
 # Compression
 # --------------------------------------------------------------------------------------------------------------------

@@ -75,6 +75,10 @@ logger = logging.get_logger(__name__)
 #: The name of ``LlamaModel.forward``'s key/value cache argument: ``cache`` from transformers 5.24 on (which deprecates
 #: the old name), ``past_key_values`` before.
 LLAMA_CACHE_ARGUMENT = "cache" if "cache" in inspect.signature(LlamaModel.forward).parameters else "past_key_values"
+#: `from_pretrained` options that are also config attributes (``dtype``), or that it applies to a config object
+#: itself: `from_base_model` leaves them to it.
+_FROM_PRETRAINED_OPTIONS = frozenset({"dtype", "torch_dtype", "attn_implementation", "experts_implementation",
+                                      "quantization_config", "generation_config"})
 
 #: The paper's summarization prompt (Appendix D.3): ``[INST]\n$DOCUMENT\nPlease summarize the above document in one
 #: sentence.\n[/INST]``. The part before the document is compressed with it; the rest is the decoder prompt.
@@ -779,7 +783,8 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
     def from_base_model(cls, base_model_name_or_path, dodo_config: dict | None = None, **kwargs):
         """A Dodo model around a Llama checkpoint: base weights loaded, adapters as fresh (identity) LoRA, new scorer
         and soft prompt. ``dodo_config`` holds `DodoLlamaConfig` fields (e.g. ``{"nugget_ratio": 0.05, "lora_r": 16}``);
-        other keyword arguments go to ``from_pretrained`` (``dtype``, ``attn_implementation``, ...)."""
+        other keyword arguments go to ``from_pretrained`` (``dtype``, ``attn_implementation``, ...), where, as in
+        ``from_pretrained(path, use_cache=False)``, those naming a config attribute set it."""
         from transformers import AutoConfig
 
         hub_keys = ("cache_dir", "force_download", "local_files_only", "token", "revision", "subfolder")
@@ -792,6 +797,15 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
         check_config_fields(DodoLlamaConfig, dodo_config or {}, "`dodo_config`")
         fields.update(dodo_config or {})
         config = DodoLlamaConfig(**fields)
+        # `from_pretrained` hands keyword arguments to `__init__` when given a config object: the config attributes
+        # among them are applied here instead, as transformers does when it reads the config itself
+        overrides = {key: kwargs.pop(key) for key in list(kwargs)
+                     if key not in _FROM_PRETRAINED_OPTIONS and hasattr(config, key)}
+        both = sorted(set(overrides) & set(dodo_config or {}))
+        if both:
+            raise ValueError(f"{both} given both in `dodo_config` and as keyword arguments; give each once.")
+        if overrides:
+            config = DodoLlamaConfig(**{**fields, **overrides})
         return cls.from_pretrained(base_model_name_or_path, config=config, **kwargs)
 
     # -----------------------------------------------------------------------------------------------------------------
