@@ -1389,6 +1389,26 @@ def test_offloaded_soft_prompt_is_loaded_by_its_hook(tmp_path, model):
     assert torch.equal(generated, expected)
 
 
+def test_export_peft_adapters_of_an_offloaded_model_writes_the_weights(tmp_path, model):
+    """A model loaded with a device_map that offloads holds meta tensors; `save_pretrained` reads them back from the
+    offload hooks, and so must `export_peft_adapters` (it raised "Cannot copy out of meta tensor; no data!")."""
+    from safetensors.torch import load_file
+
+    model.save_pretrained(tmp_path / "dodo")
+    model.export_peft_adapters(tmp_path / "expected")
+    offloaded = AutoModelForCausalLM.from_pretrained(
+        tmp_path / "dodo", offload_folder=str(tmp_path / "offload"),
+        device_map={"model": "disk", "lm_head": "cpu", "nugget_scorer": "disk", "soft_prompt": "disk"})
+    assert offloaded.model.layers[0].self_attn.q_proj.lora_A["encoder"].weight.device.type == "meta"
+    offloaded.export_peft_adapters(tmp_path / "exported")
+    for name in ("encoder/adapter_model.safetensors", "decoder/adapter_model.safetensors", "soft_prompt.safetensors"):
+        expected, exported = load_file(tmp_path / "expected" / name), load_file(tmp_path / "exported" / name)
+        assert expected.keys() == exported.keys() and all(torch.equal(expected[k], exported[k]) for k in expected)
+    expected, exported = (torch.load(tmp_path / folder / "scorer.pt") for folder in ("expected", "exported"))
+    assert expected.keys() == exported.keys() == {"0.weight", "0.bias", "2.weight", "2.bias"}
+    assert all(torch.equal(expected[k], exported[k]) for k in expected)
+
+
 def test_collator_keeps_the_masks_of_features_padded_already():
     """Features padded by the tokenizer (`padding="max_length"`) keep their masks, as `tokenizer.pad` and
     `DataCollatorForSeq2Seq` keep them: their padding is neither attended to nor a training target."""

@@ -1788,6 +1788,11 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
         save_directory = Path(save_directory)
         save_directory.mkdir(parents=True, exist_ok=True)
         state_dict = self.state_dict()
+        offloaded = [key for key, tensor in state_dict.items() if tensor.device.type == "meta"]
+        if offloaded:  # loaded with a device_map that offloads: read from the offload hooks, as save_pretrained does
+            from transformers.integrations.accelerate import load_offloaded_parameter
+
+            state_dict.update({key: load_offloaded_parameter(self, key) for key in offloaded})
         written = []
         for name in self.config.adapter_names:
             tensors = {}
@@ -1810,12 +1815,13 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
             ).save_pretrained(str(folder))
             save_file(tensors, str(folder / "adapter_model.safetensors"), metadata={"format": "pt"})
             written.append(folder)
-        scorer = {key: tensor.detach().cpu().clone() for key, tensor in self.nugget_scorer.state_dict().items()}
+        scorer = {key.removeprefix("nugget_scorer."): tensor.detach().cpu().clone()
+                  for key, tensor in state_dict.items() if key.startswith("nugget_scorer.")}
         torch.save(scorer, save_directory / "scorer.pt")
         written.append(save_directory / "scorer.pt")
         if self.soft_prompt is not None:
             save_file(
-                {"soft_prompt.weight": self.soft_prompt.weight.detach().cpu().contiguous()},
+                {"soft_prompt.weight": state_dict["soft_prompt.weight"].detach().cpu().contiguous()},
                 str(save_directory / "soft_prompt.safetensors"),
             )
             written.append(save_directory / "soft_prompt.safetensors")
