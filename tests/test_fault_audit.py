@@ -125,21 +125,26 @@ def test_a_save_clears_a_day_old_staging_folder_of_another_machine_and_keeps_a_r
 
 
 @pytest.mark.parametrize("first, second", [("100KB", "50GB"), ("50GB", "100KB"), ("60KB", "100KB")])
-def test_a_save_over_another_sharding_leaves_the_weight_files_transformers_leaves(tmp_path, first, second):
+def test_a_save_over_another_sharding_leaves_only_the_new_weights(tmp_path, first, second):
+    """The files transformers leaves, less the earlier save's other layout: transformers leaves a single
+    `model.safetensors` beside new shards, and `from_pretrained` then reads it, the earlier weights, without a word."""
     from transformers import PreTrainedModel
 
     def weight_files(folder):
         return sorted(name for name in os.listdir(folder) if name.startswith(("model.", "model-")))
 
-    model = tiny_locost()
-    for save, folder in ((model.save_pretrained, tmp_path / "ours"),
-                         (lambda *args, **kwargs: PreTrainedModel.save_pretrained(model, *args, **kwargs),
-                          tmp_path / "transformers")):
-        save(folder, max_shard_size=first)
+    earlier, model = tiny_locost(), tiny_locost(seed=5)
+    for saver, folder in ((lambda m, *args, **kwargs: m.save_pretrained(*args, **kwargs), tmp_path / "ours"),
+                          (PreTrainedModel.save_pretrained, tmp_path / "transformers")):
+        saver(earlier, folder, max_shard_size=first)
         (folder / "model-notes.txt").write_text("kept", encoding="utf-8")  # starts like a shard's name, is not one
-        save(folder, max_shard_size=second)
-    assert weight_files(tmp_path / "ours") == weight_files(tmp_path / "transformers")
-    assert "model-notes.txt" in weight_files(tmp_path / "ours")
+        saver(model, folder, max_shard_size=second)
+    ours, theirs = weight_files(tmp_path / "ours"), weight_files(tmp_path / "transformers")
+    sharded = (tmp_path / "ours" / "model.safetensors.index.json").exists() and not (
+        tmp_path / "ours" / "model.safetensors").exists()
+    other_layout = "model.safetensors" if sharded else "model.safetensors.index.json"
+    assert ours == [name for name in theirs if name != other_layout]
+    assert "model-notes.txt" in ours
     assert same_weights(model, LocostForConditionalGeneration.from_pretrained(tmp_path / "ours"))
 
 

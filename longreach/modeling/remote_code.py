@@ -230,7 +230,8 @@ def disk_full(error: BaseException) -> bool:
 def _staged_save(save_directory: Path):
     """Yield a hidden folder inside ``save_directory`` to save into; once the save is complete its files replace
     those of ``save_directory`` (weights first, ``config.json`` last) and the shards of an earlier save that the new
-    one does not overwrite are removed, as transformers removes them. A save that fails (a full disk, an exception,
+    one does not overwrite are removed, as transformers removes them, and so is an earlier save's other layout (its
+    single file beside new shards, its index beside a new single file). A save that fails (a full disk, an exception,
     Ctrl-C) leaves the earlier checkpoint there as it was; one killed outright leaves the staging folder, which the
     next save into the folder removes."""
     save_directory.mkdir(parents=True, exist_ok=True)
@@ -252,9 +253,15 @@ def _staged_save(save_directory: Path):
         for name in names:
             os.replace(staging / name, save_directory / name)
         stems = {_weights_stem(name) for name in names} - {None}
+        sharded = {match.group("stem") for name in names if (match := _SHARD.match(name))}
+        # the other layout of the same weights: `from_pretrained` reads a single file before an index, so a single
+        # file left beside a new sharded save would be loaded instead of it (transformers leaves it there)
+        other_layout = {f"{stem}.safetensors" for stem in sharded} | {
+            f"{stem}.safetensors.index.json" for stem in stems - sharded}
         for name in os.listdir(save_directory):
             match = _SHARD.match(name)
-            if match and match.group("stem") in stems and name not in names and (save_directory / name).is_file():
+            stale = (match and match.group("stem") in stems) or name in other_layout
+            if stale and name not in names and (save_directory / name).is_file():
                 (save_directory / name).unlink()
     finally:
         shutil.rmtree(staging, ignore_errors=True)
