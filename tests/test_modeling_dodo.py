@@ -496,6 +496,31 @@ def test_bfloat16_and_tied_embeddings(tmp_path):
         assert half.generate(prompt, nuggets=nuggets, max_new_tokens=3, num_beams=2).shape == (2, 7)
 
 
+def test_bfloat16_base_with_float32_trainable_weights(tmp_path, model):
+    """PEFT's layout (`get_peft_model` keeps LoRA weights float32 on a bfloat16 base): adapters, scorer and soft prompt
+    upcast to float32. The scorer got the bfloat16 features ("mat1 and mat2 must have the same dtype")."""
+    model.save_pretrained(tmp_path)
+    mixed = DodoLlamaForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16)
+    for param in mixed.parameters():
+        if param.requires_grad:
+            param.data = param.data.float()
+    assert mixed.dtype == torch.bfloat16 and mixed.nugget_scorer[0].weight.dtype == torch.float32
+    context, prompt = ids(2, 30), ids(2, 6)
+    loss = mixed.train()(prompt, context_input_ids=context, labels=prompt).loss
+    loss.backward()
+    grads = [param.grad for param in mixed.parameters() if param.grad is not None]  # (not φ past the scorer's layer)
+    assert torch.isfinite(loss) and all(grad.dtype == torch.float32 and torch.isfinite(grad).all() for grad in grads)
+    assert mixed.nugget_scorer[0].weight.grad.abs().sum() > 0
+    with torch.no_grad():
+        nuggets = mixed.eval().compress(context)
+        reference = model.compress(context)
+        assert torch.equal(nuggets.indices, reference.indices) and nuggets.scores.dtype == torch.bfloat16
+        logits = mixed(prompt, nuggets=nuggets).logits
+        expected = model(prompt, nuggets=reference).logits
+        assert max_diff(logits, expected) < 0.05 * expected.abs().max()
+        assert mixed.generate(prompt, context_input_ids=context, max_new_tokens=3, num_beams=2).shape == (2, 9)
+
+
 # --------------------------------------------------------------------------------------------------------------------
 # Generation
 # --------------------------------------------------------------------------------------------------------------------

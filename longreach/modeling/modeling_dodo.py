@@ -1014,7 +1014,12 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
                 features = self.model.norm(features)
         else:
             features = self._scorer_features(embeds, mask, positions)
-        all_scores = self.nugget_scorer(features).squeeze(-1)
+        # in the scorer's dtype, which may be wider than the model's (float32 trainable weights on a bfloat16 model, as
+        # PEFT keeps adapters), then back in the model's, as PEFT's LoRA outputs and the soft prompt
+        # (a dynamically quantized scorer has no floating parameter: it takes the features as they are)
+        scorer_dtype = next((p.dtype for p in self.nugget_scorer.parameters() if p.is_floating_point()),
+                            features.dtype)
+        all_scores = self.nugget_scorer(features.to(scorer_dtype)).squeeze(-1).to(features.dtype)
 
         indices, nugget_mask = self._select(all_scores, mask, use_threshold, allow_empty)
         if reencode:
