@@ -116,6 +116,33 @@ def test_dodo_assisted_decoding_with_a_longer_context_and_a_separate_assistant()
             assert torch.equal(model.generate(prompt, assistant_model=assistant, **options), expected)
 
 
+def test_dodo_assisted_decoding_with_a_smaller_dodo_assistant():
+    """A smaller Dodo (another configuration) cannot read the target's nuggets: it compresses the context itself and
+    drafts from its own nuggets. Before, its generate() refused the target's nuggets in the first round ("`nuggets`
+    were produced by a model with another configuration"). Nuggets alone (no context to compress) are refused up
+    front."""
+    model = ModelTester("dodo").model
+    small = tiny_dodo(hidden_size=16, intermediate_size=32, num_hidden_layers=2, nugget_layer=1)
+    generator = torch.Generator().manual_seed(1)
+    context = torch.randint(3, model.config.vocab_size, (1, 30), generator=generator)
+    prompt = torch.randint(3, model.config.vocab_size, (1, 6), generator=generator)
+    drafted_from = []
+    hook = small.register_forward_pre_hook(
+        lambda module, args, kwargs: drafted_from.append(kwargs["nuggets"].config_fingerprint)
+        if kwargs.get("nuggets") is not None else None, with_kwargs=True)
+    options = dict(context_input_ids=context, max_new_tokens=8, min_new_tokens=8)
+    with torch.no_grad():
+        expected = model.generate(prompt, **options)
+        assert torch.equal(model.generate(prompt, assistant_model=small, **options), expected)
+        hook.remove()
+        torch.manual_seed(0)
+        sampled = model.generate(prompt, assistant_model=small, do_sample=True, **options)
+        with pytest.raises(ValueError, match="`assistant_model` has another configuration.*`context_input_ids`"):
+            model.generate(prompt, nuggets=model.compress(context), assistant_model=small, max_new_tokens=4)
+    assert drafted_from and set(drafted_from) == {small.config_fingerprint}
+    assert sampled.shape == expected.shape and torch.equal(sampled[:, :6], prompt)
+
+
 def test_dodo_cache_crop_keeps_nuggets_and_counts_tokens():
     from longreach.modeling.input_checks import cache_of
     from longreach.modeling.modeling_dodo import DodoCache

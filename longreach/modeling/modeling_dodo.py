@@ -1559,7 +1559,8 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
         ``inputs`` (or ``input_ids=``) is the prompt and ``generation_config`` the second positional argument, as for
         any transformers model; the nuggets and the context are keyword arguments. Greedy, sampling and beam search
         work; the returned sequences start with the prompt. Without nuggets: the plain Llama with θ, or the
-        autoregressive mode when ``config.recent_window`` is set.
+        autoregressive mode when ``config.recent_window`` is set. An ``assistant_model`` is a Dodo model; one with
+        another configuration (a smaller Dodo) compresses ``context_input_ids`` itself and drafts from its own nuggets.
         """
         input_ids = kwargs.pop("input_ids", None)
         if inputs is not None and input_ids is not None:
@@ -1596,20 +1597,46 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
                 raise ValueError("Pass `input_ids` (a prompt per context): without one, generation starts from the BOS "
                                  f"token, and this model's bos_token_id is {bos!r}.")
             input_ids = torch.full((nuggets.mask.shape[0], 1), bos, dtype=torch.long, device=nuggets.mask.device)
+        assistant, assistant_nuggets = kwargs.get("assistant_model"), None
         if nuggets is not None:
             self._check_nuggets(nuggets, input_ids.shape[0] if input_ids is not None else None)
             cache = kwargs.get("cache") if kwargs.get("cache") is not None else kwargs.get("past_key_values")
             if _is_a(cache, DodoCache) and cache.started:  # a later turn: its nuggets are those in the cache
                 self._check_nuggets_match_cache(nuggets, cache)
-            assistant = kwargs.get("assistant_model")
             if assistant is not None and not _is_a(assistant, DodoLlamaForCausalLM):
                 raise ValueError(
                     "`assistant_model` must be a DodoLlamaForCausalLM when generating from nuggets or a context: the "
-                    f"assistant drafts its tokens from the same nuggets, which a {type(assistant).__name__} cannot "
+                    f"assistant drafts its tokens from the same context, which a {type(assistant).__name__} cannot "
                     "read. Use a smaller Dodo model, `prompt_lookup_num_tokens`, or no assistant."
                 )
+            if assistant is not None and assistant.config_fingerprint != self.config_fingerprint:
+                # another configuration cannot read this model's nuggets: the assistant compresses the context itself
+                if context_input_ids is None:
+                    raise ValueError(
+                        "`assistant_model` has another configuration than this model, so it cannot read `nuggets` "
+                        "compressed by this model; pass the context as `context_input_ids` (each model then compresses "
+                        "it), or use an assistant with this model's configuration."
+                    )
+                assistant_nuggets = assistant.compress(
+                    context_input_ids.to(assistant.device),
+                    None if context_attention_mask is None else context_attention_mask.to(assistant.device),
+                    argument_names=("context_input_ids", "context_attention_mask"),
+                )
             kwargs["nuggets"] = nuggets
-        return super().generate(input_ids, **kwargs)
+        self._assistant_nuggets = assistant_nuggets
+        try:
+            return super().generate(input_ids, **kwargs)
+        finally:
+            self._assistant_nuggets = None
+
+    def _get_candidate_generator(self, *args, **kwargs):
+        """transformers' candidate generator; an assistant with another configuration drafts from its own nuggets of
+        the context (`generate` compressed it with the assistant), not from this model's, which it cannot read."""
+        generator = super()._get_candidate_generator(*args, **kwargs)
+        assistant_kwargs = getattr(generator, "assistant_kwargs", None)
+        if getattr(self, "_assistant_nuggets", None) is not None and isinstance(assistant_kwargs, dict):
+            assistant_kwargs["nuggets"] = self._assistant_nuggets
+        return generator
 
     def _prepare_cache_for_generation(self, generation_config, model_kwargs: dict, *args, **kwargs):
         """generate()'s own cache is a DodoCache (`forward` refuses another kind, which cannot hold the nuggets); a
