@@ -143,6 +143,31 @@ def test_dodo_assisted_decoding_with_a_smaller_dodo_assistant():
     assert sampled.shape == expected.shape and torch.equal(sampled[:, :6], prompt)
 
 
+@pytest.mark.parametrize("assisted", ["assistant_model", "prompt_lookup_num_tokens", "autoregressive_assistant"])
+def test_dodo_assisted_decoding_in_autoregressive_mode_is_refused_before_the_first_step(assisted):
+    """The autoregressive mode (`config.recent_window`) cannot crop its cache, which assisted decoding needs to drop
+    rejected drafts: refused before any forward pass, naming the arguments (it failed in the first round with "A
+    DodoCache in autoregressive mode cannot drop tokens"). An assistant given a context to compress is not in it."""
+    window_model = tiny_dodo(recent_window=8)
+    model = tiny_dodo() if assisted == "autoregressive_assistant" else window_model
+    options = {"assistant_model": window_model if assisted != "prompt_lookup_num_tokens" else None,
+               "prompt_lookup_num_tokens": 2 if assisted == "prompt_lookup_num_tokens" else None}
+    prompt = torch.randint(3, model.config.vocab_size, (1, 30), generator=torch.Generator().manual_seed(2))
+    calls = []
+    hooks = [m.register_forward_pre_hook(lambda *args: calls.append(1)) for m in (model, window_model)]
+    with torch.no_grad(), pytest.raises(ValueError, match=r"`assistant_model`, `prompt_lookup_num_tokens`.*"
+                                        r"autoregressive mode \(`config.recent_window`=8\)"):
+        model.generate(prompt, max_new_tokens=12, **options)
+    assert calls == []
+    for hook in hooks:
+        hook.remove()
+    if assisted == "autoregressive_assistant":  # with a context, the assistant compresses it: compressor mode
+        with torch.no_grad():
+            expected = model.generate(prompt[:, :6], context_input_ids=prompt, max_new_tokens=6, min_new_tokens=6)
+            assert torch.equal(model.generate(prompt[:, :6], context_input_ids=prompt, max_new_tokens=6,
+                                              min_new_tokens=6, **options), expected)
+
+
 def test_dodo_cache_crop_keeps_nuggets_and_counts_tokens():
     from longreach.modeling.input_checks import cache_of
     from longreach.modeling.modeling_dodo import DodoCache

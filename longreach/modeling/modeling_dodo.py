@@ -450,6 +450,15 @@ def _left_padding_refused(reaches: str, remedies: str) -> ValueError:
     )
 
 
+def _assisted_decoding_refused(which: str, window: int) -> ValueError:
+    return ValueError(
+        "Assisted decoding (`assistant_model`, `prompt_lookup_num_tokens` or `assistant_early_exit`) is not supported "
+        f"with {which} in Dodo's autoregressive mode (`config.recent_window`={window}): rejected draft tokens cannot "
+        "be taken back from a cache that compresses its oldest tokens as it goes. Generate without an assistant, or "
+        "give the context as `context_input_ids` (compressor mode)."
+    )
+
+
 def _checkpoint_decoder_layer(layer: nn.Module, checkpoint_function, layer_forward: partial, *args):
     """A Dodo decoder layer's ``_gradient_checkpointing_func`` (installed by ``DodoLlamaModel``).
 
@@ -1629,13 +1638,23 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
         finally:
             self._assistant_nuggets = None
 
-    def _get_candidate_generator(self, *args, **kwargs):
-        """transformers' candidate generator; an assistant with another configuration drafts from its own nuggets of
-        the context (`generate` compressed it with the assistant), not from this model's, which it cannot read."""
-        generator = super()._get_candidate_generator(*args, **kwargs)
+    def _get_candidate_generator(self, generation_config, *args, model_kwargs: dict, **kwargs):
+        """transformers' candidate generator (assisted decoding, before its first step); an assistant with another
+        configuration drafts from its own nuggets of the context (`generate` compressed it with the assistant), not
+        from this model's, which it cannot read. Refused in autoregressive mode, whose cache cannot be cropped."""
+        cache = model_kwargs.get("cache", model_kwargs.get("past_key_values"))
+        started = _is_a(cache, DodoCache) and cache.started
+        window = self.config.recent_window
+        if cache.autoregressive if started else model_kwargs.get("nuggets") is None and window is not None:
+            raise _assisted_decoding_refused("this model", window)
+        generator = super()._get_candidate_generator(generation_config, *args, model_kwargs=model_kwargs, **kwargs)
         assistant_kwargs = getattr(generator, "assistant_kwargs", None)
         if getattr(self, "_assistant_nuggets", None) is not None and isinstance(assistant_kwargs, dict):
             assistant_kwargs["nuggets"] = self._assistant_nuggets
+        assistant = getattr(generator, "assistant_model", None)
+        if (_is_a(assistant, DodoLlamaForCausalLM) and isinstance(assistant_kwargs, dict)
+                and assistant_kwargs.get("nuggets") is None and assistant.config.recent_window is not None):
+            raise _assisted_decoding_refused("`assistant_model`", assistant.config.recent_window)
         return generator
 
     def _prepare_cache_for_generation(self, generation_config, model_kwargs: dict, *args, **kwargs):
