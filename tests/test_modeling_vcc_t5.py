@@ -336,6 +336,33 @@ def test_generate_carries_vip_mask_with_and_without_cache():
         assert samples[0].shape == (3, 7) and torch.equal(samples[0], samples[1])
 
 
+@pytest.mark.parametrize("assistant_kind", ["t5", "vcc"])
+def test_assisted_decoding_with_a_vip_mask_and_a_t5_or_vcc_assistant(assistant_kind):
+    """A small T5 of the same vocabulary drafts for VCC-T5 as for T5; it reads the whole input itself and is not given
+    the `vip_mask` (its generate() refused it: "The following `model_kwargs` are not used by the model: ['vip_mask']").
+    A VCC-T5 assistant's encoder still gets it. Assisted greedy decoding equals greedy decoding."""
+    model = tiny_model()
+    torch.manual_seed(1)
+    if assistant_kind == "t5":
+        assistant = T5ForConditionalGeneration(T5Config(vocab_size=200, d_model=16, d_kv=4, d_ff=32, num_layers=1,
+                                                        num_heads=2, decoder_start_token_id=0)).eval()
+    else:
+        assistant = tiny_model(num_layers=2, num_decoder_layers=1, d_model=16, d_ff=32, num_heads=2)
+    input_ids, _, vip_mask = batch(lengths=(100,))
+    vip_mask[0, 40:60] = 1
+    seen = []
+    assistant.get_encoder().register_forward_pre_hook(
+        lambda module, args, kwargs: seen.append(kwargs.get("vip_mask")), with_kwargs=True)
+    with torch.no_grad():
+        expected = model.generate(input_ids, vip_mask=vip_mask, max_new_tokens=6, min_new_tokens=6)
+        assisted = model.generate(input_ids, vip_mask=vip_mask, max_new_tokens=6, min_new_tokens=6,
+                                  assistant_model=assistant)
+    assert torch.equal(assisted, expected)
+    assert len(seen) == 1  # the assistant encodes the input once
+    if assistant_kind == "vcc":
+        assert torch.equal(seen[0], vip_mask)
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # Training
 # ---------------------------------------------------------------------------------------------------------------------

@@ -28,6 +28,7 @@ segment then gets uniform, finite attention instead of NaN).
 
 from __future__ import annotations
 
+import inspect
 import warnings
 from dataclasses import dataclass
 
@@ -1010,3 +1011,17 @@ class VCCT5ForConditionalGeneration(_VCCT5Seq2Seq, GenerationMixin):
             encoder_outputs.append(as_encoder_output(kwargs["encoder_outputs"], VCCT5EncoderOutput))
         output["encoder_compression_info"] = getattr(encoder_outputs[0], "compression_info", None)
         return output
+
+    def _get_candidate_generator(self, *args, **kwargs):
+        """transformers' candidate generator (assisted decoding). An assistant that is not a VCC-T5 model (a T5 with
+        this vocabulary, LOCOST) runs its own encoder over the whole input: this model's own `generate()` arguments
+        (`vip_mask`, `output_compression_info`) are not passed on to it, as its generate() would refuse them."""
+        generator = super()._get_candidate_generator(*args, **kwargs)
+        assistant = getattr(generator, "assistant_model", None)
+        assistant_kwargs = getattr(generator, "assistant_kwargs", None)
+        if assistant is not None and isinstance(assistant_kwargs, dict):
+            accepted = inspect.signature(assistant.forward).parameters
+            for name in ("vip_mask", "output_compression_info"):
+                if name not in accepted:
+                    assistant_kwargs.pop(name, None)
+        return generator
