@@ -413,6 +413,9 @@ def test_soft_prompt_and_score_term_change_the_decoder(model):
 
 @pytest.mark.parametrize("side", ["right", "left"])
 def test_padded_batches_equal_single_rows(model, side):
+    """Padded contexts and prompts: forward equals each row alone on either side; `generate()` too on the left, where
+    a decoder-only model's prompts are padded (on the right, as for Llama, the first new token is read at a pad and
+    transformers warns), and with right-padded contexts."""
     pad = right_pad if side == "right" else left_pad
     contexts = [ids(1, 18), ids(1, 11)]
     prompts = [ids(1, 6), ids(1, 3)]
@@ -421,8 +424,9 @@ def test_padded_batches_equal_single_rows(model, side):
     with torch.no_grad():
         nuggets = model.compress(context_ids, context_mask)
         logits = model(prompt_ids, attention_mask=prompt_mask, nuggets=nuggets).logits
+        left_prompt_ids, left_prompt_mask = map(torch.cat, zip(*(left_pad(p, 6) for p in prompts)))
         batch_generated = model.generate(
-            prompt_ids, attention_mask=prompt_mask, nuggets=nuggets, max_new_tokens=5, do_sample=False
+            left_prompt_ids, attention_mask=left_prompt_mask, nuggets=nuggets, max_new_tokens=5, do_sample=False
         )
         for row, (context, prompt) in enumerate(zip(contexts, prompts)):
             single = model.compress(context)
