@@ -1403,6 +1403,34 @@ def test_peft_adapters_added_from_outside_are_refused(change):
         wrapped(input_ids=ids(1, 5))
 
 
+@pytest.mark.parametrize("method", ["prompt tuning", "p-tuning"])
+def test_peft_prompt_tuning_generates_what_its_forward_predicts(method):
+    """PEFT's prompt tuning and p-tuning add no layer: they prepend virtual tokens (embeddings) to the decoder's input,
+    as on Llama. Their generate() crashed at the second step (the cache had read more columns than `input_ids` holds,
+    and the new token was sliced off); it now continues the greedy argmax of the forward, padded rows included."""
+    from peft import PromptEncoderConfig, PromptTuningConfig, get_peft_model
+
+    config = (PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=3) if method == "prompt tuning" else
+              PromptEncoderConfig(task_type="CAUSAL_LM", num_virtual_tokens=3, encoder_hidden_size=8))
+    tuned = get_peft_model(tiny_model(), config).eval()
+    with torch.no_grad():
+        for parameter in tuned.parameters():
+            if parameter.requires_grad:
+                parameter.add_(torch.randn_like(parameter))
+    short, short_mask = left_pad(ids(1, 4), 6)
+    prompt, mask = torch.cat([short, ids(1, 6)]), torch.cat([short_mask, torch.ones(1, 6, dtype=torch.long)])
+    context = ids(2, 20)
+    expected, expected_mask = prompt, mask
+    with torch.no_grad():
+        for _ in range(4):
+            logits = tuned(input_ids=expected, attention_mask=expected_mask, context_input_ids=context).logits
+            expected = torch.cat([expected, logits[:, -1:].argmax(-1)], 1)
+            expected_mask = torch.cat([expected_mask, torch.ones(2, 1, dtype=torch.long)], 1)
+        generated = tuned.generate(input_ids=prompt, attention_mask=mask, context_input_ids=context, max_new_tokens=4,
+                                   do_sample=False)
+    assert torch.equal(generated, expected)
+
+
 def test_offloaded_soft_prompt_is_loaded_by_its_hook(tmp_path, model):
     """Under accelerate's disk offload, the soft prompt is read by calling its module (its hook loads the weight)."""
     model.save_pretrained(tmp_path / "dodo")

@@ -1719,6 +1719,10 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
         cache = past_key_values if _is_a(past_key_values, DodoCache) and past_key_values.started else None
         seen = cache.seen_tokens if cache is not None else 0
         new_ids = input_ids[:, seen:]
+        if new_ids.shape[1] == 0 and kwargs.get("next_sequence_length"):
+            # the cache read more columns than `input_ids` holds (PEFT's prompt tuning prepends its virtual tokens as
+            # embeddings): the new ids are the last ones, as many as generate() says
+            new_ids = input_ids[:, -kwargs["next_sequence_length"]:]
         if cache is not None:  # the nuggets are in the cache since the first step: no per-step checks or copies
             nuggets = None
         if nuggets is not None and nuggets.batch_size != batch:  # beams / num_return_sequences expanded the prompt
