@@ -305,6 +305,26 @@ def test_return_dict_false_gives_tuples():
     assert torch.equal(from_tuple.logits, as_dict.logits)
 
 
+def test_peft_prompt_tuning_with_a_vip_mask_says_how_to_align_it():
+    """PEFT's prompt tuning prepends its virtual tokens to the embeddings and the attention mask, not to `vip_mask`:
+    the error named `input_ids`, whose shape the user's mask had. It now says what to prepend, and that mask works."""
+    from peft import PromptTuningConfig, get_peft_model
+
+    tuned = get_peft_model(tiny_model(), PromptTuningConfig(task_type="SEQ_2_SEQ_LM", num_virtual_tokens=4)).eval()
+    input_ids, attention_mask, vip_mask = batch()
+    labels = torch.randint(2, 200, (3, 4))
+    with pytest.raises(ValueError, match=r"`inputs_embeds`, got .* \(3, 150\)\. PEFT's prompt tuning .* prepend 4 "):
+        tuned(input_ids=input_ids, attention_mask=attention_mask, vip_mask=vip_mask, labels=labels)
+    with pytest.raises(ValueError, match="prepend 4 columns to `vip_mask`"):
+        tuned.generate(input_ids=input_ids, attention_mask=attention_mask, vip_mask=vip_mask, max_new_tokens=2)
+    aligned = torch.cat([torch.ones(3, 4, dtype=torch.long), vip_mask], dim=1)  # the virtual tokens as VIPs
+    with torch.no_grad():
+        loss = tuned(input_ids=input_ids, attention_mask=attention_mask, vip_mask=aligned, labels=labels).loss
+        generated = tuned.generate(input_ids=input_ids, attention_mask=attention_mask, vip_mask=aligned,
+                                   max_new_tokens=2)
+    assert torch.isfinite(loss) and generated.shape == (3, 3)
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # Generation
 # ---------------------------------------------------------------------------------------------------------------------

@@ -378,10 +378,19 @@ class VCCT5Encoder(nn.Module):
         return vip.long()
 
     @staticmethod
-    def check_vip_mask(vip_mask: torch.Tensor | None, like: torch.Tensor) -> None:
+    def check_vip_mask(vip_mask: torch.Tensor | None, like: torch.Tensor, like_name: str = "input_ids") -> None:
         if vip_mask is None:
             return
-        check_mask("vip_mask", vip_mask, "input_ids", like)
+        if (like_name == "inputs_embeds" and isinstance(vip_mask, torch.Tensor) and vip_mask.dim() == 2
+                and vip_mask.shape[0] == like.shape[0] and vip_mask.shape[1] < like.shape[1]):
+            missing = like.shape[1] - vip_mask.shape[1]
+            raise ValueError(
+                f"`vip_mask` must have the shape [batch, length] = {tuple(like.shape[:2])} of `inputs_embeds`, got "
+                f"{describe(vip_mask)}. PEFT's prompt tuning and p-tuning prepend `num_virtual_tokens` embeddings "
+                f"(and attention-mask columns) to the encoder's input, but not to `vip_mask`: with them, prepend "
+                f"{missing} columns to `vip_mask` (0s, or 1s to keep the virtual tokens uncompressed as VIPs)."
+            )
+        check_mask("vip_mask", vip_mask, like_name, like)
         if torch.compiler.is_compiling():  # data-dependent: checked in eager mode only (as `check_token_ids` is)
             return
         if vip_mask.dtype.is_complex or bool(((vip_mask != 0) & (vip_mask != 1)).any()):
@@ -418,9 +427,10 @@ class VCCT5Encoder(nn.Module):
         check_token_ids("input_ids", input_ids, vocab_size=self.embed_tokens.num_embeddings)
         check_hidden_states("inputs_embeds", inputs_embeds, self.embed_tokens.embedding_dim)
         like = input_ids if input_ids is not None else inputs_embeds
-        check_mask("attention_mask", attention_mask, "input_ids", like)
+        like_name = "input_ids" if input_ids is not None else "inputs_embeds"
+        check_mask("attention_mask", attention_mask, like_name, like)
         check_rows_not_empty("attention_mask", attention_mask)
-        self.check_vip_mask(vip_mask, like)
+        self.check_vip_mask(vip_mask, like, like_name)
         batch, length = like.shape[:2]
         device = like.device
         if attention_mask is None:
