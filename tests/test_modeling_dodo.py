@@ -1431,6 +1431,20 @@ def test_peft_prompt_tuning_generates_what_its_forward_predicts(method):
     assert torch.equal(generated, expected)
 
 
+def test_peft_prefix_tuning_is_refused_with_what_works_instead():
+    """PEFT's prefix tuning passes its virtual tokens as a DynamicCache, which cannot hold the nuggets before them: the
+    error spoke of a cache the user never passed; it now names prefix tuning and the PEFT methods that work."""
+    from peft import PrefixTuningConfig, get_peft_model
+
+    tuned = get_peft_model(tiny_model(), PrefixTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=3))
+    prompt, context = ids(2, 6), ids(2, 20)
+    message = "prefix tuning is not supported on Dodo; PEFT's prompt tuning and p-tuning are"
+    with pytest.raises(ValueError, match=message):
+        tuned(input_ids=prompt, context_input_ids=context, labels=prompt)
+    with pytest.raises(ValueError, match=message):
+        tuned.generate(input_ids=prompt, context_input_ids=context, max_new_tokens=2)
+
+
 def test_offloaded_soft_prompt_is_loaded_by_its_hook(tmp_path, model):
     """Under accelerate's disk offload, the soft prompt is read by calling its module (its hook loads the weight)."""
     model.save_pretrained(tmp_path / "dodo")

@@ -1452,7 +1452,9 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
         if cache is None and past_key_values is not None and past_key_values.get_seq_length() > 0:
             raise ValueError(
                 "The cache (`cache`, or `past_key_values`) must be the DodoCache this model returned; got a "
-                f"{type(past_key_values).__name__} holding {past_key_values.get_seq_length()} positions."
+                f"{type(past_key_values).__name__} holding {past_key_values.get_seq_length()} positions. (PEFT's "
+                "prefix tuning passes its virtual tokens as such a cache, which cannot hold the nuggets that come "
+                "before them: prefix tuning is not supported on Dodo; PEFT's prompt tuning and p-tuning are.)"
             )
         if past_key_values is not None and not _is_a(past_key_values, DodoCache):
             # Llama fills an empty DynamicCache in place; this one could not hold the nuggets and the decoder mask, and
