@@ -15,7 +15,8 @@ from test_modeling_dodo import tiny_model as tiny_dodo
 from test_modeling_vcc_t5 import tiny_model as tiny_vcc
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import (
-    AutoModel, GenerationConfig, LlamaConfig, LlamaForCausalLM, T5Config, T5ForConditionalGeneration,
+    AutoModel, GenerationConfig, LlamaConfig, LlamaForCausalLM, T5Config,
+    T5ForConditionalGeneration,
 )
 from transformers.generation.streamers import BaseStreamer
 from workflow_helpers import tiny_locost
@@ -452,6 +453,29 @@ def test_peft_default_target_modules_as_on_t5(kind):
     lora(**tester.inputs(), labels=labels).loss.backward()
     trained = [name for name, parameter in lora.named_parameters() if parameter.grad is not None]
     assert trained and all(".lora_" in name for name in trained)
+
+
+@pytest.mark.parametrize("kind", ["locost", "vcc"])
+def test_peft_trainable_token_indices_train_and_generate_as_on_t5(kind):
+    """`trainable_token_indices` wraps the shared embedding and the tied head in PEFT wrappers that forward neither
+    `num_embeddings` nor `out_features`: the input checks failed with an AttributeError where T5 trains. They now read
+    the wrapped layer's size."""
+    from peft import LoraConfig, get_peft_model
+
+    tester = ModelTester(kind)
+    peft_model = get_peft_model(tester.model, LoraConfig(task_type="SEQ_2_SEQ_LM", r=2, lora_dropout=0.0,
+                                                         trainable_token_indices={"shared": [5, 6]}))
+    inputs = tester.inputs()
+    labels = torch.randint(3, tester.vocab_size, (2, 5), generator=torch.Generator().manual_seed(2))
+    peft_model.train()
+    peft_model(**inputs, labels=labels).loss.backward()
+    trained = {name for name, parameter in peft_model.named_parameters() if parameter.grad is not None}
+    assert any("token_adapter" in name for name in trained) and all(
+        "token_adapter" in name or ".lora_" in name for name in trained)
+    with torch.no_grad():
+        assert peft_model.eval().generate(**inputs, max_new_tokens=3).shape[0] == 2
+    with pytest.raises(ValueError, match="outside this model's vocabulary"):  # the checks still run, wrapped
+        peft_model(input_ids=torch.full((1, 4), tester.vocab_size), labels=labels[:1])
 
 
 class ModelTesterWith(ModelTester):

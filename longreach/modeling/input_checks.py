@@ -20,6 +20,27 @@ def values_readable(tensor: torch.Tensor) -> bool:
     return not torch.compiler.is_compiling() and tensor.device.type != "meta"
 
 
+def unwrap_layer(layer: torch.nn.Module, attribute: str) -> torch.nn.Module:
+    """``layer``, or the layer it wraps that has ``attribute``: PEFT's ``trainable_token_indices`` and
+    ``modules_to_save`` keep the embedding or LM head they wrap as ``original_module`` and forward only its weight."""
+    for _ in range(8):
+        if hasattr(layer, attribute):
+            return layer
+        inner = getattr(layer, "original_module", None)
+        if inner is None and hasattr(layer, "get_base_layer"):
+            inner = layer.get_base_layer()
+        if inner is None or inner is layer:
+            break
+        layer = inner
+    return layer
+
+
+def embedding_shape(embedding: torch.nn.Module) -> tuple[int, int]:
+    """``(num_embeddings, embedding_dim)`` of an input embedding, also when PEFT wraps it (see `unwrap_layer`)."""
+    embedding = unwrap_layer(embedding, "num_embeddings")
+    return embedding.num_embeddings, embedding.embedding_dim
+
+
 def check_token_ids(name: str, ids: torch.Tensor | None, *, allow_empty: bool = False, vocab_size: int | None = None,
                     ignore_index: int | None = None) -> None:
     """``ids`` must be a 2-D integer tensor ``[batch, length]`` with length > 0, and with ``vocab_size`` every id in

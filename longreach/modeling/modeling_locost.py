@@ -24,7 +24,15 @@ from transformers.modeling_outputs import BaseModelOutput, Seq2SeqLMOutput, Seq2
 from transformers.modeling_utils import PreTrainedModel
 
 from ..configuration.configuration_locost import LocostConfig
-from .input_checks import check_hidden_states, check_mask, check_rows_not_empty, check_token_ids, reject_head_masks, take_cache_argument
+from .input_checks import (
+    check_hidden_states,
+    check_mask,
+    check_rows_not_empty,
+    check_token_ids,
+    embedding_shape,
+    reject_head_masks,
+    take_cache_argument,
+)
 from .remote_code import HubReadyMixin
 from .ssm import BidirectionalS4DConvolution
 from .t5_blocks import (
@@ -217,12 +225,12 @@ class LocostEncoder(nn.Module):
             raise ValueError("Pass exactly one of `input_ids` and `inputs_embeds` to the LOCOST encoder.")
         if not torch.compiler.is_compiling():
             self.apply_config()
-        check_token_ids("input_ids", input_ids, vocab_size=self.embed_tokens.num_embeddings)
+        check_token_ids("input_ids", input_ids, vocab_size=embedding_shape(self.embed_tokens)[0])
         callers_embeddings = inputs_embeds is not None
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
         else:
-            check_hidden_states("inputs_embeds", inputs_embeds, self.embed_tokens.embedding_dim)
+            check_hidden_states("inputs_embeds", inputs_embeds, embedding_shape(self.embed_tokens)[1])
         check_mask("attention_mask", attention_mask, "input_ids", inputs_embeds)
         check_rows_not_empty("attention_mask", attention_mask)
         if attention_mask is None:

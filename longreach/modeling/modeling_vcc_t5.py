@@ -50,6 +50,7 @@ from .input_checks import (
     check_token_ids,
     cut_to_length,
     describe,
+    embedding_shape,
     pad_right,
     question_per_document,
     reject_head_masks,
@@ -424,8 +425,8 @@ class VCCT5Encoder(nn.Module):
             raise ValueError("Pass exactly one of `input_ids` and `inputs_embeds` to the VCC-T5 encoder.")
         if not torch.compiler.is_compiling():
             self.check_config()
-        check_token_ids("input_ids", input_ids, vocab_size=self.embed_tokens.num_embeddings)
-        check_hidden_states("inputs_embeds", inputs_embeds, self.embed_tokens.embedding_dim)
+        check_token_ids("input_ids", input_ids, vocab_size=embedding_shape(self.embed_tokens)[0])
+        check_hidden_states("inputs_embeds", inputs_embeds, embedding_shape(self.embed_tokens)[1])
         like = input_ids if input_ids is not None else inputs_embeds
         like_name = "input_ids" if input_ids is not None else "inputs_embeds"
         check_mask("attention_mask", attention_mask, like_name, like)

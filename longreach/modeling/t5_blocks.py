@@ -41,9 +41,11 @@ from .input_checks import (
     check_mask,
     check_token_ids,
     cut_to_length,
+    embedding_shape,
     pad_right,
     summarization_documents,
     take_cache_argument,
+    unwrap_layer,
 )
 
 logger = logging.get_logger(__name__)
@@ -992,7 +994,7 @@ class T5DecoderStack(nn.Module):
         first_call = not torch.is_tensor(past_length) and past_length == 0
         if input_ids is not None and (first_call or input_ids.shape[1] > 1):
             # the caller's ids (decoding steps feed back the model's own token, one: not checked again)
-            check_token_ids("decoder_input_ids", input_ids, vocab_size=self.embed_tokens.num_embeddings)
+            check_token_ids("decoder_input_ids", input_ids, vocab_size=embedding_shape(self.embed_tokens)[0])
         if first_call:
             check_binary_mask("decoder_attention_mask", attention_mask if torch.is_tensor(attention_mask) else None)
         if inputs_embeds is None:
@@ -1256,7 +1258,8 @@ class T5Seq2SeqLMMixin:
     ) -> Seq2SeqLMOutput:
         """Run the decoder over ``encoder_outputs`` and project to the vocabulary (plus the loss with ``labels``)."""
         if labels is not None:
-            check_token_ids("labels", labels, vocab_size=self.get_output_embeddings().out_features, ignore_index=-100)
+            vocab_size = unwrap_layer(self.get_output_embeddings(), "out_features").out_features
+            check_token_ids("labels", labels, vocab_size=vocab_size, ignore_index=-100)
             rows = encoder_outputs.last_hidden_state.shape[0]
             if labels.dim() != 2 or labels.shape[0] != rows:
                 raise ValueError(f"`labels` must be [batch, length] with one row per encoder input ({rows}), got shape "
