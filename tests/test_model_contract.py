@@ -15,7 +15,7 @@ from test_modeling_dodo import tiny_model as tiny_dodo
 from test_modeling_vcc_t5 import tiny_model as tiny_vcc
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import (
-    AutoModel, GenerationConfig, LlamaConfig, LlamaForCausalLM, T5Config,
+    AutoModel, AutoModelForSeq2SeqLM, GenerationConfig, LlamaConfig, LlamaForCausalLM, T5Config,
     T5ForConditionalGeneration,
 )
 from transformers.generation.streamers import BaseStreamer
@@ -476,6 +476,28 @@ def test_peft_trainable_token_indices_train_and_generate_as_on_t5(kind):
         assert peft_model.eval().generate(**inputs, max_new_tokens=3).shape[0] == 2
     with pytest.raises(ValueError, match="outside this model's vocabulary"):  # the checks still run, wrapped
         peft_model(input_ids=torch.full((1, 4), tester.vocab_size), labels=labels[:1])
+
+
+@pytest.mark.parametrize("kind", ["locost", "vcc"])
+def test_peft_merge_of_a_trained_lm_head_keeps_t5s_rescaling(kind, tmp_path):
+    """`modules_to_save=["lm_head"]` trains a copy of the tied head; `merge_and_unload` unties it and sets
+    `tie_word_embeddings=False`, which also turned off T5's d_model**-0.5 rescaling of the decoder output (logits 5.7
+    times too large, in memory and after saving). As in transformers v5's T5, the rescaling is now fixed when the
+    config is made."""
+    from peft import LoraConfig, get_peft_model
+
+    tester = ModelTester(kind)
+    peft_model = get_peft_model(tester.model, LoraConfig(task_type="SEQ_2_SEQ_LM", r=2, modules_to_save=["lm_head"]))
+    inputs, decoder_input_ids = tester.inputs(), torch.zeros(2, 3, dtype=torch.long)
+    with torch.no_grad():
+        peft_model.base_model.model.lm_head.modules_to_save["default"].weight.mul_(1.01)  # a trained head
+        expected = peft_model(**inputs, decoder_input_ids=decoder_input_ids).logits
+        merged = peft_model.merge_and_unload()
+        assert merged.config.tie_word_embeddings is False and merged.lm_head.weight is not merged.shared.weight
+        torch.testing.assert_close(merged(**inputs, decoder_input_ids=decoder_input_ids).logits, expected)
+        merged.save_pretrained(tmp_path)
+        reloaded = AutoModelForSeq2SeqLM.from_pretrained(tmp_path).eval()
+        torch.testing.assert_close(reloaded(**inputs, decoder_input_ids=decoder_input_ids).logits, expected)
 
 
 class ModelTesterWith(ModelTester):

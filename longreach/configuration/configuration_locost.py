@@ -108,6 +108,9 @@ class LocostConfig(FieldTypesCheckedOnAssignment, PreTrainedConfig):
         tie_word_embeddings (`bool`, defaults to `True`):
             Tie the LM head to the shared embedding; as in T5 this also rescales the decoder output by
             d_model**-0.5 before the head.
+        scale_decoder_outputs (`bool`, *optional*):
+            That rescaling, as transformers v5's T5 field; `None` (the default): rescale when tied at construction, so
+            that a head untied later (PEFT's `merge_and_unload` of a trained `lm_head` unties it) keeps it.
         use_cache (`bool`, defaults to `True`):
             Cache decoder keys/values during generation.
 
@@ -163,11 +166,14 @@ class LocostConfig(FieldTypesCheckedOnAssignment, PreTrainedConfig):
     eos_token_id: int | list[int] | None = 1
     decoder_start_token_id: int | None = 0
     tie_word_embeddings: bool = True
+    scale_decoder_outputs: bool | None = None
 
     def __post_init__(self, **kwargs):
         if self.num_decoder_layers is None:
             self.num_decoder_layers = self.num_layers
         super().__post_init__(**kwargs)
+        if self.scale_decoder_outputs is None:
+            self.scale_decoder_outputs = bool(self.tie_word_embeddings)
         self.validate_locost()
 
     def validate(self) -> None:
@@ -178,7 +184,10 @@ class LocostConfig(FieldTypesCheckedOnAssignment, PreTrainedConfig):
 
     @classmethod
     def from_dict(cls, config_dict: dict, **kwargs):
-        # field overrides are validated with the stored values (see `pop_field_overrides`)
+        # field overrides are validated with the stored values (see `pop_field_overrides`); a stored
+        # `scale_decoder_outputs` gives way to an overriding `tie_word_embeddings`, which alone means both
+        if "tie_word_embeddings" in kwargs and "scale_decoder_outputs" not in kwargs:
+            config_dict = {key: value for key, value in config_dict.items() if key != "scale_decoder_outputs"}
         config_dict = pop_field_overrides(cls, config_dict, kwargs)
         return super().from_dict(config_dict, **kwargs)
 

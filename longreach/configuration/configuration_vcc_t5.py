@@ -83,7 +83,8 @@ class VCCT5Config(FieldTypesCheckedOnAssignment, PreTrainedConfig):
         tie_word_embeddings (`bool`, defaults to `True`): tie the LM head to the shared embedding and rescale the
             decoder output by `d_model**-0.5` (T5 v1.0: t5-base/large/3b). `False` for T5 v1.1-style checkpoints.
         scale_decoder_outputs (`bool`, *optional*): as transformers v5's T5, whose configs say
-            `tie_word_embeddings: true` and keep the rescaling here; `None` (the default): rescale when tied. A T5
+            `tie_word_embeddings: true` and keep the rescaling here; `None` (the default): rescale when tied at
+            construction (later untying, as PEFT's `merge_and_unload` does for a trained head, keeps it). A T5
             folder saved by transformers v5 loads as T5 loads it: head tied unless the checkpoint holds its own
             `lm_head.weight`, rescaled as this says.
         use_cache (`bool`, defaults to `True`): cache decoder keys/values during generation.
@@ -197,6 +198,8 @@ class VCCT5Config(FieldTypesCheckedOnAssignment, PreTrainedConfig):
         if self.num_decoder_layers is None:
             self.num_decoder_layers = self.num_layers
         super().__post_init__(**kwargs)
+        if self.scale_decoder_outputs is None:  # fixed now, as T5's: a head untied later (PEFT's merge_and_unload of
+            self.scale_decoder_outputs = bool(self.tie_word_embeddings)  # a trained `lm_head` unties it) keeps it
         self.validate_vcc()
 
     def validate(self) -> None:

@@ -1281,7 +1281,7 @@ class T5Seq2SeqLMMixin:
             past_key_values, use_cache, output_attentions, output_hidden_states,
         )
         sequence_output = decoder_outputs.last_hidden_state
-        scale = getattr(self.config, "scale_decoder_outputs", None)  # (transformers v5's T5 field; VCC-T5 has it)
+        scale = getattr(self.config, "scale_decoder_outputs", None)  # (transformers v5 T5's field; ours have it too)
         if self.config.tie_word_embeddings if scale is None else scale:
             sequence_output = sequence_output * self.config.d_model**-0.5  # T5: rescale before the tied head
         logits = self.lm_head(sequence_output)
