@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch import nn
 from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.aot_autograd import make_boxed_func
 
@@ -139,6 +140,19 @@ def test_off_the_cpu_the_cache_is_checked_without_reading_values_back():
     assert not conv._kernel_cache_matches(slice(None))
     cpu_conv = BidirectionalS4DConvolution(8, 8)
     assert all(isinstance(entry, torch.Tensor) for entry in cpu_conv._kernel_snapshot())
+
+
+def test_off_the_cpu_a_new_tensor_at_the_cached_address_misses_the_cache():
+    """From an audit: on CUDA, ``functional_call`` in a loop with a parameter dict built anew for each call (a model
+    soup's mixing weights) got the first call's kernel: the caching allocator gave the new tensors the freed ones'
+    addresses, and they start at version 0. The meta device (every address 0) stands for that reuse here."""
+    conv = BidirectionalS4DConvolution(8, 8).to("meta")
+    conv._kernel_cache_parameters = conv._kernel_snapshot()
+    assert conv._kernel_cache_matches(slice(None))
+    new = nn.Parameter(torch.empty_like(conv.log_dt))
+    assert (new.data_ptr(), new._version) == (conv.log_dt.data_ptr(), conv.log_dt._version)
+    conv.log_dt = new
+    assert not conv._kernel_cache_matches(slice(None))
 
 
 def test_channel_groups_compare_only_their_channels_with_the_cache():

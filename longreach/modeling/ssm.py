@@ -22,8 +22,9 @@ computed from and compares it with the parameters (``torch.equal``) before every
 through ``.data`` as EMA code does, ``load_state_dict``, ``.to()``) misses it, and it is emptied by ``.train()`` and
 ``.eval()``. The copy (6 MiB per layer at the released size, outside the byte cap) takes 0.75 ms to compare on one CPU
 thread, against 9 ms for the cached convolution of one 1K-token input. On an accelerator the comparison would make the
-host wait for the device at every layer, so there the cache is keyed on the parameters' storage and version counter
-instead: an edit through ``.data`` there needs ``clear_kernel_cache()`` or ``.eval()``.
+host wait for the device at every layer, so there the cache is keyed on the parameters' storage (held by an alias, so
+that no new tensor takes its address) and version counter instead: an edit through ``.data`` there needs
+``clear_kernel_cache()`` or ``.eval()``.
 
 Memory and time: the authors materialise exp(ΔA·l) as [H, N/2, L] (51 GB at the released size and 16K tokens, and
 L complex exponentials per mode). We split the lags into chunks l = l0 + j and use z^(l0 + j) = z^l0 · z^j with
@@ -365,6 +366,12 @@ class _FFTConvolution(torch.autograd.Function):
         return grad_signal, grad_kernel, None, None
 
 
+def _same_memory(tensor: torch.Tensor, alias: torch.Tensor) -> bool:
+    """Whether ``tensor`` views the very storage, offset, shape and dtype of ``alias`` (no value is read)."""
+    return (tensor.untyped_storage()._cdata == alias.untyped_storage()._cdata and tensor.data_ptr() == alias.data_ptr()
+            and (tensor.dtype, tensor.shape, tensor.stride()) == (alias.dtype, alias.shape, alias.stride()))
+
+
 class Float32ParametersModule(nn.Module):
     """A module whose floating-point parameters stay float32 under ``model.half()`` / ``model.to(torch.bfloat16)``.
 
@@ -514,20 +521,24 @@ class BidirectionalS4DConvolution(Float32ParametersModule):
     def _kernel_snapshot(self) -> tuple:
         """What the cached spectra are checked against. On the CPU, a copy of the kernel parameters, compared by value:
         a change through ``.data`` (EMA, ``p.data.copy_``) moves neither the storage nor the version counter. On an
-        accelerator, where reading a comparison back would make the host wait for the device at every layer, their
-        storage, version counter, dtype and shape (so there, after an edit through ``.data``, call
-        ``clear_kernel_cache()`` or ``.eval()``, which empties the cache)."""
+        accelerator, where reading a comparison back would make the host wait for the device at every layer, an alias of
+        each and its version counter, compared by storage, offset, dtype and shape (so there, after an edit through
+        ``.data``, call ``clear_kernel_cache()`` or ``.eval()``, which empties the cache)."""
         parameters = self._kernel_parameters()
         if parameters[0].device.type == "cpu":
             return tuple(p.detach().clone() for p in parameters)
-        return tuple((p.data_ptr(), p._version, p.dtype, p.device, p.shape) for p in parameters)
+        # an alias (no copy) holds the storage: no new tensor can take its address while the spectra are kept (the
+        # caching allocator hands a freed block to the next tensor of its size, e.g. a parameter dict built anew for
+        # each `functional_call`, whose tensors all start at version 0)
+        return tuple((p.detach(), p._version) for p in parameters)
 
     def _kernel_cache_matches(self, channels: slice) -> bool:
         """Whether the cached spectra's rows `channels` come from the current kernel parameters (`_kernel_snapshot`)."""
         if self._kernel_cache_parameters is None:
             return False
         if not isinstance(self._kernel_cache_parameters[0], torch.Tensor):  # an accelerator's storage and versions
-            return self._kernel_snapshot() == self._kernel_cache_parameters
+            return all(_same_memory(parameter, alias) and parameter._version == version
+                       for parameter, (alias, version) in zip(self._kernel_parameters(), self._kernel_cache_parameters))
         for parameter, saved in zip(self._kernel_parameters(), self._kernel_cache_parameters):
             if (parameter.dtype, parameter.device, parameter.shape) != (saved.dtype, saved.device, saved.shape):
                 return False
