@@ -164,6 +164,12 @@ class LongSummarizationPipeline(Pipeline):
                     f"{len(documents)} items of types {sorted({type(d).__name__ for d in documents})}."
                 )
             documents = list(documents)
+            # before any generation: an empty document found in `preprocess` would end the call after the batches
+            # before it were summarized, their summaries lost, without saying which document it was
+            blank = next((row for row, text in enumerate(documents) if not text.strip()), None)
+            if blank is not None:
+                raise ValueError(f"`documents[{blank}]` is {documents[blank][:40]!r}: cannot summarize an empty "
+                                 "document (only whitespace); leave it out of the list.")
         elif not isinstance(documents, str) and (
             isinstance(documents, dict) or not (hasattr(documents, "__iter__") or hasattr(documents, "__getitem__"))
         ):
@@ -221,7 +227,7 @@ class LongSummarizationPipeline(Pipeline):
         if not isinstance(document, str):
             raise ValueError(f"Each document must be a string, got {type(document).__name__}.")
         if not document.strip():
-            raise ValueError("Cannot summarize an empty document (got only whitespace).")
+            raise ValueError(f"Cannot summarize an empty document (only whitespace), got {document[:40]!r}.")
         return {"document": document, "max_input_length": max_input_length, "question": question}
 
     def _forward(self, model_inputs, **generate_kwargs):
