@@ -30,3 +30,29 @@ def test_an_empty_item_in_a_list_is_refused_before_anything_is_summarized(summar
     assert calls == []
     with pytest.raises(ValueError, match=re.escape("Cannot summarize an empty document (only whitespace), got ''.")):
         summarizer("")
+
+
+def _tiny_dodo_summarizer(**defaults):
+    from test_workflows_vcc_t5_dodo import llama_word_tokenizer, tiny_dodo
+
+    return pipeline("long-summarization", model=tiny_dodo(), tokenizer=llama_word_tokenizer(), **defaults)
+
+
+@pytest.mark.parametrize("decoder_only", [False, True])
+def test_lengths_given_as_none_leave_the_checkpoints_lengths(decoder_only):
+    """`max_length=None` (an unset command-line option passed on) crashed LOCOST and VCC-T5 in generate() ("unsupported
+    operand type(s) for +: 'NoneType' and 'int'": the checkpoint's `max_new_tokens` was set aside for it), and gave
+    Dodo 20 new tokens instead of its checkpoint's 8; T5's and Llama's generate() ignore it."""
+    if decoder_only:
+        summarizer = _tiny_dodo_summarizer()
+        eos = summarizer.model.config.eos_token_id
+    else:
+        summarizer = pipeline("long-summarization", model=tiny_locost(), tokenizer=word_tokenizer())
+        eos = summarizer.model.config.eos_token_id
+    never_end = {"suppress_tokens": [eos, 0], "return_tensors": True}
+    assert summarizer.model.generation_config.max_new_tokens == 8
+    doc = document(30, offset=3)
+    expected = summarizer(doc, **never_end)[0]["summary_token_ids"].tolist()
+    assert len(expected) == 8 + (0 if decoder_only else 1)  # (an encoder-decoder's decoder start token)
+    for options in ({"max_length": None}, {"min_length": None}, {"max_length": None, "min_length": None}):
+        assert summarizer(doc, **options, **never_end)[0]["summary_token_ids"].tolist() == expected

@@ -288,6 +288,9 @@ class LongSummarizationPipeline(Pipeline):
         """The ``generate()`` keyword arguments for the caller's ``generate_kwargs``: when ``summarizing`` (no
         question), a plain model's ``task_specific_params["summarization"]`` under them, and ``max_length`` /
         ``min_length`` counted as the class docstring says. The corpus command (``longreach.corpus``) uses it too."""
+        # `max_length=None` / `min_length=None` set nothing, as in generate(): the checkpoint's lengths apply
+        generate_kwargs = {key: value for key, value in generate_kwargs.items()
+                           if not (key in ("max_length", "min_length") and value is None)}
         if summarizing and self._summarization_task_parameters() and "generation_config" not in generate_kwargs:
             # a plain model (e.g. a T5 checkpoint) with transformers v4's `task_specific_params["summarization"]`:
             # its generation settings, under the caller's, key by key as v4's summarization pipeline applied them
