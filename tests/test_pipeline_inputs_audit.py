@@ -56,3 +56,18 @@ def test_lengths_given_as_none_leave_the_checkpoints_lengths(decoder_only):
     assert len(expected) == 8 + (0 if decoder_only else 1)  # (an encoder-decoder's decoder start token)
     for options in ({"max_length": None}, {"min_length": None}, {"max_length": None, "min_length": None}):
         assert summarizer(doc, **options, **never_end)[0]["summary_token_ids"].tolist() == expected
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"max_length": 0}, "`max_length` (the summary's tokens) must be an integer >= 1, got 0."),
+    ({"max_length": 2.5}, "`max_length` (the summary's tokens) must be an integer >= 1, got 2.5."),
+    ({"min_length": -1}, "`min_length` (the summary's tokens) must be an integer >= 0, got -1."),
+    ({"min_length": "3"}, "`min_length` (the summary's tokens) must be an integer >= 0, got '3'."),
+])
+def test_decoder_only_summary_lengths_are_checked_under_their_own_names(options, message):
+    """Dodo's `max_length` / `min_length` go to generate() as `max_new_tokens` / `min_new_tokens`: `max_length=0` got
+    "`max_new_tokens` must be greater than 0, but is 0", an argument the caller never gave, and `max_length=2.5`
+    generated 3 tokens."""
+    summarizer = _tiny_dodo_summarizer()
+    with pytest.raises(ValueError, match=re.escape(message)):
+        summarizer(document(20), **options)

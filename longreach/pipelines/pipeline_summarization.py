@@ -30,6 +30,7 @@ Nothing is ever truncated silently: whenever tokens are dropped, a ``UserWarning
 from __future__ import annotations
 
 import inspect
+import numbers
 import warnings
 
 import torch
@@ -305,7 +306,12 @@ class LongSummarizationPipeline(Pipeline):
                     generate_kwargs[new_tokens] = None
                 else:
                     # the prompt is ours, not the user's: a summary's max_length / min_length count the summary alone
-                    generate_kwargs[new_tokens] = generate_kwargs.pop(total)
+                    value, least = generate_kwargs.pop(total), 1 if total == "max_length" else 0
+                    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < least:
+                        # checked here: generate()'s error would name `max_new_tokens`, which the caller did not give
+                        raise ValueError(f"`{total}` (the summary's tokens) must be an integer >= {least}, got "
+                                         f"{value!r}.")
+                    generate_kwargs[new_tokens] = value
         return generate_kwargs
 
     def _without_replaced_lengths(self, defaults: dict, generate_kwargs: dict) -> dict:
