@@ -71,3 +71,12 @@ def test_decoder_only_summary_lengths_are_checked_under_their_own_names(options,
     summarizer = _tiny_dodo_summarizer()
     with pytest.raises(ValueError, match=re.escape(message)):
         summarizer(document(20), **options)
+
+
+def test_bytes_are_refused_as_bytes(summarizer):
+    """A document read in binary mode was taken for a list of its byte values: "got a list of 11 items of types
+    ['int']"."""
+    with pytest.raises(ValueError, match=re.escape("got bytes (decode it to text first: `documents.decode()`).")):
+        summarizer(b"w1 w2 w3 w4")
+    with pytest.raises(ValueError, match=re.escape("got bytearray (decode it")):
+        summarizer(bytearray(b"w1 w2"))

@@ -155,8 +155,8 @@ class LongSummarizationPipeline(Pipeline):
     def __call__(self, documents, *args, **kwargs):
         """Summarize one document (`str`), a list of them (``batch_size=N`` batches them), or a dataset / generator
         of them (results are then yielded as they come)."""
-        if not isinstance(documents, (str, dict, list, tuple, torch.utils.data.Dataset)) and hasattr(documents, "__len__") \
-                and hasattr(documents, "__iter__"):
+        text_types = (str, bytes, bytearray, dict, list, tuple, torch.utils.data.Dataset)  # (bytes: not a list of ints)
+        if not isinstance(documents, text_types) and hasattr(documents, "__len__") and hasattr(documents, "__iter__"):
             documents = list(documents)  # a column of a `datasets.Dataset`, an array of strings, ...
         if isinstance(documents, (list, tuple)):
             if not documents or not all(isinstance(d, str) for d in documents):
@@ -172,10 +172,13 @@ class LongSummarizationPipeline(Pipeline):
                 raise ValueError(f"`documents[{blank}]` is {documents[blank][:40]!r}: cannot summarize an empty "
                                  "document (only whitespace); leave it out of the list.")
         elif not isinstance(documents, str) and (
-            isinstance(documents, dict) or not (hasattr(documents, "__iter__") or hasattr(documents, "__getitem__"))
+            isinstance(documents, (dict, bytes, bytearray))
+            or not (hasattr(documents, "__iter__") or hasattr(documents, "__getitem__"))
         ):
+            binary = isinstance(documents, (bytes, bytearray))
+            hint = " (decode it to text first: `documents.decode()`)" if binary else ""
             raise ValueError(
-                f"`documents` must be a string or a non-empty list of strings, got {type(documents).__name__}."
+                f"`documents` must be a string or a non-empty list of strings, got {type(documents).__name__}{hint}."
             )
         given = documents
         question = kwargs.get("question")
