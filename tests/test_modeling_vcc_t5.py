@@ -433,6 +433,31 @@ def test_seq2seq_trainer_step_with_the_vip_collator(tmp_path, tokenizer):
     assert "encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight" in changed
 
 
+@pytest.mark.parametrize("length", [32, 33])  # 32 is a valid length already (no internal padding), 33 is padded
+def test_trainer_neftune_noise_on_inputs_at_a_valid_length(tmp_path, length):
+    """`neftune_noise_alpha` hooks the input embeddings, and its noise divides by the output's length: the encoder
+    also embedded an empty padding for inputs already at a valid length, and the step failed ("from is out of bounds
+    for float"), where T5 trains."""
+    from datasets import Dataset
+
+    assert tiny_model().config.padded_length(32) == 32
+    torch.manual_seed(0)
+    rows = [{"input_ids": torch.randint(2, 200, (length,)).tolist(), "attention_mask": [1] * length,
+             "vip_mask": [1] * 5 + [0] * (length - 5), "labels": torch.randint(2, 200, (4,)).tolist()}
+            for _ in range(2)]
+    losses = {}
+    for alpha in (None, 5.0):
+        torch.manual_seed(0)
+        model = tiny_model(exploration_probability=0.0)
+        args = Seq2SeqTrainingArguments(output_dir=str(tmp_path / "run"), per_device_train_batch_size=2, max_steps=1,
+                                        use_cpu=True, report_to="none", save_strategy="no", disable_tqdm=True,
+                                        neftune_noise_alpha=alpha, remove_unused_columns=False)
+        trainer = Seq2SeqTrainer(model=model, args=args, train_dataset=Dataset.from_list(rows))
+        losses[alpha] = trainer.train().training_loss
+    assert all(torch.isfinite(torch.tensor(loss)) for loss in losses.values())
+    assert losses[5.0] != losses[None]  # the noise reached the inputs
+
+
 def _loss_and_gradients(model, inputs):
     model.zero_grad()
     loss = model(**inputs).loss

@@ -459,7 +459,9 @@ class VCCT5Encoder(nn.Module):
         if inputs_embeds is None:
             pad_id = self.config.pad_token_id if self.config.pad_token_id is not None else 0
             inputs_embeds = self.embed_tokens(input_ids)
-            padding = self.embed_tokens(input_ids.new_full((batch, extra), pad_id))
+            # no call for an empty padding: forward hooks on the embedding see a 0-length output (NEFTune's noise
+            # divides by it and failed on inputs already at a valid length)
+            padding = self.embed_tokens(input_ids.new_full((batch, extra), pad_id)) if extra else inputs_embeds[:, :0]
         else:
             padding = inputs_embeds.new_zeros(batch, extra, inputs_embeds.shape[-1])
         mask = nn.functional.pad(attention_mask, (0, extra))
