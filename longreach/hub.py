@@ -48,6 +48,8 @@ TOKENIZER_FILES = (
     "tokenizer.model", "sentencepiece.bpe.model", "vocab.json", "vocab.txt", "merges.txt", "chat_template.jinja",
     "chat_template.json",
 )
+#: Where a tokenizer saves its named chat templates besides the default one (transformers' ``CHAT_TEMPLATE_DIR``).
+CHAT_TEMPLATES_FOLDER = "additional_chat_templates"
 README = "README.md"
 
 _MARKER = re.compile(r"<!-- longreach-model-card (?P<json>\{.*?\}) -->")
@@ -313,6 +315,8 @@ def hub_files(folder: str | Path) -> list[str]:
             raise ValueError(f"{folder / index} names shards that are not in {folder}: {', '.join(missing[:3])}"
                              f"{' ...' if len(missing) > 3 else ''}; upload a complete checkpoint.")
     selected = weights | (names & set(CONFIG_FILES)) | (names & set(TOKENIZER_FILES)) | _code_files(folder, config)
+    templates = folder / CHAT_TEMPLATES_FOLDER  # the tokenizer's named chat templates ("tool_use", ...)
+    selected |= {f"{CHAT_TEMPLATES_FOLDER}/{path.name}" for path in templates.glob("*.jinja") if path.is_file()}
     if not names & set(TOKENIZER_FILES):
         logger.warning(
             "%s has no tokenizer files: Hub users will need to bring their own tokenizer, and "

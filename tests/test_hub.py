@@ -155,6 +155,19 @@ def test_pipeline_push_includes_the_tokenizer(recorder):
     assert set(single_commit(recorder)["files"]) == MODEL_FILES | TOKENIZER_FILES | {"README.md"}
 
 
+def test_push_uploads_every_chat_template_of_the_tokenizer(recorder):
+    """A tokenizer with named chat templates saves the extra ones in `additional_chat_templates/`; they were left out
+    of the upload, so the Hub repository's tokenizer had its default template only."""
+    tokenizer = word_tokenizer()
+    tokenizer.chat_template = {"default": "{{ messages[0]['content'] }}", "tool_use": "{{ tools }}"}
+    summarizer = pipeline("long-summarization", model=tiny_locost(), tokenizer=tokenizer)
+    summarizer.push_to_hub("someone/locost-chat")
+    files = single_commit(recorder)["files"]
+    assert set(files) == MODEL_FILES | TOKENIZER_FILES | {
+        "README.md", "chat_template.jinja", "additional_chat_templates/tool_use.jinja"}
+    assert files["additional_chat_templates/tool_use.jinja"].decode() == "{{ tools }}"
+
+
 def test_folder_push_leaves_training_leftovers_and_keeps_provenance(recorder, tmp_path):
     folder = save_tiny_locost(tmp_path / "run")
     hub.write_model_card(folder, "locost", converted_from="/data/locost-gsg")
