@@ -645,8 +645,11 @@ def _summarize_batch(summarizer, corpus: Corpus, batch: list[int], max_input_len
         output_ids = output_ids[:, inputs["input_ids"].shape[1]:]  # decoder-only: drop the prompt
     if output_ids.shape[0] != len(batch):  # the model's generation config returns several per document: the first
         output_ids = output_ids.reshape(len(batch), -1, output_ids.shape[1])[:, 0]
-    summaries = summarizer.tokenizer.batch_decode(output_ids, skip_special_tokens=True,
-                                                  clean_up_tokenization_spaces=False)  # as the pipeline decodes
+    # decoded by the pipeline's own `postprocess`: each summary ends at its first end token (a caller's end token that
+    # is not special would otherwise stay, repeated where generate() filled a finished row with it)
+    end = options.get("eos_token_id", getattr(options.get("generation_config"), "eos_token_id", None))
+    summaries = [record["summary_text"] for record in
+                 summarizer.postprocess({"output_ids": output_ids[None]}, eos_token_id=end)]
     # what the model reads of each document: Dodo's compressed context (its `attention_mask` is the decoder prompt's)
     mask = inputs["context_attention_mask"] if "context_attention_mask" in inputs else inputs["attention_mask"]
     read = mask.sum(dim=1).tolist()

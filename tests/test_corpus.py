@@ -664,3 +664,27 @@ def test_a_full_disk_midway_names_the_output_and_a_rerun_finishes_without_losing
     assert main(summarize_args(model_folder, tmp_path / "corpus.jsonl", output, *options)) == 0
     assert read_output(output) == read_output(reference)
     assert len(output.read_text().splitlines()) == 30
+
+
+def test_a_callers_end_token_ends_the_corpus_summary_as_in_the_pipeline(tmp_path, monkeypatch):
+    """generate() fills the rows of a batch that finished first with the pad id, or with the end token itself when
+    there is no pad id (Llama tokenizers): a caller's `eos_token_id` that is not a special token then stayed in the
+    corpus summary, repeated up to the batch's longest row, while the pipeline's summary ends at its first one."""
+    import torch
+    from workflow_helpers import tiny_locost, word_tokenizer
+
+    from longreach import LongSummarizationPipeline
+
+    tokenizer = word_tokenizer()
+    summarizer = LongSummarizationPipeline(model=tiny_locost(), tokenizer=tokenizer)
+    start, end = summarizer.model.config.decoder_start_token_id, tokenizer.convert_tokens_to_ids("w9")
+    words = tokenizer.convert_tokens_to_ids(["w5", "w6", "w7", "w8"])
+    generated = torch.tensor([[start, words[0], end, end, end], [start, words[1], words[2], words[3], end]])
+    monkeypatch.setattr(summarizer.model, "generate", lambda *args, **kwargs: generated[: len(kwargs["input_ids"])])
+    texts = [document(30), document(12, offset=4)]  # the longer first, as the corpus batches them
+    expected = [record["summary_text"] for record in summarizer(texts, batch_size=2, eos_token_id=end)]
+    assert expected == ["w5 w9", "w6 w7 w8 w9"]
+    output = tmp_path / "out.jsonl"
+    corpus = corpus_module.Corpus(ids=["a", "b"], texts=texts, references=[None, None])
+    corpus_module.summarize_corpus(summarizer, corpus, output, generate_kwargs={"eos_token_id": end}, progress=False)
+    assert [read_output(output)[key]["summary"] for key in ("a", "b")] == expected
