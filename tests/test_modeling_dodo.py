@@ -657,6 +657,28 @@ def test_autoregressive_streaming_equals_one_call_and_threshold_modes():
     assert isinstance(threshold, float) and math.isfinite(threshold)
 
 
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_autoregressive_tokens_after_a_compression_that_kept_no_nugget_stay_causal(attention):
+    """From an audit: when a compression keeps no nugget (threshold mode), the cache holds only the recent tokens but
+    counts every token seen; transformers then placed the queries after all of them, so each recent token saw the
+    later ones (in one call; with eager attention also when re-encoding the recent tokens, token by token too). They
+    must be the θ Llama over the recent tokens, at positions after the compressed ones."""
+    model = tiny_model(recent_window=5, compression_stride=2, nugget_threshold=1e9)  # no token is ever kept
+    model.set_attn_implementation(attention)
+    stock = peft_llama_with_theta(model)
+    text = ids(1, 9)
+    with torch.no_grad():
+        one_call = model(text)
+        assert one_call.past_key_values.compressed_tokens == 2 and one_call.past_key_values.num_nugget_slots == 0
+        cache, pieces = None, []
+        for end in range(1, 10):
+            out = model(text[:, end - 1 : end], attention_mask=torch.ones(1, end), past_key_values=cache)
+            cache, pieces = out.past_key_values, pieces + [out.logits]
+        reference = stock(text[:, 2:], position_ids=torch.arange(2, 9)[None]).logits  # tokens 0, 1 compressed
+    assert max_diff(one_call.logits[:, 7:], reference[:, 5:]) < 1e-5
+    assert max_diff(torch.cat(pieces, 1)[:, 7:], reference[:, 5:]) < 1e-5
+
+
 # --------------------------------------------------------------------------------------------------------------------
 # Training
 # --------------------------------------------------------------------------------------------------------------------

@@ -1255,6 +1255,10 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
                 soft_prompt_length=cache.soft_prompt_length,
                 legacy_order=self.config.legacy_decoder_mask_order,
             )
+        elif cache.compressed_tokens:
+            # no nuggets, but tokens were compressed (a threshold kept none of them): the layers hold only the recent
+            # tokens, while transformers would place the queries after all `seen_tokens` and let them see later keys
+            attention = self._attention_bias(None, None, decoder_mask, length + soft, embeds.dtype)
         else:  # no nuggets: a plain Llama with θ; transformers builds the causal + padding mask
             attention = decoder_mask.long()
         # With a soft prompt, the hidden states returned for the tokens must be the tensors the next layer consumes (so
