@@ -679,6 +679,29 @@ def test_autoregressive_tokens_after_a_compression_that_kept_no_nugget_stay_caus
     assert max_diff(torch.cat(pieces, 1)[:, 7:], reference[:, 5:]) < 1e-5
 
 
+def test_autoregressive_threshold_rows_without_nuggets_in_a_batch_equal_rows_alone():
+    """From an audit: with a threshold, a compression may keep no token of one row while another row keeps some. That
+    row then got the soft prompt and positions counted from 0 (as after nuggets), not what it computes alone (no soft
+    prompt, positions after its compressed tokens): right padding must keep each row's result."""
+    window, stride = 2, 3
+    texts = ids(2, 12)
+    with torch.no_grad():  # the best score of each first chunk (before any nugget, the scorer sees the chunk alone)
+        best = tiny_model().compress(texts[:, :stride]).all_scores.max(dim=1).values
+    row = int(best.argmin())  # the shorter row: a threshold between the two keeps nothing of its first chunk
+    short, long = texts[row : row + 1, :9], texts[1 - row : 2 - row]
+    model = tiny_model(recent_window=window, compression_stride=stride, nugget_threshold=best.mean().item())
+    batch_ids = torch.cat([torch.cat([short, torch.zeros(1, 3, dtype=torch.long)], dim=1), long])
+    batch_mask = torch.ones_like(batch_ids)
+    batch_mask[0, 9:] = 0
+    with torch.no_grad():
+        first = model(batch_ids[:, : window + stride + 1], attention_mask=batch_mask[:, : window + stride + 1])
+        assert first.past_key_values.nugget_mask.sum(dim=1).tolist()[0] == 0  # the short row kept nothing
+        assert first.past_key_values.nugget_mask.sum(dim=1).tolist()[1] > 0
+        batched = model(batch_ids, attention_mask=batch_mask).logits
+        assert max_diff(batched[0, :9], model(short).logits[0]) < 1e-5
+        assert max_diff(batched[1], model(long).logits[0]) < 1e-5
+
+
 # --------------------------------------------------------------------------------------------------------------------
 # Training
 # --------------------------------------------------------------------------------------------------------------------

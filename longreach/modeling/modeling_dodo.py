@@ -1226,20 +1226,30 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
         batch, length = token_embeds.shape[:2]
         soft = 0
         embeds, new_mask = token_embeds, token_mask
+        nuggets_per_row = cache.nuggets_per_row(batch, token_embeds.device)
+        # decoder positions continue right after the number of nuggets: k_b + 0, 1, ... (the authors' code; the paper
+        # does not say)
+        offsets = nuggets_per_row
+        # In autoregressive mode a threshold may have kept no token of a row while other rows have nuggets: that row
+        # runs as it does alone, without the soft prompt and at positions after its compressed tokens.
+        without_nuggets = None
+        if cache.autoregressive and cache.num_nugget_slots:
+            without_nuggets = nuggets_per_row == 0
+            offsets = torch.where(without_nuggets, cache.compressed_real_tokens, nuggets_per_row)
         if prepend_soft_prompt and self.soft_prompt is not None and cache.num_nugget_slots:
             soft = self.soft_prompt.num_embeddings
             # called, not read through `.weight`: an offloaded module's weight is loaded by its hook when called
             soft_embeds = self.soft_prompt(torch.arange(soft, device=token_embeds.device))
             soft_embeds = soft_embeds.to(token_embeds.device, token_embeds.dtype)[None].expand(batch, -1, -1)
             embeds = torch.cat([soft_embeds, token_embeds], dim=1)
-            new_mask = torch.cat([token_mask.new_ones(batch, soft), token_mask], dim=1)
+            soft_mask = token_mask.new_ones(batch, soft)
+            if without_nuggets is not None:
+                soft_mask = (~without_nuggets)[:, None].expand(batch, soft).to(token_mask.dtype)
+            new_mask = torch.cat([soft_mask, token_mask], dim=1)
             cache.soft_prompt_length = soft
         decoder_mask = new_mask if cache.decoder_mask is None else torch.cat([cache.decoder_mask, new_mask], dim=1)
-        nuggets_per_row = cache.nuggets_per_row(batch, token_embeds.device)
-        # decoder positions continue right after the number of nuggets: k_b + 0, 1, ... (the authors' code; the paper
-        # does not say)
         if position_ids is None:
-            positions = token_positions(decoder_mask, nuggets_per_row)[:, -(length + soft) :]
+            positions = token_positions(decoder_mask, offsets)[:, -(length + soft) :]
         else:
             positions = position_ids
             if soft:
