@@ -139,6 +139,17 @@ def test_config_round_trip_and_counts(tmp_path):
     assert [ceil.num_nuggets_for_length(n) for n in (1, 10, 11, 30, 101)] == [1, 1, 2, 3, 11]
 
 
+def test_the_configs_nugget_count_is_the_models_at_exact_products():
+    """From an audit: with 'ceil' rounding the config rounded 100 * 0.07 = 7.000000000000001 up to 8 nuggets, while the
+    model (which allows for the float error) keeps 7."""
+    model = tiny_model(nugget_ratio=0.07, nugget_count_rounding="ceil")
+    assert model.config.num_nuggets_for_length(100) == 7
+    with torch.no_grad():
+        assert int(model.compress(ids(1, 100)).num_nuggets[0]) == 7
+    counts = [model.config.num_nuggets_for_length(n) for n in range(1, 1001)]
+    assert counts == model._num_nuggets(torch.arange(1, 1001)).tolist()
+
+
 @pytest.mark.parametrize(
     "field, value",
     [

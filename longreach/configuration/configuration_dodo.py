@@ -205,7 +205,8 @@ class DodoLlamaConfig(FieldTypesCheckedOnAssignment, LlamaConfig):
     def num_nuggets_for_length(self, num_tokens: int) -> int:
         """Nuggets kept for a context of ``num_tokens`` real tokens (see `nugget_count_rounding`)."""
         if self.nugget_count_rounding == "ceil":
-            return min(num_tokens, math.ceil(num_tokens * self.nugget_ratio))
+            # the model's tolerance: 100 * 0.07 = 7.000000000000001 gives 7 nuggets, not 8
+            return min(num_tokens, math.ceil(num_tokens * self.nugget_ratio - 1e-9))
         # float32 product, then truncation toward zero, exactly as the authors' tensor arithmetic
         product = torch.tensor([num_tokens], dtype=torch.int64) * self.nugget_ratio + 0.99
         return min(num_tokens, int(product.long().item()))
