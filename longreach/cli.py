@@ -403,16 +403,32 @@ def summarize(args: argparse.Namespace) -> int:
     return 0
 
 
-def _weight_files(model: str) -> dict:
+def _weight_files(model: str, file_times: bool = False) -> dict:
     """``{"model_files": {name: [bytes, SHA-256]}}`` of a local model folder's weight files (empty for a Hub id): a
     model retrained into the same folder makes other summaries, which a rerun must not mix with the first run's, though
-    the path is the same; a copy of the same weights (with new file times, or another node's copy) is the same model."""
+    the path is the same; a copy of the same weights (with new file times, or another node's copy) is the same model.
+    ``file_times``: ``[bytes, modification time in ns]``, what earlier versions recorded (see `_recorded_file_times`)."""
     folder = Path(model).expanduser()
     if not folder.is_dir():
         return {}
     files = sorted(path for path in folder.iterdir() if path.suffix in (".safetensors", ".bin") and path.is_file())
+    if file_times:
+        return {"model_files": {path.name: [path.stat().st_size, path.stat().st_mtime_ns] for path in files}}
     return {"model_files": {path.name: [path.stat().st_size, _sha256(path.resolve(), path.stat().st_mtime_ns)]
                             for path in files}}
+
+
+def _recorded_file_times(output: str) -> bool:
+    """Whether OUT's settings file records the weight files' times rather than their digests (written by a version
+    before the digests): a run it started is finished by comparing what it recorded, not refused as another model."""
+    from .corpus import settings_path_of
+
+    try:
+        files = json.loads(settings_path_of(Path(output)).read_text(encoding="utf-8"))["model_files"]
+        return bool(files) and all(isinstance(entry, list) and len(entry) == 2 and type(entry[1]) is int
+                                   for entry in files.values())
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError):
+        return False
 
 
 @functools.lru_cache(maxsize=None)
@@ -430,7 +446,8 @@ def _run_settings(args: argparse.Namespace) -> dict:
         return str(Path(name).expanduser().resolve()) if name is not None and Path(name).expanduser().exists() else name
 
     settings = {"model": where(args.model), "tokenizer": where(args.tokenizer or args.model), "dtype": args.dtype,
-                **_weight_files(args.model), "max_input_length": args.max_input_length,
+                **_weight_files(args.model, file_times=_recorded_file_times(args.output)),
+                "max_input_length": args.max_input_length,
                 "generation": {key: value for key, value in _generate_kwargs(args).items()
                                if key != "cache_implementation"}}  # static or dynamic: the same summaries
     for option in ("question", "question_column"):  # only when given: settings recorded before them stay equal

@@ -178,3 +178,32 @@ def test_a_byte_that_is_not_utf8_after_a_byte_order_mark_is_named_at_its_offset_
           *GENERATION])
     errors = (tmp_path / "out.errors.jsonl").read_text()
     assert "(byte 0xe9 at offset 7)" in errors, errors
+
+
+def test_a_run_started_before_the_settings_recorded_digests_finishes(tmp_path, capsys):
+    """A run interrupted under the version that recorded the weight files' sizes and file times (not digests) is
+    finished by the same command after the upgrade, as the settings added later are not compared: it was refused as
+    made "with other settings" (a time then, a digest now), its summaries only kept by choosing another --output. A
+    model retrained in place since is still refused, by its file times as then."""
+    model_folder = save_tiny_locost(tmp_path / "model")
+    source = tmp_path / "corpus.jsonl"
+    source.write_text("".join(json.dumps({"text": document(12, offset=k)}) + "\n" for k in range(3)))
+    output = tmp_path / "out.jsonl"
+    command = ["summarize", "--model", str(model_folder), "--input", str(source), "--output", str(output), *GENERATION]
+    assert main(command) == 0
+    first = read_output(output)
+    output.write_text(output.read_text().splitlines()[0] + "\n")  # interrupted after one summary of three
+    settings_path = tmp_path / "out.settings.json"
+    settings = json.loads(settings_path.read_text())
+    settings["model_files"] = {path.name: [path.stat().st_size, path.stat().st_mtime_ns]  # as the earlier version
+                               for path in sorted(model_folder.glob("*.safetensors"))}
+    settings_path.write_text(json.dumps(settings))
+    capsys.readouterr()
+    assert main(command) == 0, capsys.readouterr().err
+    assert read_output(output) == first
+    assert json.loads(settings_path.read_text()) == settings  # left as that run recorded it
+    output.write_text(output.read_text().splitlines()[0] + "\n")
+    save_tiny_locost(model_folder, seed=12345)  # then retrained into the same folder
+    capsys.readouterr()
+    assert main(command) == 2
+    assert "holds summaries made with other settings (model_files:" in capsys.readouterr().err
