@@ -407,7 +407,8 @@ def _weight_files(model: str, file_times: bool = False) -> dict:
     """``{"model_files": {name: [bytes, SHA-256]}}`` of a local model folder's weight files (empty for a Hub id): a
     model retrained into the same folder makes other summaries, which a rerun must not mix with the first run's, though
     the path is the same; a copy of the same weights (with new file times, or another node's copy) is the same model.
-    ``file_times``: ``[bytes, modification time in ns]``, what earlier versions recorded (see `_recorded_file_times`)."""
+    ``file_times``: ``[bytes, modification time in ns]`` instead, what earlier versions recorded
+    (see `_recorded_file_times`)."""
     folder = Path(model).expanduser()
     if not folder.is_dir():
         return {}
