@@ -1661,7 +1661,10 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
         cache = model_kwargs.get("cache", model_kwargs.get("past_key_values"))
         started = _is_a(cache, DodoCache) and cache.started
         window = self.config.recent_window
-        if cache.autoregressive if started else model_kwargs.get("nuggets") is None and window is not None:
+        # autoregressive: a started cache says so; a fresh call is, without nuggets, when a recent window is set
+        fresh_without_nuggets = model_kwargs.get("nuggets") is None and window is not None
+        autoregressive = cache.autoregressive if started else fresh_without_nuggets
+        if autoregressive:
             raise _assisted_decoding_refused("this model", window)
         generator = super()._get_candidate_generator(generation_config, *args, model_kwargs=model_kwargs, **kwargs)
         assistant_kwargs = getattr(generator, "assistant_kwargs", None)
