@@ -239,15 +239,18 @@ _WEIGHT_FILES = (
 
 def check_output_dir(output_dir: str | Path, training_args=None) -> None:
     """Before training: ``--output_dir`` gets a model card (``README.md``) at the end; one that is not a longreach card
-    (the user's own) is refused now rather than overwritten then. With ``training_args``, a model an earlier run
+    (the user's own), or one edited by hand, is refused now rather than overwritten then. With ``training_args``, a model an earlier run
     saved there is refused too when there is no checkpoint to resume from (``--save_strategy no``, or checkpoints
     deleted): the run would start again from the model it starts from and replace it when it saves."""
-    from .hub import read_card_state
+    from .hub import card_is_unedited, read_card_state
 
     readme = Path(output_dir) / "README.md"
     if readme.is_file() and read_card_state(readme) is None:
         raise ValueError(f"--output_dir {output_dir} holds a README.md that is not a longreach model card, which the "
                          "model card written after training would replace; move it away or pass another folder.")
+    if readme.is_file() and not card_is_unedited(readme):
+        raise ValueError(f"--output_dir {output_dir} holds a model card edited by hand since it was generated, which "
+                         "the model card written after training would replace; move it away or pass another folder.")
     saved = [name for name in _WEIGHT_FILES if (Path(output_dir) / name).is_file()]
     if training_args is not None and training_args.resume_from_checkpoint is None and saved and \
             not any(_state_is_whole(path) for _, path in _checkpoints(output_dir)):

@@ -195,11 +195,15 @@ def write_model_card(
     """Write the family's model card as ``output_folder/README.md`` (converters call this). Returns its path.
 
     Written under a temporary name and renamed into place; a ``README.md`` there that is not a longreach card (the
-    user's own) is refused with a ``ValueError``, not replaced."""
+    user's own), or a longreach card edited by hand since it was written, is refused with a ``ValueError``, not
+    replaced."""
     card = build_model_card(model_name, repo_id, converted_from, training_note, tags)
     path = Path(output_folder) / README
     if path.exists() and read_card_state(path) is None:
         raise ValueError(f"{path} exists and is not a longreach model card; move it away (it would be replaced).")
+    if path.exists() and not card_is_unedited(path):  # as a push keeps it, and `longreach model-cards` refuses it
+        raise ValueError(f"{path} is a longreach model card edited by hand since it was generated; writing a new one "
+                         "would lose the edits: move it away.")
     temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         temporary.write_text(str(card), encoding="utf-8")

@@ -336,6 +336,22 @@ def test_write_model_card_keeps_a_readme_that_is_not_ours(tmp_path):
     assert "again" in (tmp_path / "README.md").read_text() and sorted(p.name for p in tmp_path.iterdir()) == ["README.md"]
 
 
+
+def test_write_model_card_refuses_a_card_edited_by_hand(tmp_path):
+    """A fine-tuning run resumed in its --output_dir (or a second conversion's card) replaced the card the user had
+    edited since it was written, silently; a push keeps such a card and `longreach model-cards` refuses it."""
+    from longreach.finetuning import check_output_dir
+
+    path = hub.write_model_card(tmp_path, "locost", training_note="Fine-tuned on X.")
+    check_output_dir(tmp_path)  # an unedited card may be replaced
+    edited = path.read_text() + "\nMy evaluation: ROUGE-1 41.2 on my own test set.\n"
+    path.write_text(edited)
+    with pytest.raises(ValueError, match="edited by hand since it was generated"):
+        check_output_dir(tmp_path)  # before training, not after it
+    with pytest.raises(ValueError, match="README.md is a longreach model card edited by hand"):
+        hub.write_model_card(tmp_path, "locost", training_note="Fine-tuned on X, resumed.")
+    assert path.read_text() == edited and sorted(p.name for p in tmp_path.iterdir()) == ["README.md"]
+
 def test_trainer_uploads_during_training_load_without_longreach(tmp_path, monkeypatch):
     """`Trainer(push_to_hub=True)` uploads its output_dir at every save after copying in only the checkpoint's config
     and weights; the code files the config's auto_map names were missing from those commits until training ended, so
