@@ -239,9 +239,10 @@ _WEIGHT_FILES = (
 
 def check_output_dir(output_dir: str | Path, training_args=None) -> None:
     """Before training: ``--output_dir`` gets a model card (``README.md``) at the end; one that is not a longreach card
-    (the user's own), or one edited by hand, is refused now rather than overwritten then. With ``training_args``, a model an earlier run
-    saved there is refused too when there is no checkpoint to resume from (``--save_strategy no``, or checkpoints
-    deleted): the run would start again from the model it starts from and replace it when it saves."""
+    (the user's own), or one edited by hand, is refused now rather than overwritten then. With ``training_args``, a
+    model an earlier run saved there is refused too when there is no checkpoint to resume from (``--save_strategy
+    no``, or checkpoints deleted): the run would start again from the model it starts from and replace it when it
+    saves."""
     from .hub import card_is_unedited, read_card_state
 
     readme = Path(output_dir) / "README.md"
