@@ -452,6 +452,7 @@ def run(model_args: ModelArguments, data_args: DataArguments, training_args: Dod
                 f"`{model_args.model_name_or_path or model_args.base_model_name_or_path}`."
                 + (" It answers questions: pass `question=` to the pipeline." if data_args.task == "question_answering"
                    else ""),
+                base_model=model_args.model_name_or_path or model_args.base_model_name_or_path,
             )
         trainer.accelerator.wait_for_everyone()  # the folder is complete before any process reads it
     if training_args.do_eval and eval_dataset is not None:

@@ -370,6 +370,7 @@ def run(model_args: ModelArguments, data_args: DataArguments, training_args: Seq
                 f"{data_args.dataset_name or data_args.train_file} ({len(train_dataset)} documents"
                 + (f", answering the questions of its `{data_args.question_column}` column: pass `question=` to the "
                    "pipeline)." if data_args.question_column else ")."),
+                base_model=model_args.model_name_or_path,
             )
         trainer.accelerator.wait_for_everyone()  # the folder is complete before any process reads it
     if training_args.do_eval and eval_dataset is not None:

@@ -124,6 +124,7 @@ def build_model_card(
     converted_from: str | None = None,
     training_note: str | None = None,
     tags: list[str] | None = None,
+    base_model: str | None = None,
 ) -> ModelCard:
     """Render the model card of a family.
 
@@ -134,11 +135,16 @@ def build_model_card(
         converted_from: the original checkpoint the weights were converted from (written by the converters).
         training_note: a paragraph on how these weights were trained (the demo and examples use it).
         tags: extra Hub tags.
+        base_model: the checkpoint these weights were fine-tuned from; a Hub repository id becomes the card's
+            ``base_model`` (with ``base_model_relation: finetune``), a local path is not named in the metadata.
     """
     key = card_key(model_name)
     info = MODEL_CARDS[key]
     state = {"model": key, "repo_id": repo_id, "converted_from": converted_from, "training_note": training_note,
              "tags": list(tags or [])}
+    if base_model is not None:  # (only then: the cards written without one keep their marker, and so their digest)
+        state["base_model"] = base_model
+    on_the_hub = base_model is not None and not looks_like_local_path(base_model)
     card_data = ModelCardData(
         license=info.license,
         library_name="transformers",
@@ -146,6 +152,8 @@ def build_model_card(
         tags=list(dict.fromkeys([*info.tags, *(tags or [])])),
         metrics=["rouge"] if info.pipeline_tag == "summarization" else None,
         model_name=(repo_id or info.default_repo_name).split("/")[-1],
+        base_model=base_model if on_the_hub else None,
+        base_model_relation="finetune" if on_the_hub else None,
     )
     template = resources.files("longreach").joinpath("model_card_templates", info.template).read_text(encoding="utf-8")
     marker = f"<!-- longreach-model-card {json.dumps(state, sort_keys=True)} -->"
@@ -180,7 +188,7 @@ def card_is_unedited(readme: str | Path) -> bool:
     if "sha256" in state:
         return _card_digest(text) == state["sha256"]
     unedited = build_model_card(state["model"], state.get("repo_id"), state.get("converted_from"),
-                                state.get("training_note"), state.get("tags"))
+                                state.get("training_note"), state.get("tags"), state.get("base_model"))
     return _MARKER.sub("", text, count=1) == _MARKER.sub("", str(unedited), count=1)
 
 
@@ -191,13 +199,14 @@ def write_model_card(
     repo_id: str | None = None,
     training_note: str | None = None,
     tags: list[str] | None = None,
+    base_model: str | None = None,
 ) -> Path:
     """Write the family's model card as ``output_folder/README.md`` (converters call this). Returns its path.
 
     Written under a temporary name and renamed into place; a ``README.md`` there that is not a longreach card (the
     user's own), or a longreach card edited by hand since it was written, is refused with a ``ValueError``, not
     replaced."""
-    card = build_model_card(model_name, repo_id, converted_from, training_note, tags)
+    card = build_model_card(model_name, repo_id, converted_from, training_note, tags, base_model)
     path = Path(output_folder) / README
     if path.exists() and read_card_state(path) is None:
         raise ValueError(f"{path} exists and is not a longreach model card; move it away (it would be replaced).")
@@ -362,7 +371,7 @@ def _card_for_upload(folder: Path, config: dict, repo_id: str, tags: list[str] |
             return readme.read_text(encoding="utf-8")
         return str(build_model_card(
             state["model"], repo_id, state.get("converted_from"), state.get("training_note"),
-            list(dict.fromkeys([*(state.get("tags") or []), *(tags or [])])),
+            list(dict.fromkeys([*(state.get("tags") or []), *(tags or [])])), state.get("base_model"),
         ))
     if readme.is_file():
         logger.warning("Replacing %s, which is not a longreach model card, with the %s card.", readme,

@@ -50,6 +50,7 @@ def test_finetune_summarization_pushes_with_our_card(tmp_path, monkeypatch, reco
     assert {"README.md", "model.safetensors", "modeling_locost.py", "tokenizer.json"} <= set(files)
     assert "training_args.bin" not in files
     assert "Fine-tuned with `examples/finetune_summarization.py`" in files["README.md"].decode()
+    assert hub.read_card_state(tmp_path / "ft" / "README.md")["base_model"].endswith("tiny-locost")  # where from
 
 
 def test_finetune_summarization_config_overrides_reach_a_checkpoint(tmp_path, monkeypatch):
@@ -178,6 +179,7 @@ def test_finetune_dodo_pushes_with_our_card(tmp_path, monkeypatch, recorder):
     assert "training_args.bin" not in files
     readme = files["README.md"].decode()
     assert "Trained with `examples/finetune_dodo.py`" in readme and 'model="someone/dodo"' in readme
+    assert f"`{hub.read_card_state(tmp_path / 'ft' / 'README.md')['base_model']}`" in readme  # the card's "from"
 
 
 def test_finetune_summarization_trains_with_an_eval_strategy_and_a_rerun_resumes(tmp_path, monkeypatch, capsys):

@@ -222,6 +222,23 @@ def test_model_loaded_from_a_converted_folder_pushes_its_card(recorder, tmp_path
     assert "`flbbb/locost-gsg-pretrained`" in readme and 'model="someone/converted"' in readme
 
 
+
+def test_a_fine_tuned_card_names_its_base_model_for_the_hub(recorder, tmp_path):
+    """The fine-tuning examples' cards had no `base_model`, so the Hub showed no model tree for them (the Trainer's
+    own card for a fine-tuned T5 names it); a local path is not a Hub id and stays out of the metadata."""
+    folder = save_tiny_locost(tmp_path / "ft")
+    card_path = hub.write_model_card(folder, "locost", training_note="Fine-tuned.",
+                                     base_model="longreach/locost-gsg-pretrained")
+    data = ModelCard.load(card_path).data.to_dict()
+    assert (data["base_model"], data["base_model_relation"]) == ("longreach/locost-gsg-pretrained", "finetune")
+    assert hub.card_is_unedited(card_path)
+    hub.push_folder_to_hub(folder, "someone/ft")  # re-rendered for the repository, base model kept
+    pushed = ModelCard(single_commit(recorder)["files"]["README.md"].decode())
+    assert pushed.data.base_model == "longreach/locost-gsg-pretrained" and 'model="someone/ft"' in pushed.text
+    local = ModelCard(str(hub.build_model_card("locost", base_model=str(tmp_path / "run")))).data.to_dict()
+    assert "base_model" not in local and "base_model_relation" not in local
+    assert "base_model" not in hub.build_model_card("locost").data.to_dict()
+
 @pytest.mark.parametrize("damage, message", [
     (lambda f: (f / "model.safetensors").rename(f / "pytorch_model.bin"), "no safetensors weights"),
     (lambda f: (f / "ssm.py").unlink(), "lacks the code file 'ssm.py'"),
