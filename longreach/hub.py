@@ -33,6 +33,7 @@ from importlib import metadata, resources
 from pathlib import Path
 
 from huggingface_hub import CommitOperationAdd, HfApi, ModelCard, ModelCardData
+from huggingface_hub.errors import EntryNotFoundError, RevisionNotFoundError
 from transformers.dynamic_module_utils import get_relative_imports
 
 logger = logging.getLogger(__name__)
@@ -181,7 +182,11 @@ def _card_digest(text: str) -> str:
 def card_is_unedited(readme: str | Path) -> bool:
     """Whether the longreach card ``readme`` is as it was rendered: by its recorded digest, or, for a card written
     before digests were recorded, by a fresh rendering with the same parameters."""
-    text = Path(readme).read_text(encoding="utf-8")
+    return _text_is_unedited(Path(readme).read_text(encoding="utf-8"))
+
+
+def _text_is_unedited(text: str) -> bool:
+    """:func:`card_is_unedited` for a card's text."""
     state = _read_marker(text)
     if state is None:
         return False
@@ -482,6 +487,12 @@ def push_folder_to_hub(
     if revision is not None and not revision.startswith("refs/pr"):  # a new branch is made, as transformers does
         api.create_branch(repo_id, branch=revision, exist_ok=True)
     card = _card_for_upload(folder, config, repo_id, tags)
+    if read_card_state(folder / README) is None or card_is_unedited(folder / README):  # a local edit comes first
+        remote = _remote_card(api, repo_id, revision)
+        if remote is not None and _read_marker(remote) is not None and not _text_is_unedited(remote):
+            logger.warning("Keeping the model card of %s, edited by hand since longreach generated it (as "
+                           "transformers' push_to_hub keeps the repository's card).", repo_id)
+            card = remote
     operations = [CommitOperationAdd(path_in_repo=name, path_or_fileobj=str(folder / name)) for name in names]
     operations.append(CommitOperationAdd(path_in_repo=README, path_or_fileobj=card.encode("utf-8")))
     return api.create_commit(
@@ -492,6 +503,16 @@ def push_folder_to_hub(
         revision=revision,
         create_pr=create_pr,
     )
+
+
+def _remote_card(api: HfApi, repo_id: str, revision: str | None) -> str | None:
+    """The text of the repository's ``README.md`` at ``revision``, or ``None`` where it has none."""
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            path = api.hf_hub_download(repo_id, README, revision=revision, local_dir=tmp)
+        except (EntryNotFoundError, RevisionNotFoundError):
+            return None
+        return Path(path).read_text(encoding="utf-8", errors="replace")
 
 
 def push_model_to_hub(

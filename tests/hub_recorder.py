@@ -5,6 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from types import SimpleNamespace
 
+from huggingface_hub.errors import EntryNotFoundError
+
 
 class RecordingHubApi:
     """Stands in for ``huggingface_hub.HfApi``: records repositories and commits and keeps every uploaded file."""
@@ -24,6 +26,16 @@ class RecordingHubApi:
 
     def create_branch(self, repo_id, branch, exist_ok=False, **kwargs):
         self.branches.append({"repo_id": repo_id, "branch": branch, "exist_ok": exist_ok})
+
+    def hf_hub_download(self, repo_id, filename, revision=None, local_dir=None, **kwargs):
+        """A file of an earlier commit to ``repo_id`` (on any revision); the Hub's error when there is none."""
+        for api in reversed(RecordingHubApi.instances):
+            for commit in reversed(api.commits):
+                if commit["repo_id"] == repo_id and filename in commit["files"]:
+                    path = Path(local_dir) / filename
+                    path.write_bytes(commit["files"][filename])
+                    return str(path)
+        raise EntryNotFoundError(f"{repo_id} has no {filename}")
 
     def create_commit(self, repo_id, operations, commit_message=None, **kwargs):
         files = {}

@@ -212,6 +212,33 @@ def test_unedited_card_of_another_longreach_version_is_re_rendered_for_the_repo(
     assert not hub.card_is_unedited(card_path)
 
 
+
+def test_a_push_keeps_the_card_edited_on_the_hub(recorder, tmp_path):
+    """A card edited on the Hub after a first push was replaced by the next `push_to_hub` of the model, silently
+    (transformers' push_to_hub keeps the repository's card); an unedited one is rendered again, and a card edited
+    locally is the one uploaded."""
+    model = tiny_locost()
+    model.push_to_hub("someone/x")
+    first = recorder.instances[0].commits[0]["files"]
+    ours = first["README.md"].decode()
+    edited = ours.replace("## Limitations", "## Our evaluation\n\nROUGE-1 41.2.\n\n## Limitations", 1)
+    first["README.md"] = edited.encode()  # edited on the Hub
+    model.push_to_hub("someone/x", commit_message="second")
+    second = [commit for api in recorder.instances for commit in api.commits if commit["message"] == "second"]
+    assert second[0]["files"]["README.md"].decode() == edited
+    earlier = hub.build_model_card("locost", "someone/x", training_note="An earlier training run.")
+    first["README.md"] = str(earlier).encode()
+    model.push_to_hub("someone/x", commit_message="third")  # not edited: our card for what is uploaded now
+    third = [commit for api in recorder.instances for commit in api.commits if commit["message"] == "third"]
+    assert "An earlier training run." not in third[0]["files"]["README.md"].decode()
+    folder = save_tiny_locost(tmp_path / "local")
+    card_path = hub.write_model_card(folder, "locost")
+    card_path.write_text(card_path.read_text() + "\nLocal notes.\n")
+    first["README.md"] = edited.encode()
+    hub.push_folder_to_hub(folder, "someone/x", commit_message="fourth")
+    fourth = [commit for api in recorder.instances for commit in api.commits if commit["message"] == "fourth"]
+    assert fourth[0]["files"]["README.md"].decode() == card_path.read_text()
+
 def test_model_loaded_from_a_converted_folder_pushes_its_card(recorder, tmp_path):
     folder = save_tiny_locost(tmp_path / "converted")
     hub.write_model_card(folder, "locost", converted_from="flbbb/locost-gsg-pretrained")
