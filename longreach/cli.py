@@ -552,6 +552,18 @@ def summarize_corpus_command(args: argparse.Namespace) -> int:
     unusable = "unreadable" if args.question_column is None else "unreadable or without a question"
     _progress(f"{len(corpus.ids)} documents in {args.input}" + (f" ({len(corpus.errors)} {unusable})" if corpus.errors
                                                                  else ""))
+    with contextlib.ExitStack() as stack:
+        try:  # held until the parts are merged: a second run on the same --output is refused at once
+            stack.enter_context(corpus_module.output_lock(args.output, rank))
+        except corpus_module.CorpusError as error:
+            raise UsageError(str(error)) from None
+        return _summarize_corpus_locked(args, corpus, rank, world_size, device)
+
+
+def _summarize_corpus_locked(args: argparse.Namespace, corpus, rank: int, world_size: int, device) -> int:
+    """The corpus run itself, under ``--output``'s run lock (:func:`longreach.corpus.output_lock`)."""
+    from . import corpus as corpus_module
+
     try:  # before minutes of loading the model: a rerun with other settings is refused at once
         unrecorded = corpus_module.check_run_settings(args.output, _run_settings(args), record=False)
     except corpus_module.CorpusError as error:

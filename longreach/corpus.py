@@ -33,7 +33,8 @@ import os
 import re
 import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -461,6 +462,44 @@ def errors_path_of(path: Path) -> Path:
 
 def settings_path_of(output: Path) -> Path:
     return output.with_name(output.name.removesuffix(".jsonl") + ".settings.json")
+
+
+def lock_path_of(output: Path) -> Path:
+    return output.with_name(f".{output.name}.lock")
+
+
+@contextmanager
+def output_lock(output: str | os.PathLike, rank: int = 0) -> Iterator[None]:
+    """Hold ``OUT``'s run lock (``.OUT.lock`` beside it) while a run reads, appends to and merges its files: a second
+    run on the same ``OUT`` (two terminals, an overlapping cron job) is refused with a :class:`CorpusError` instead of
+    summarizing the same documents again, mixing its settings into ``OUT`` or merging parts that are still written.
+    Each process of a ``torchrun`` run locks the byte of its ``rank``, so the processes of one run share the file; the
+    kernel releases the lock of a killed run. Rank 0 removes the file when its run ends."""
+    import fcntl
+
+    output = Path(output)
+    path = lock_path_of(output)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    while True:
+        descriptor = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.lockf(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, rank)
+        except OSError:
+            os.close(descriptor)
+            raise CorpusError(f"--output {output} is being written by another run (its lock {path} is held); wait for "
+                              "it to end, or choose another --output.") from None
+        try:  # the file we locked may have been removed by a run that just ended: lock the one now there
+            if os.stat(path).st_ino == os.fstat(descriptor).st_ino:
+                break
+        except FileNotFoundError:
+            pass
+        os.close(descriptor)
+    try:
+        yield
+    finally:
+        if rank == 0:
+            path.unlink(missing_ok=True)  # before the lock is released: a run that waits for it locks a new file
+        os.close(descriptor)
 
 
 #: Run settings recorded since a later version (the input and its columns, the model's weight files): an output whose

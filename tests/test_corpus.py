@@ -688,3 +688,32 @@ def test_a_callers_end_token_ends_the_corpus_summary_as_in_the_pipeline(tmp_path
     corpus = corpus_module.Corpus(ids=["a", "b"], texts=texts, references=[None, None])
     corpus_module.summarize_corpus(summarizer, corpus, output, generate_kwargs={"eos_token_id": end}, progress=False)
     assert [read_output(output)[key]["summary"] for key in ("a", "b")] == expected
+
+
+def test_a_second_run_on_the_same_output_is_refused_while_the_first_one_writes(model_folder, tmp_path, capsys):
+    write_jsonl(tmp_path / "corpus.jsonl", 40)
+    options = ("--id_column", "doc_id", "--max_batch_tokens", "160")
+    reference, output = tmp_path / "uninterrupted.jsonl", tmp_path / "out.jsonl"
+    assert main(summarize_args(model_folder, tmp_path / "corpus.jsonl", reference, *options)) == 0
+    first = subprocess.Popen([sys.executable, "-m", "longreach.cli",
+                              *summarize_args(model_folder, tmp_path / "corpus.jsonl", output, *options)],
+                             cwd=REPO, stderr=subprocess.DEVNULL, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    deadline = time.monotonic() + 120
+    while not (output.exists() and output.read_text().count("\n") >= 3):
+        assert first.poll() is None and time.monotonic() < deadline, "the first run ended before the second started"
+        time.sleep(0.02)
+    os.kill(first.pid, signal.SIGSTOP)  # midway, as a second terminal or an overlapping cron job finds it
+    try:
+        before = output.read_bytes()
+        capsys.readouterr()
+        # the same command (it summarized the rest again, beside the first run) and one with other settings
+        for extra in ((), ("--max_new_tokens", "8")):
+            assert main(summarize_args(model_folder, tmp_path / "corpus.jsonl", output, *options, *extra)) == 2
+            assert f"--output {output} is being written by another run" in capsys.readouterr().err
+            assert output.read_bytes() == before
+    finally:
+        os.kill(first.pid, signal.SIGCONT)
+    assert first.wait(timeout=120) == 0
+    assert read_output(output) == read_output(reference) and len(output.read_text().splitlines()) == 40
+    assert not (tmp_path / ".out.jsonl.lock").exists()  # removed by the run that held it
+    assert main(summarize_args(model_folder, tmp_path / "corpus.jsonl", output, *options)) == 0  # a later run goes on
