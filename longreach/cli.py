@@ -534,6 +534,10 @@ def summarize_corpus_command(args: argparse.Namespace) -> int:
         raise UsageError(f"longreach summarize: --output {args.output} is the --input file; choose another file for "
                          "the summaries")
     _check_output_path(args.output)
+    output = Path(args.output).expanduser()
+    if output.exists() and not output.is_file():  # a FIFO would block the read of its records, /dev/null the fsync
+        raise UsageError(f"longreach summarize: --output {args.output} is not a regular file (a pipe or a device); "
+                         "the summaries are appended and reread on a rerun: give a file path ending in .jsonl")
     needed = ([("datasets", "🤗 datasets reads table files and Hub datasets")] if kind in ("table", "hub") else []) + (
         [("rouge_score", "rouge-score scores --reference_column")] if args.reference_column else [])
     for module, why in needed:  # before the model loads, not after the summaries

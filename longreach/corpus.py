@@ -428,7 +428,9 @@ def _append(handle, records: Iterable[dict]) -> None:
 
 def _write_atomically(path: Path, records: Iterable[dict] | None = None, text: str | None = None) -> None:
     """``path`` holds the ``records`` (JSON lines, synced) or the ``text``, or what it held before: written under a
-    temporary name renamed into place, which a failure (a full disk) removes."""
+    temporary name renamed into place, which a failure (a full disk) removes. Where ``path`` is a symlink, its target
+    is written."""
+    path = Path(os.path.realpath(path))  # a symlink's target is rewritten: the link itself stays
     temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         if text is not None:

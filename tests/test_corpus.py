@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -717,3 +718,37 @@ def test_a_second_run_on_the_same_output_is_refused_while_the_first_one_writes(m
     assert read_output(output) == read_output(reference) and len(output.read_text().splitlines()) == 40
     assert not (tmp_path / ".out.jsonl.lock").exists()  # removed by the run that held it
     assert main(summarize_args(model_folder, tmp_path / "corpus.jsonl", output, *options)) == 0  # a later run goes on
+
+
+def test_an_output_that_is_a_pipe_or_a_device_is_refused_before_the_model_loads(model_folder, tmp_path, capsys,
+                                                                                  monkeypatch):
+    from longreach import cli
+
+    write_jsonl(tmp_path / "corpus.jsonl", 2)
+    monkeypatch.setattr(cli, "load_summarizer", lambda *a, **k: pytest.fail("the model was loaded"))
+    os.mkfifo(tmp_path / "fifo.jsonl")  # its records were read before: the run waited forever for a writer
+    (tmp_path / "null.jsonl").symlink_to(os.devnull)
+    # a writer that comes after a while, so that a run reading the FIFO fails here instead of hanging
+    writer = threading.Timer(10, lambda: os.close(os.open(tmp_path / "fifo.jsonl", os.O_WRONLY)))
+    writer.daemon = True
+    writer.start()
+    for name in ("fifo.jsonl", "null.jsonl"):
+        assert main(summarize_args(model_folder, tmp_path / "corpus.jsonl", tmp_path / name, "--id_column",
+                                   "doc_id")) == 2
+        assert f"--output {tmp_path / name} is not a regular file (a pipe or a device)" in capsys.readouterr().err
+    assert (tmp_path / "fifo.jsonl").is_fifo() and os.readlink(tmp_path / "null.jsonl") == os.devnull
+    writer.cancel()
+
+
+def test_an_output_that_is_a_symlink_stays_one_and_its_target_gets_the_summaries(model_folder, tmp_path):
+    write_jsonl(tmp_path / "corpus.jsonl", 12)
+    options = ("--id_column", "doc_id")
+    reference = tmp_path / "uninterrupted.jsonl"
+    assert main(summarize_args(model_folder, tmp_path / "corpus.jsonl", reference, *options)) == 0
+    (tmp_path / "big-disk").mkdir()
+    link = tmp_path / "out.jsonl"
+    link.symlink_to(tmp_path / "big-disk" / "out.jsonl")
+    for _ in range(2):  # the run, and a rerun of the finished corpus
+        assert main(summarize_args(model_folder, tmp_path / "corpus.jsonl", link, *options)) == 0
+        assert link.is_symlink()  # the merge in corpus order renamed a regular file over it
+        assert (tmp_path / "big-disk" / "out.jsonl").read_bytes() == reference.read_bytes()
