@@ -388,12 +388,15 @@ def summarize(args: argparse.Namespace) -> int:
     for warning in caught:
         _progress(f"warning: {warning.message}")
     if args.output:
-        output = Path(args.output)
+        output = Path(os.path.realpath(args.output))  # a symlink's target is written: the link itself stays
         temporary = output.with_name(f".{output.name}.tmp-{os.getpid()}")  # renamed into place: never half-written
         try:
-            output.parent.mkdir(parents=True, exist_ok=True)
-            temporary.write_text(summary + "\n", encoding="utf-8")
-            os.replace(temporary, output)
+            if output.exists() and not output.is_file():  # /dev/stdout, a FIFO: written to, not renamed over
+                output.write_text(summary + "\n", encoding="utf-8")
+            else:
+                output.parent.mkdir(parents=True, exist_ok=True)
+                temporary.write_text(summary + "\n", encoding="utf-8")
+                os.replace(temporary, output)
         except OSError as error:
             temporary.unlink(missing_ok=True)
             raise CommandError(f"cannot write --output {args.output}: {error.strerror}") from None

@@ -137,6 +137,21 @@ def test_summarize_refuses_to_write_over_its_document(converted_locost, tmp_path
     assert [path.name for path in (tmp_path / "new-folder").iterdir()] == ["s.txt"]  # no temporary file left behind
 
 
+
+def test_summarize_writes_through_a_symlinked_output_and_into_a_device(converted_locost, tmp_path):
+    import os
+
+    (tmp_path / "doc.txt").write_text(document(30))
+    (tmp_path / "real.txt").write_text("old\n")
+    (tmp_path / "link.txt").symlink_to(tmp_path / "real.txt")
+    (tmp_path / "null.txt").symlink_to(os.devnull)  # as /dev/stdout is /proc/self/fd/1: renamed over, it was a file
+    for name in ("link.txt", "null.txt"):
+        assert main(["summarize", "--model", str(converted_locost), str(tmp_path / "doc.txt"), "--max_new_tokens", "2",
+                     "--output", str(tmp_path / name)]) == 0
+    assert (tmp_path / "link.txt").is_symlink() and (tmp_path / "null.txt").is_symlink()
+    assert (tmp_path / "real.txt").read_text() not in ("old\n", "")
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["doc.txt", "link.txt", "null.txt", "real.txt"]
+
 def test_model_cards_keep_files_that_are_not_our_cards(tmp_path, capsys):
     (tmp_path / "locost.md").write_text("MINE")
     assert main(["model-cards", "--output_dir", str(tmp_path)]) == 2
