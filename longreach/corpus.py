@@ -23,6 +23,8 @@ models answer the question instead of summarizing; the answer is the record's ``
 * What makes a summary (model, tokenizer, ``--max_input_length``, generation options, the question, the input and its
   text and id columns) is kept in ``OUT.settings.json``; a rerun with other settings is refused rather than mixing two
   runs in ``OUT``.
+* One run at a time: a run holds ``OUT``'s lock (``.OUT.lock`` beside it) until its parts are merged; a second run
+  on the same ``OUT`` is refused at once.
 """
 
 from __future__ import annotations
@@ -481,9 +483,12 @@ def output_lock(output: str | os.PathLike, rank: int = 0) -> Iterator[None]:
 
     output = Path(output)
     path = lock_path_of(output)
-    output.parent.mkdir(parents=True, exist_ok=True)
     while True:
-        descriptor = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            output.parent.mkdir(parents=True, exist_ok=True)
+            descriptor = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as error:  # a read-only folder or file system: said before the model loads
+            raise CorpusError(f"cannot write --output {output}: {error.strerror or error} ({error.filename})") from None
         try:
             fcntl.lockf(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, rank)
         except OSError:

@@ -752,3 +752,16 @@ def test_an_output_that_is_a_symlink_stays_one_and_its_target_gets_the_summaries
         assert main(summarize_args(model_folder, tmp_path / "corpus.jsonl", link, *options)) == 0
         assert link.is_symlink()  # the merge in corpus order renamed a regular file over it
         assert (tmp_path / "big-disk" / "out.jsonl").read_bytes() == reference.read_bytes()
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc, where no file can be made")
+def test_an_output_where_no_file_can_be_written_is_refused_before_the_model_loads(model_folder, tmp_path, capsys,
+                                                                                    monkeypatch):
+    from longreach import cli
+
+    write_jsonl(tmp_path / "corpus.jsonl", 2)
+    monkeypatch.setattr(cli, "load_summarizer", lambda *a, **k: pytest.fail("the model was loaded"))
+    for output in ("/proc/out.jsonl", "/proc/new-folder/out.jsonl"):
+        assert main(summarize_args(model_folder, tmp_path / "corpus.jsonl", Path(output), "--id_column", "doc_id")) == 2
+        error = capsys.readouterr().err
+        assert f"error: cannot write --output {output}: No such file or directory (/proc/" in error, error
