@@ -606,6 +606,11 @@ def _summarize_corpus_locked(args: argparse.Namespace, corpus, rank: int, world_
         _progress(f"{stats['documents']} documents ({stats['input_tokens']} input tokens) summarized in "
                   f"{stats['seconds']:.1f}s by {by}, {stats['skipped_already_done']} already done; peak memory "
                   f"{stats['peak_memory_bytes'] / 2**20:.0f} MiB; {len(merged)} summaries in {args.output}")
+        known = set(corpus.ids) | {str(error["id"]) for error in corpus.errors}
+        gone = [str(record["id"]) for record in merged if str(record["id"]) not in known]
+        if gone:  # kept (nothing is lost), but said: they are not summaries of this --input
+            _progress(f"warning: {args.output} holds {len(gone)} summar{'y' if len(gone) == 1 else 'ies'} of ids no "
+                      f"longer in --input {args.input} (e.g. {gone[:3]}), kept at its end")
         if stats["truncated"]:
             limit = (f"--max_input_length {args.max_input_length}" if args.max_input_length
                      else "the model's longest input")

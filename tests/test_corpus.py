@@ -765,3 +765,15 @@ def test_an_output_where_no_file_can_be_written_is_refused_before_the_model_load
         assert main(summarize_args(model_folder, tmp_path / "corpus.jsonl", Path(output), "--id_column", "doc_id")) == 2
         error = capsys.readouterr().err
         assert f"error: cannot write --output {output}: No such file or directory (/proc/" in error, error
+
+
+def test_a_rerun_after_documents_were_removed_from_the_input_says_their_summaries_stay(model_folder, tmp_path, capsys):
+    rows = write_jsonl(tmp_path / "corpus.jsonl", 5)
+    arguments = summarize_args(model_folder, tmp_path / "corpus.jsonl", tmp_path / "out.jsonl", "--id_column", "doc_id")
+    assert main(arguments) == 0
+    (tmp_path / "corpus.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows[:3]), encoding="utf-8")
+    capsys.readouterr()
+    assert main(arguments) == 0
+    error = capsys.readouterr().err
+    assert f"warning: {tmp_path / 'out.jsonl'} holds 2 summaries of ids no longer in --input" in error, error
+    assert "['d003', 'd004']" in error and len(read_output(tmp_path / "out.jsonl")) == 5  # kept: nothing is lost
