@@ -478,9 +478,13 @@ def output_lock(output: str | os.PathLike, rank: int = 0) -> Iterator[None]:
     run on the same ``OUT`` (two terminals, an overlapping cron job) is refused with a :class:`CorpusError` instead of
     summarizing the same documents again, mixing its settings into ``OUT`` or merging parts that are still written.
     Each process of a ``torchrun`` run locks the byte of its ``rank``, so the processes of one run share the file; the
-    kernel releases the lock of a killed run. Rank 0 removes the file when its run ends."""
-    import fcntl
-
+    kernel releases the lock of a killed run. Rank 0 removes the file when its run ends. Where there are no POSIX
+    locks (Windows), runs are not guarded."""
+    try:
+        import fcntl
+    except ImportError:
+        yield
+        return
     output = Path(output)
     path = lock_path_of(output)
     while True:

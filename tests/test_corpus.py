@@ -777,3 +777,14 @@ def test_a_rerun_after_documents_were_removed_from_the_input_says_their_summarie
     error = capsys.readouterr().err
     assert f"warning: {tmp_path / 'out.jsonl'} holds 2 summaries of ids no longer in --input" in error, error
     assert "['d003', 'd004']" in error and len(read_output(tmp_path / "out.jsonl")) == 5  # kept: nothing is lost
+
+
+
+def test_without_posix_locks_the_run_lock_is_a_no_op(tmp_path, monkeypatch):
+    """Where `fcntl` does not exist (Windows), OUT's run lock guards nothing instead of raising an ImportError that
+    would stop every corpus run there. (Two runs are refused by the lock where it exists: a test above, in processes
+    of their own, since POSIX locks belong to a process.)"""
+    monkeypatch.setitem(sys.modules, "fcntl", None)  # `import fcntl` raises ImportError
+    output = tmp_path / "out.jsonl"
+    with corpus_module.output_lock(output), corpus_module.output_lock(output):
+        assert not corpus_module.lock_path_of(output).exists()
