@@ -39,23 +39,59 @@ def load_data_files(train_file: str | None, validation_file: str | None):
     if len(loaders) > 1:
         raise ValueError(f"--train_file and --validation_file must be of one kind (json, csv or parquet), got "
                          f"{sorted(loaders)}.")
+    from datasets.exceptions import DatasetGenerationError
+
     from .corpus import _first_line
 
     loader = loaders.pop()
     try:
         raw = load_dataset(loader, data_files={split: path for split, (_, path) in files.items()})
-    except ValueError as error:  # e.g. 'Instruction "train" corresponds to no data!' for a file of no record
+    except (ValueError, DatasetGenerationError) as error:
+        # 'Instruction "train" corresponds to no data!' for a file of no record; a DatasetGenerationError (a traceback
+        # that names no file) for one that cannot be parsed: a JSON line that is not an object, a CSV cut short...
         for split, (option, path) in files.items():  # name the file at fault
             try:
                 load_dataset(loader, data_files={split: path})
             except ValueError as file_error:
                 raise ValueError(f"{option} {path} holds no record that datasets can read "
                                  f"({_first_line(file_error)}).") from None
+            except DatasetGenerationError as file_error:
+                reason = (_first_line_not_a_json_object(path) if loader == "json" else None) or _first_line(
+                    file_error.__cause__ or file_error)  # (the reader's own error, not datasets' wrapper)
+                raise ValueError(f"{option} {path} cannot be read as {loader} ({reason}).") from None
         raise
     for split, (option, path) in files.items():
         if len(raw[split]) == 0:
             raise ValueError(f"{option} {path} holds no record.")
     return raw
+
+
+def _first_line_not_a_json_object(path: str) -> str | None:
+    """Where a JSON-lines file holds a line that is not a JSON object: "line N is not a JSON object: ..." (Arrow's own
+    message counts the rows of its block, not the file's lines), or what else is wrong in a file of one JSON document;
+    None if nothing is."""
+    import json
+
+    text = Path(path).read_text(encoding="utf-8", errors="replace")
+    try:
+        document = json.loads(text)
+    except ValueError:
+        pass
+    else:  # one JSON document: a list of records (or a dict of columns)
+        if isinstance(document, list):
+            return next((f"item {index} of its JSON list is not an object: {json.dumps(item)[:80]}"
+                         for index, item in enumerate(document) if not isinstance(item, dict)), None)
+        return None if isinstance(document, dict) else f"it holds {text.strip()[:80]}, not JSON objects"
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            value = json.loads(line)
+        except ValueError as error:
+            return f"line {number} is not valid JSON: {error}"
+        if not isinstance(value, dict):
+            return f"line {number} is not a JSON object: {line.strip()[:80]}"
+    return None
 
 
 def decide_what_to_run(training_args, raw, argv: list[str]) -> None:

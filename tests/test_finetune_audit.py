@@ -238,3 +238,29 @@ def test_both_stages_turned_off_is_named_as_such(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match=re.escape(message)):
         example.main(argv + ["--do_eval", "false"])
     assert not (tmp_path / "ft").exists()
+
+
+@pytest.mark.parametrize("name, text, reason", [
+    ("train.jsonl", '{"document": "a b", "summary": "a"}\n[1, 2]\n', "line 2 is not a JSON object: [1, 2]"),
+    ("train.jsonl", '{"document": "a b", "summary": "a"}\n{"document": "c\n', "line 2 is not valid JSON"),
+    ("train.jsonl", '"a document"\n', 'it holds "a document", not JSON objects'),
+    ("train.json", '[{"document": "a b", "summary": "a"}, 3]', "item 1 of its JSON list is not an object: 3"),
+    ("train.csv", 'document,summary\n"a b,a\n', "EOF inside string"),
+])
+def test_a_data_file_that_cannot_be_parsed_is_named_with_its_bad_line(tmp_path, monkeypatch, name, text, reason):
+    """A JSON line that is not an object (or not JSON), a CSV cut short: a traceback ending in datasets'
+    "DatasetGenerationError: An error occurred while generating the dataset", which named neither the file nor the
+    line (Arrow's "Column() changed from object to string in row 0" counts the rows of its block)."""
+    from longreach.finetuning import load_data_files
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "cache"))
+    good = tmp_path / name.replace("train", "validation")
+    good.write_text('document,summary\n"a b",a\n' if name.endswith(".csv") else '{"document": "a b", "summary": "a"}\n')
+    bad = tmp_path / name
+    bad.write_text(text)
+    kind = "csv" if name.endswith(".csv") else "json"
+    with pytest.raises(ValueError, match=re.escape(f"--train_file {bad} cannot be read as {kind} (") + ".*"
+                       + re.escape(reason)):
+        load_data_files(str(bad), str(good))
+    assert len(load_data_files(str(good), None)["train"]) == 1  # (a file that parses still loads)
