@@ -543,7 +543,10 @@ def main(argv: list[str] | None = None) -> dict:
         smoke_argv, smoke_inputs = smoke_arguments(output_dir or tempfile.mkdtemp(prefix="finetune-dodo-smoke-"))
         argv = smoke_argv + rest
     parser = HfArgumentParser((ModelArguments, DataArguments, DodoTrainingArguments))
-    model_args, data_args, training_args = parser.parse_args_into_dataclasses(args=argv)
+    model_args, data_args, training_args, unknown = parser.parse_args_into_dataclasses(
+        args=argv, return_remaining_strings=True)
+    if unknown:  # as argparse does (exit status 2); HfArgumentParser itself raises a ValueError
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     metrics = run(model_args, data_args, training_args, argv)
     if training_args.do_train and training_args.process_index == 0:
         # The saved folder is what Hub users get: load it the way they would (remote code) and generate.

@@ -432,7 +432,10 @@ def main(argv: list[str] | None = None) -> dict:
         output_dir, rest = pop_option(argv, "--output_dir")  # (--output_dir=DIR too)
         argv = smoke_arguments(output_dir or tempfile.mkdtemp(prefix="finetune-smoke-")) + rest
     parser = HfArgumentParser((ModelArguments, DataArguments, Seq2SeqTrainingArguments))
-    model_args, data_args, training_args = parser.parse_args_into_dataclasses(args=argv)
+    model_args, data_args, training_args, unknown = parser.parse_args_into_dataclasses(
+        args=argv, return_remaining_strings=True)
+    if unknown:  # as argparse does (exit status 2); HfArgumentParser itself raises a ValueError
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     metrics = run(model_args, data_args, training_args, argv)
     if training_args.do_train and training_args.process_index == 0:
         from transformers import pipeline

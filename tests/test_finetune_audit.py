@@ -264,3 +264,19 @@ def test_a_data_file_that_cannot_be_parsed_is_named_with_its_bad_line(tmp_path, 
                        + re.escape(reason)):
         load_data_files(str(bad), str(good))
     assert len(load_data_files(str(good), None)["train"]) == 1  # (a file that parses still loads)
+
+
+@pytest.mark.parametrize("name", ["finetune_summarization", "finetune_dodo"])
+def test_an_unknown_option_is_a_usage_error(name):
+    """A mistyped option (`--max_stpes 10`): "error: Some specified arguments are not used by the HfArgumentParser"
+    with exit status 1, where argparse (and the `longreach` CLI) say "unrecognized arguments" with status 2."""
+    import subprocess
+    import sys
+
+    from test_examples import EXAMPLES
+
+    result = subprocess.run([sys.executable, str(EXAMPLES / f"{name}.py"), "--max_stpes", "10", "--output_dir", "out"],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert result.stderr.strip().endswith(f"{name}.py: error: unrecognized arguments: --max_stpes 10")
+    assert "Traceback" not in result.stderr and not result.stdout
