@@ -18,7 +18,7 @@ _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 def load_data_files(train_file: str | None, validation_file: str | None):
     """A ``DatasetDict`` of the given files (``.json``/``.jsonl``/``.csv``/``.parquet``, read by their suffix); a file
     with no record, or of another kind, is a ``ValueError`` naming its option."""
-    from datasets import load_dataset
+    from datasets import DatasetDict, load_dataset
 
     files = {split: (option, path) for split, option, path in (("train", "--train_file", train_file),
                                                                ("validation", "--validation_file", validation_file))
@@ -44,23 +44,19 @@ def load_data_files(train_file: str | None, validation_file: str | None):
     from .corpus import _first_line
 
     loader = loaders.pop()
-    try:
-        raw = load_dataset(loader, data_files={split: path for split, (_, path) in files.items()})
-    except (ValueError, DatasetGenerationError) as error:
-        # 'Instruction "train" corresponds to no data!' for a file of no record; a DatasetGenerationError (a traceback
-        # that names no file) for one that cannot be parsed: a JSON line that is not an object, a CSV cut short...
-        for split, (option, path) in files.items():  # name the file at fault
-            try:
-                load_dataset(loader, data_files={split: path})
-            except ValueError as file_error:
-                raise ValueError(f"{option} {path} holds no record that datasets can read "
-                                 f"({_first_line(file_error)}).") from None
-            except DatasetGenerationError as file_error:
-                reason = (_first_line_not_a_json_object(path) if loader == "json" else None) or _first_line(
-                    file_error.__cause__ or file_error)  # (the reader's own error, not datasets' wrapper)
-                raise ValueError(f"{option} {path} cannot be read as {loader} ({reason}).") from None
-        raise
+    raw = DatasetDict()
     for split, (option, path) in files.items():
+        # one file at a time: datasets reads the files of one call as one table, and a validation file with other
+        # columns than the training file's (an "id" more) failed with a CastError that named neither file
+        try:
+            raw[split] = load_dataset(loader, data_files={split: path})[split]
+        except ValueError as error:  # e.g. 'Instruction "train" corresponds to no data!' for a file of no record
+            raise ValueError(f"{option} {path} holds no record that datasets can read ({_first_line(error)}).") \
+                from None
+        except DatasetGenerationError as error:  # a JSON line that is not an object, a CSV cut short...
+            reason = (_first_line_not_a_json_object(path) if loader == "json" else None) or _first_line(
+                error.__cause__ or error)  # (the reader's own error, not datasets' wrapper)
+            raise ValueError(f"{option} {path} cannot be read as {loader} ({reason}).") from None
         if len(raw[split]) == 0:
             raise ValueError(f"{option} {path} holds no record.")
     return raw

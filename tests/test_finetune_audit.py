@@ -280,3 +280,20 @@ def test_an_unknown_option_is_a_usage_error(name):
     assert result.returncode == 2, result.stderr[-2000:]
     assert result.stderr.strip().endswith(f"{name}.py: error: unrecognized arguments: --max_stpes 10")
     assert "Traceback" not in result.stderr and not result.stdout
+
+
+
+def test_train_and_validation_files_with_other_columns_load(tmp_path, monkeypatch):
+    """A validation file with one column more than the training file (an "id"): datasets read both files as one table
+    and failed with "DatasetGenerationError" (a CastError: "column names don't match"), naming neither file."""
+    from longreach.finetuning import load_data_files
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "cache"))
+    rows = _summarization_rows(3)
+    train, validation = tmp_path / "train.jsonl", tmp_path / "validation.jsonl"
+    train.write_text("".join(json.dumps(row) + "\n" for row in rows[:2]))
+    validation.write_text(json.dumps({"id": "v0", **rows[2]}) + "\n")
+    raw = load_data_files(str(train), str(validation))
+    assert raw["train"].column_names == ["document", "summary"] and raw["train"]["summary"] == ["w10", "w11"]
+    assert raw["validation"].column_names == ["id", "document", "summary"] and raw["validation"]["id"] == ["v0"]
