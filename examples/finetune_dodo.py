@@ -382,7 +382,7 @@ def run(model_args: ModelArguments, data_args: DataArguments, training_args: Dod
     for option in ("model_name_or_path", "base_model_name_or_path"):
         check_not_the_model_folder(training_args.output_dir, f"--{option}", getattr(model_args, option))
     set_seed(training_args.seed)
-    model, tokenizer = load_model_and_tokenizer(model_args)
+    # the data before the model (minutes to load for a large one): what is wrong with it is named at once
     raw = load_raw_datasets(data_args)
     if argv is not None:
         decide_what_to_run(training_args, raw, argv)
@@ -394,22 +394,24 @@ def run(model_args: ModelArguments, data_args: DataArguments, training_args: Dod
     if training_args.do_train:
         # before training: the card written after it keeps what is there, and no earlier model is replaced
         check_output_dir(training_args.output_dir, training_args)
+    needed = [data_args.context_column]
+    if data_args.task != "autoencoding":
+        needed.append(data_args.target_column)
+    if data_args.task == "continuation" and data_args.prompt_column:
+        needed.append(data_args.prompt_column)
+    if data_args.task == "question_answering":
+        needed.append(data_args.question_column)
+    for split, used in (("train", training_args.do_train), ("validation", training_args.do_eval)):
+        missing = [column for column in needed if used and split in raw and column not in raw[split].column_names]
+        if missing:
+            raise ValueError(f"The {split} data has no column {missing} (columns: {raw[split].column_names}); set "
+                             "--context_column / --target_column / --prompt_column / --question_column.")
+    model, tokenizer = load_model_and_tokenizer(model_args)
 
     def features(split: str, limit: int | None):
         if split not in raw:
             return None
         dataset = raw[split]
-        needed = [data_args.context_column]
-        if data_args.task != "autoencoding":
-            needed.append(data_args.target_column)
-        if data_args.task == "continuation" and data_args.prompt_column:
-            needed.append(data_args.prompt_column)
-        if data_args.task == "question_answering":
-            needed.append(data_args.question_column)
-        missing = [column for column in needed if column not in dataset.column_names]
-        if missing:
-            raise ValueError(f"The {split} data has no column {missing} (columns: {dataset.column_names}); set "
-                             "--context_column / --target_column / --prompt_column / --question_column.")
         if limit is not None:
             dataset = dataset.select(range(min(limit, len(dataset))))
         check_text_columns(dataset, needed, split)

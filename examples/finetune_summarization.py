@@ -281,10 +281,7 @@ def run(model_args: ModelArguments, data_args: DataArguments, training_args: Seq
     elif training_args.generation_max_length < 2:  # (it failed in generate(), at the first evaluation, unnamed)
         raise ValueError(f"--generation_max_length must be >= 2 (the decoder start token, then at least one new "
                          f"token), got {training_args.generation_max_length}.")
-    model, tokenizer = load_model_and_tokenizer(model_args)
-    if data_args.question_column is not None and getattr(model, "prepare_question_inputs", None) is None:
-        raise ValueError(f"--question_column {data_args.question_column}: {type(model).__name__} has no question format "
-                         "(VCC-T5 has: the question as its VIP tokens); leave the option out to train summaries.")
+    # the data before the model (minutes to load for a large one): what is wrong with it is named at once
     raw = load_raw_datasets(data_args)
     if argv is not None:
         decide_what_to_run(training_args, raw, argv)
@@ -295,17 +292,22 @@ def run(model_args: ModelArguments, data_args: DataArguments, training_args: Seq
     if training_args.do_train:
         # before training: the card written after it keeps what is there, and no earlier model is replaced
         check_output_dir(training_args.output_dir, training_args)
+    columns = [data_args.text_column, data_args.summary_column] + (
+        [data_args.question_column] if data_args.question_column else [])
+    for split, used in (("train", training_args.do_train), ("validation", training_args.do_eval)):
+        missing = [column for column in columns if used and split in raw and column not in raw[split].column_names]
+        if missing:
+            raise ValueError(f"The {split} data has no column {missing[0]!r} (columns: {raw[split].column_names}); "
+                             "set --text_column / --summary_column / --question_column.")
+    model, tokenizer = load_model_and_tokenizer(model_args)
+    if data_args.question_column is not None and getattr(model, "prepare_question_inputs", None) is None:
+        raise ValueError(f"--question_column {data_args.question_column}: {type(model).__name__} has no question "
+                         "format (VCC-T5 has: the question as its VIP tokens); leave the option out to train summaries.")
 
     def features(split: str, limit: int | None):
         if split not in raw:
             return None
         dataset = raw[split]
-        columns = [data_args.text_column, data_args.summary_column] + (
-            [data_args.question_column] if data_args.question_column else [])
-        for column in columns:
-            if column not in dataset.column_names:
-                raise ValueError(f"The {split} data has no column {column!r} (columns: {dataset.column_names}); "
-                                 "set --text_column / --summary_column / --question_column.")
         if limit is not None:
             dataset = dataset.select(range(min(limit, len(dataset))))
         check_text_columns(dataset, columns, split)

@@ -297,3 +297,23 @@ def test_train_and_validation_files_with_other_columns_load(tmp_path, monkeypatc
     raw = load_data_files(str(train), str(validation))
     assert raw["train"].column_names == ["document", "summary"] and raw["train"]["summary"] == ["w10", "w11"]
     assert raw["validation"].column_names == ["id", "document", "summary"] and raw["validation"]["id"] == ["v0"]
+
+
+@pytest.mark.parametrize("name", ["finetune_summarization", "finetune_dodo"])
+def test_the_data_is_checked_before_the_model_is_loaded(tmp_path, monkeypatch, name):
+    """A data file without the summary / target column was named only once the model was loaded (minutes for a 7B
+    Llama, for each try); transformers' run_summarization.py also reads its data first."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    example = _load_example(name, monkeypatch)
+    smoke = example.smoke_arguments(str(tmp_path / "ft"))
+    argv = smoke[0] if name == "finetune_dodo" else smoke
+    column = "summary" if name == "finetune_summarization" else "target"
+    rows = [json.loads(line) for line in open(argv[argv.index("--train_file") + 1])]
+    bad = tmp_path / "no-target.jsonl"
+    bad.write_text("".join(json.dumps({k: v for k, v in row.items() if k != column}) + "\n" for row in rows))
+    argv[argv.index("--train_file") + 1] = str(bad)
+    monkeypatch.setattr(example, "load_model_and_tokenizer",
+                        lambda *args: pytest.fail("the model was loaded before the data was checked"))
+    with pytest.raises(ValueError, match=re.escape("The train data has no column ") + f".*{column}"):
+        example.main(argv)
+    assert not (tmp_path / "ft").exists()
