@@ -302,7 +302,8 @@ def run(model_args: ModelArguments, data_args: DataArguments, training_args: Seq
     model, tokenizer = load_model_and_tokenizer(model_args)
     if data_args.question_column is not None and getattr(model, "prepare_question_inputs", None) is None:
         raise ValueError(f"--question_column {data_args.question_column}: {type(model).__name__} has no question "
-                         "format (VCC-T5 has: the question as its VIP tokens); leave the option out to train summaries.")
+                         "format (VCC-T5 has: the question as its VIP tokens); leave the option out to train "
+                         "summaries.")
 
     def features(split: str, limit: int | None):
         if split not in raw:
