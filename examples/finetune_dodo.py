@@ -89,15 +89,18 @@ from longreach.finetuning import (
     check_questions,
     check_text_columns,
     check_training_arguments,
+    create_hub_repo,
     decide_what_to_run,
     exit_with_one_line_errors,
     first_text,
+    hub_repo_id,
     json_option,
     load_data_files,
     pop_option,
     train_or_resume,
+    upload_output_dir,
 )
-from longreach.hub import push_folder_to_hub, write_model_card
+from longreach.hub import write_model_card
 
 TASKS = ("continuation", "summarization", "question_answering", "autoencoding")
 
@@ -394,6 +397,7 @@ def run(model_args: ModelArguments, data_args: DataArguments, training_args: Dod
     if training_args.do_train:
         # before training: the card written after it keeps what is there, and no earlier model is replaced
         check_output_dir(training_args.output_dir, training_args)
+        create_hub_repo(training_args)  # --push_to_hub: fails now rather than after training
     needed = [data_args.context_column]
     if data_args.task != "autoencoding":
         needed.append(data_args.target_column)
@@ -433,7 +437,7 @@ def run(model_args: ModelArguments, data_args: DataArguments, training_args: Dod
     train_dataset = features("train", data_args.max_train_samples) if training_args.do_train else None
     eval_dataset = features("validation", data_args.max_eval_samples) if training_args.do_eval else None
     # The Trainer's own upload would replace our model card with its generic one: upload at the end with longreach.
-    push_to = (training_args.hub_model_id or Path(training_args.output_dir).name) if training_args.push_to_hub else None
+    push_to = hub_repo_id(training_args) if training_args.push_to_hub else None
     training_args.push_to_hub = False
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
     trainer = DodoTrainer(model=model, args=training_args, train_dataset=train_dataset, eval_dataset=eval_dataset,
@@ -468,8 +472,7 @@ def run(model_args: ModelArguments, data_args: DataArguments, training_args: Dod
         metrics["parameters_changed"] = parameter_changes(before, model)
         metrics["activation_checkpointing"] = model.is_activation_checkpointing
     if push_to is not None and training_args.do_train and trainer.is_world_process_zero():
-        commit = push_folder_to_hub(training_args.output_dir, push_to, private=training_args.hub_private_repo,
-                                    token=training_args.hub_token)
+        commit = upload_output_dir(training_args, push_to)
         print(f"Uploaded to {push_to}: {getattr(commit, 'commit_url', commit)}")
     return metrics
 

@@ -293,6 +293,43 @@ def check_output_dir(output_dir: str | Path, training_args=None) -> None:
                          "it away to start over.")
 
 
+def hub_repo_id(training_args) -> str:
+    """The repository ``--push_to_hub`` uploads to: ``--hub_model_id``, or the name of ``--output_dir`` (as Trainer)."""
+    return training_args.hub_model_id or Path(training_args.output_dir).name
+
+
+def create_hub_repo(training_args) -> None:
+    """``--push_to_hub``: the examples upload after training (with longreach's model card), so the repository is
+    created before it, as ``Trainer`` does: offline, an unreachable Hub or a missing login fail at once, not after the
+    run. Only the first process creates it."""
+    from . import hub
+    from .corpus import _first_line
+
+    if not training_args.push_to_hub or getattr(training_args, "process_index", 0) != 0:
+        return
+    api = hub.HfApi(token=training_args.hub_token, library_name="longreach")
+    try:
+        api.create_repo(hub_repo_id(training_args), private=training_args.hub_private_repo, exist_ok=True)
+    except Exception as error:  # noqa: BLE001  (offline and HTTP errors are OSErrors, httpx's connection errors not)
+        raise ValueError(f"--push_to_hub: cannot create the Hub repository {hub_repo_id(training_args)!r} that the "
+                         f"model would be uploaded to after training ({_first_line(error)}); fix that (`hf auth login`, "
+                         "the network), or leave --push_to_hub out and upload later with `longreach push`.") from None
+
+
+def upload_output_dir(training_args, repo_id: str):
+    """Upload ``--output_dir`` (the model saved after training) to ``repo_id``; a failed upload says how to retry it."""
+    from .corpus import _first_line
+    from .hub import push_folder_to_hub
+
+    try:
+        return push_folder_to_hub(training_args.output_dir, repo_id, private=training_args.hub_private_repo,
+                                  token=training_args.hub_token)
+    except Exception as error:  # noqa: BLE001  (as in create_hub_repo)
+        raise ValueError(f"--push_to_hub: the upload to {repo_id} failed ({_first_line(error)}); the model is saved "
+                         f"in {training_args.output_dir}: upload it with `longreach push {training_args.output_dir} "
+                         f"{repo_id}`.") from None
+
+
 def check_not_the_model_folder(output_dir: str | Path, option: str, model_path: str | None) -> None:
     """``--output_dir`` must not be the folder the model is read from: saving there would replace its weights."""
     if model_path is not None and Path(model_path).expanduser().exists() and \

@@ -317,3 +317,44 @@ def test_the_data_is_checked_before_the_model_is_loaded(tmp_path, monkeypatch, n
     with pytest.raises(ValueError, match=re.escape("The train data has no column ") + f".*{column}"):
         example.main(argv)
     assert not (tmp_path / "ft").exists()
+
+
+@pytest.mark.parametrize("name", ["finetune_summarization", "finetune_dodo"])
+def test_push_to_hub_that_cannot_upload_fails_before_training(tmp_path, monkeypatch, recorder, name):
+    """--push_to_hub offline (or not logged in): the whole run trained, then failed at the upload ("Cannot reach
+    https://huggingface.co/api/repos/create: offline mode is enabled"); Trainer creates the repository first."""
+    from huggingface_hub.errors import OfflineModeIsEnabled
+
+    def create_repo(self, *args, **kwargs):  # what huggingface_hub raises with HF_HUB_OFFLINE=1
+        raise OfflineModeIsEnabled("Cannot reach https://huggingface.co/api/repos/create: offline mode is enabled.")
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(recorder, "create_repo", create_repo)
+    example = _load_example(name, monkeypatch)
+    monkeypatch.setattr(example, "train_or_resume", lambda *args: pytest.fail("it trained before creating the repo"))
+    with pytest.raises(ValueError, match=re.escape("--push_to_hub: cannot create the Hub repository 'someone/ft'")
+                       + ".*offline mode"):
+        example.main(["--smoke", "--output_dir", str(tmp_path / "ft"), "--push_to_hub", "--hub_model_id", "someone/ft",
+                      "--max_steps", "1", "--do_eval", "false"])
+    assert not (tmp_path / "ft" / "model.safetensors").exists()
+
+
+def test_a_failed_upload_after_training_says_how_to_retry(tmp_path, monkeypatch, recorder):
+    """The upload after training fails (the network went down: httpx's ConnectError, which is not an OSError, ended in
+    a traceback): the message says the model is saved and how to upload it."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+    class ConnectError(Exception):  # (httpx's: an Exception, not an OSError)
+        pass
+
+    def create_commit(self, *args, **kwargs):
+        raise ConnectError("[Errno -2] Name or service not known")
+
+    monkeypatch.setattr(recorder, "create_commit", create_commit)
+    example = _load_example("finetune_summarization", monkeypatch)
+    output_dir = tmp_path / "ft"
+    with pytest.raises(ValueError, match=re.escape(f"the model is saved in {output_dir}: upload it with `longreach push "
+                                                   f"{output_dir} someone/ft`")):
+        example.main(["--smoke", "--output_dir", str(output_dir), "--push_to_hub", "--hub_model_id", "someone/ft",
+                      "--max_steps", "1", "--do_eval", "false"])
+    assert (output_dir / "model.safetensors").is_file() and recorder.instances[0].repos  # created before training
