@@ -312,8 +312,9 @@ def create_hub_repo(training_args) -> None:
         api.create_repo(hub_repo_id(training_args), private=training_args.hub_private_repo, exist_ok=True)
     except Exception as error:  # noqa: BLE001  (offline and HTTP errors are OSErrors, httpx's connection errors not)
         raise ValueError(f"--push_to_hub: cannot create the Hub repository {hub_repo_id(training_args)!r} that the "
-                         f"model would be uploaded to after training ({_first_line(error)}); fix that (`hf auth login`, "
-                         "the network), or leave --push_to_hub out and upload later with `longreach push`.") from None
+                         f"model would be uploaded to after training ({_first_line(error)}); fix that (`hf auth "
+                         "login`, the network), or leave --push_to_hub out and upload later with `longreach push`.") \
+            from None
 
 
 def upload_output_dir(training_args, repo_id: str):

@@ -353,8 +353,8 @@ def test_a_failed_upload_after_training_says_how_to_retry(tmp_path, monkeypatch,
     monkeypatch.setattr(recorder, "create_commit", create_commit)
     example = _load_example("finetune_summarization", monkeypatch)
     output_dir = tmp_path / "ft"
-    with pytest.raises(ValueError, match=re.escape(f"the model is saved in {output_dir}: upload it with `longreach push "
-                                                   f"{output_dir} someone/ft`")):
+    message = f"the model is saved in {output_dir}: upload it with `longreach push {output_dir} someone/ft`"
+    with pytest.raises(ValueError, match=re.escape(message)):
         example.main(["--smoke", "--output_dir", str(output_dir), "--push_to_hub", "--hub_model_id", "someone/ft",
                       "--max_steps", "1", "--do_eval", "false"])
     assert (output_dir / "model.safetensors").is_file() and recorder.instances[0].repos  # created before training
