@@ -346,6 +346,10 @@ def check_training_arguments(training_args, max_train_samples: int | None, max_e
         raise ValueError(
             f"--gradient_accumulation_steps must be >= 1, got {training_args.gradient_accumulation_steps}."
         )
+    output_dir = Path(training_args.output_dir).expanduser()
+    if output_dir.exists() and not output_dir.is_dir():  # ("[Errno 17] File exists" once the data was prepared)
+        raise ValueError(f"--output_dir {training_args.output_dir} is a file, expected a folder (new or holding an "
+                         "earlier run of this script) for the model, its checkpoints and metrics.")
     for option, value in (("--max_train_samples", max_train_samples), ("--max_eval_samples", max_eval_samples)):
         if value is not None and value < 1:
             raise ValueError(f"{option} must be >= 1 (or left out for all), got {value}.")

@@ -358,3 +358,19 @@ def test_a_failed_upload_after_training_says_how_to_retry(tmp_path, monkeypatch,
         example.main(["--smoke", "--output_dir", str(output_dir), "--push_to_hub", "--hub_model_id", "someone/ft",
                       "--max_steps", "1", "--do_eval", "false"])
     assert (output_dir / "model.safetensors").is_file() and recorder.instances[0].repos  # created before training
+
+
+@pytest.mark.parametrize("name", ["finetune_summarization", "finetune_dodo"])
+def test_an_output_dir_that_is_a_file_is_named_before_anything_runs(tmp_path, monkeypatch, name):
+    """--output_dir naming an existing file: "[Errno 17] File exists: '...'" once the model was loaded and the data
+    prepared, without naming the option."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    example = _load_example(name, monkeypatch)
+    output = tmp_path / "notes.txt"
+    output.write_text("the user's notes\n")
+    monkeypatch.setattr(example, "load_model_and_tokenizer",
+                        lambda *args: pytest.fail("the model was loaded before --output_dir was checked"))
+    for stages in (["--do_eval", "false"], ["--do_train", "false"]):
+        with pytest.raises(ValueError, match=re.escape(f"--output_dir {output} is a file, expected a folder")):
+            example.main(["--smoke", "--output_dir", str(output), "--max_steps", "1"] + stages)
+        assert output.read_text() == "the user's notes\n"
