@@ -26,7 +26,6 @@ def load_data_files(train_file: str | None, validation_file: str | None):
     if not files:
         raise ValueError("Pass --dataset_name, or --train_file and/or --validation_file (.json, .jsonl, .csv or "
                          ".parquet).")
-    loaders = set()
     for option, path in files.values():
         suffix = Path(path).suffix.lower()
         if suffix not in DATA_LOADERS:
@@ -35,19 +34,16 @@ def load_data_files(train_file: str | None, validation_file: str | None):
             raise ValueError(f"{option} {path}: no such file.")
         if Path(path).stat().st_size == 0:
             raise ValueError(f"{option} {path} is empty; it needs at least one record.")
-        loaders.add(DATA_LOADERS[suffix])
-    if len(loaders) > 1:
-        raise ValueError(f"--train_file and --validation_file must be of one kind (json, csv or parquet), got "
-                         f"{sorted(loaders)}.")
     from datasets.exceptions import DatasetGenerationError
 
     from .corpus import _first_line
 
-    loader = loaders.pop()
     raw = DatasetDict()
     for split, (option, path) in files.items():
-        # one file at a time: datasets reads the files of one call as one table, and a validation file with other
-        # columns than the training file's (an "id" more) failed with a CastError that named neither file
+        # one file at a time, each by its own suffix (a .csv training file and a .jsonl validation file): datasets
+        # reads the files of one call as one table, and a validation file with other columns than the training file's
+        # (an "id" more) failed with a CastError that named neither file
+        loader = DATA_LOADERS[Path(path).suffix.lower()]
         try:
             raw[split] = load_dataset(loader, data_files={split: path})[split]
         except ValueError as error:  # e.g. 'Instruction "train" corresponds to no data!' for a file of no record

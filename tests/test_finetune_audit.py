@@ -374,3 +374,18 @@ def test_an_output_dir_that_is_a_file_is_named_before_anything_runs(tmp_path, mo
         with pytest.raises(ValueError, match=re.escape(f"--output_dir {output} is a file, expected a folder")):
             example.main(["--smoke", "--output_dir", str(output), "--max_steps", "1"] + stages)
         assert output.read_text() == "the user's notes\n"
+
+
+def test_train_and_validation_files_of_different_kinds_load(tmp_path, monkeypatch):
+    """A .csv training file with a .jsonl validation file was refused ("must be of one kind"), a limit of reading both
+    in one datasets call; each file is read on its own now."""
+    from longreach.finetuning import load_data_files
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "cache"))
+    rows = _summarization_rows(3)
+    train, validation = tmp_path / "train.csv", tmp_path / "validation.jsonl"
+    train.write_text("document,summary\n" + "".join(f"{row['document']},{row['summary']}\n" for row in rows[:2]))
+    validation.write_text(json.dumps(rows[2]) + "\n")
+    raw = load_data_files(str(train), str(validation))
+    assert raw["train"]["summary"] == ["w10", "w11"] and raw["validation"]["document"] == [rows[2]["document"]]
