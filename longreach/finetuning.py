@@ -290,8 +290,9 @@ def check_output_dir(output_dir: str | Path, training_args=None) -> None:
 
 
 def hub_repo_id(training_args) -> str:
-    """The repository ``--push_to_hub`` uploads to: ``--hub_model_id``, or the name of ``--output_dir`` (as Trainer)."""
-    return training_args.hub_model_id or Path(training_args.output_dir).name
+    """The repository ``--push_to_hub`` uploads to: ``--hub_model_id``, or the name of ``--output_dir`` (as Trainer),
+    resolved: ``--output_dir .`` is the current folder's name, not an empty repository id."""
+    return training_args.hub_model_id or Path(training_args.output_dir).expanduser().resolve().name
 
 
 def create_hub_repo(training_args) -> None:

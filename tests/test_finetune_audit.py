@@ -389,3 +389,17 @@ def test_train_and_validation_files_of_different_kinds_load(tmp_path, monkeypatc
     validation.write_text(json.dumps(rows[2]) + "\n")
     raw = load_data_files(str(train), str(validation))
     assert raw["train"]["summary"] == ["w10", "w11"] and raw["validation"]["document"] == [rows[2]["document"]]
+
+
+def test_push_to_hub_names_the_repository_after_the_output_folder(tmp_path, monkeypatch):
+    """Without --hub_model_id the repository is named after --output_dir, as Trainer names it; `--output_dir .` (or
+    `run/`) gave an empty name, and the Hub refused the repository id ''."""
+    from types import SimpleNamespace
+
+    from longreach.finetuning import hub_repo_id
+
+    (tmp_path / "run1").mkdir()
+    monkeypatch.chdir(tmp_path / "run1")
+    for output_dir in (".", "./", "../run1", str(tmp_path / "run1") + "/"):
+        assert hub_repo_id(SimpleNamespace(hub_model_id=None, output_dir=output_dir)) == "run1"
+    assert hub_repo_id(SimpleNamespace(hub_model_id="someone/ft", output_dir=".")) == "someone/ft"
