@@ -96,6 +96,7 @@ from longreach.finetuning import (
     hub_repo_id,
     json_option,
     load_data_files,
+    load_named_dataset,
     pop_option,
     train_or_resume,
     upload_output_dir,
@@ -244,11 +245,9 @@ def load_model_and_tokenizer(model_args: ModelArguments):
 
 
 def load_raw_datasets(data_args: DataArguments):
-    from datasets import load_dataset
-
     check_one_data_source(data_args)
     if data_args.dataset_name is not None:
-        return load_dataset(data_args.dataset_name, data_args.dataset_config_name)
+        return load_named_dataset(data_args.dataset_name, data_args.dataset_config_name)
     return load_data_files(data_args.train_file, data_args.validation_file)
 
 

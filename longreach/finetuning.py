@@ -58,6 +58,22 @@ def load_data_files(train_file: str | None, validation_file: str | None):
     return raw
 
 
+def load_named_dataset(name: str, config_name: str | None = None):
+    """``load_dataset(--dataset_name, --dataset_config_name)``; data it cannot parse (a JSON line that is not an
+    object in a local dataset folder...) is a ``ValueError`` naming the option, not datasets' traceback ending in
+    "DatasetGenerationError: An error occurred while generating the dataset"."""
+    from datasets import load_dataset
+    from datasets.exceptions import DatasetGenerationError
+
+    from .corpus import _first_line
+
+    try:
+        return load_dataset(name, config_name)
+    except DatasetGenerationError as error:
+        raise ValueError(f"--dataset_name {name}: datasets cannot read its data "
+                         f"({_first_line(error.__cause__ or error)}).") from None
+
+
 def _first_line_not_a_json_object(path: str) -> str | None:
     """Where a JSON-lines file holds a line that is not a JSON object: "line N is not a JSON object: ..." (Arrow's own
     message counts the rows of its block, not the file's lines), or what else is wrong in a file of one JSON document;

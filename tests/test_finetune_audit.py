@@ -403,3 +403,18 @@ def test_push_to_hub_names_the_repository_after_the_output_folder(tmp_path, monk
     for output_dir in (".", "./", "../run1", str(tmp_path / "run1") + "/"):
         assert hub_repo_id(SimpleNamespace(hub_model_id=None, output_dir=output_dir)) == "run1"
     assert hub_repo_id(SimpleNamespace(hub_model_id="someone/ft", output_dir=".")) == "someone/ft"
+
+
+@pytest.mark.parametrize("name", ["finetune_summarization", "finetune_dodo"])
+def test_a_dataset_folder_that_cannot_be_parsed_names_the_option(tmp_path, monkeypatch, name):
+    """--dataset_name DIR whose train.jsonl holds a line that is not an object: datasets' traceback
+    ("DatasetGenerationError: An error occurred while generating the dataset"), naming neither option nor file."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "cache"))
+    example = _load_example(name, monkeypatch)
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "train.jsonl").write_text('{"document": "a b", "summary": "a"}\n[1, 2]\n')
+    arguments = example.DataArguments(dataset_name=str(data))
+    with pytest.raises(ValueError, match=re.escape(f"--dataset_name {data}: datasets cannot read its data (")):
+        example.load_raw_datasets(arguments)
