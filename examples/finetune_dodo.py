@@ -82,6 +82,7 @@ import longreach  # noqa: F401  (registers Dodo with the Auto classes)
 from longreach import DodoDataCollator, DodoLlamaForCausalLM
 from longreach.finetuning import (
     check_best_model_metric,
+    check_columns,
     check_documents,
     check_not_the_model_folder,
     check_one_data_source,
@@ -404,11 +405,8 @@ def run(model_args: ModelArguments, data_args: DataArguments, training_args: Dod
         needed.append(data_args.prompt_column)
     if data_args.task == "question_answering":
         needed.append(data_args.question_column)
-    for split, used in (("train", training_args.do_train), ("validation", training_args.do_eval)):
-        missing = [column for column in needed if used and split in raw and column not in raw[split].column_names]
-        if missing:
-            raise ValueError(f"The {split} data has no column {missing} (columns: {raw[split].column_names}); set "
-                             "--context_column / --target_column / --prompt_column / --question_column.")
+    check_columns(raw, needed, training_args,
+                  "--context_column / --target_column / --prompt_column / --question_column")
     model, tokenizer = load_model_and_tokenizer(model_args)
 
     def features(split: str, limit: int | None):

@@ -54,6 +54,7 @@ from pathlib import Path
 import longreach  # noqa: F401  (registers LOCOST / VCC-T5 with the Auto classes)
 from longreach.finetuning import (
     check_best_model_metric,
+    check_columns,
     check_config_fields,
     check_not_the_model_folder,
     check_one_data_source,
@@ -297,11 +298,7 @@ def run(model_args: ModelArguments, data_args: DataArguments, training_args: Seq
         create_hub_repo(training_args)  # --push_to_hub: fails now rather than after training
     columns = [data_args.text_column, data_args.summary_column] + (
         [data_args.question_column] if data_args.question_column else [])
-    for split, used in (("train", training_args.do_train), ("validation", training_args.do_eval)):
-        missing = [column for column in columns if used and split in raw and column not in raw[split].column_names]
-        if missing:
-            raise ValueError(f"The {split} data has no column {missing[0]!r} (columns: {raw[split].column_names}); "
-                             "set --text_column / --summary_column / --question_column.")
+    check_columns(raw, columns, training_args, "--text_column / --summary_column / --question_column")
     model, tokenizer = load_model_and_tokenizer(model_args)
     if data_args.question_column is not None and getattr(model, "prepare_question_inputs", None) is None:
         raise ValueError(f"--question_column {data_args.question_column}: {type(model).__name__} has no question "

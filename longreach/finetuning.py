@@ -390,6 +390,16 @@ def json_option(text: str | None, option: str) -> dict:
     return value
 
 
+def check_columns(raw, columns: list[str], training_args, options: str) -> None:
+    """Before the model loads: each split that will be used (train with ``--do_train``, validation with ``--do_eval``)
+    has the ``columns``; a missing one is named with the split's columns and the ``options`` that set them."""
+    for split, used in (("train", training_args.do_train), ("validation", training_args.do_eval)):
+        missing = [column for column in columns if used and split in raw and column not in raw[split].column_names]
+        if missing:
+            raise ValueError(f"The {split} data has no column {missing[0]!r} (columns: {raw[split].column_names}); "
+                             f"set {options}.")
+
+
 def check_text_columns(dataset, columns: list[str], split: str) -> None:
     """Each value of ``columns`` is a string (an empty one included): a null, a number or a missing cell would
     otherwise fail in the tokenizer with a message that names neither the column nor the row. A string column of
