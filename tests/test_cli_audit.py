@@ -120,14 +120,21 @@ def test_a_rerun_with_other_settings_is_refused_before_the_model_loads(model_fol
     assert len(loads) == 2
 
 
-def test_a_rerun_after_the_model_was_retrained_in_the_same_folder_is_refused(tmp_path, capsys):
-    """The model's path is the same, its weights are not: the rerun would add the new model's summaries to the old
-    one's in one OUT. The weight files' sizes and digests are part of the run's settings."""
+def corpus_run_of_three(tmp_path: Path) -> tuple[Path, Path, list[str]]:
+    """A tiny LOCOST folder, a corpus of three documents and the `summarize --input` command that summarizes them into
+    `out.jsonl`: ``(model folder, output, command)``."""
     model_folder = save_tiny_locost(tmp_path / "model")
     source = tmp_path / "corpus.jsonl"
     source.write_text("".join(json.dumps({"text": document(12, offset=k)}) + "\n" for k in range(3)))
     output = tmp_path / "out.jsonl"
-    command = ["summarize", "--model", str(model_folder), "--input", str(source), "--output", str(output), *GENERATION]
+    return model_folder, output, ["summarize", "--model", str(model_folder), "--input", str(source), "--output",
+                                  str(output), *GENERATION]
+
+
+def test_a_rerun_after_the_model_was_retrained_in_the_same_folder_is_refused(tmp_path, capsys):
+    """The model's path is the same, its weights are not: the rerun would add the new model's summaries to the old
+    one's in one OUT. The weight files' sizes and digests are part of the run's settings."""
+    model_folder, output, command = corpus_run_of_three(tmp_path)
     assert main(command) == 0
     assert main(command) == 0  # an unchanged model finishes (here: leaves) the run
     capsys.readouterr()
@@ -141,11 +148,7 @@ def test_a_rerun_after_the_model_was_retrained_in_the_same_folder_is_refused(tmp
 def test_a_rerun_with_a_copy_of_the_same_weights_finishes_the_run(tmp_path, capsys):
     """The same weights copied into place again (new file times: a fresh download, another node's copy) make the same
     summaries: a rerun finishes the run instead of being refused as another model."""
-    model_folder = save_tiny_locost(tmp_path / "model")
-    source = tmp_path / "corpus.jsonl"
-    source.write_text("".join(json.dumps({"text": document(12, offset=k)}) + "\n" for k in range(3)))
-    output = tmp_path / "out.jsonl"
-    command = ["summarize", "--model", str(model_folder), "--input", str(source), "--output", str(output), *GENERATION]
+    model_folder, output, command = corpus_run_of_three(tmp_path)
     assert main(command) == 0
     first = read_output(output)
     lines = output.read_text().splitlines()
@@ -185,11 +188,7 @@ def test_a_run_started_before_the_settings_recorded_digests_finishes(tmp_path, c
     finished by the same command after the upgrade, as the settings added later are not compared: it was refused as
     made "with other settings" (a time then, a digest now), its summaries only kept by choosing another --output. A
     model retrained in place since is still refused, by its file times as then."""
-    model_folder = save_tiny_locost(tmp_path / "model")
-    source = tmp_path / "corpus.jsonl"
-    source.write_text("".join(json.dumps({"text": document(12, offset=k)}) + "\n" for k in range(3)))
-    output = tmp_path / "out.jsonl"
-    command = ["summarize", "--model", str(model_folder), "--input", str(source), "--output", str(output), *GENERATION]
+    model_folder, output, command = corpus_run_of_three(tmp_path)
     assert main(command) == 0
     first = read_output(output)
     output.write_text(output.read_text().splitlines()[0] + "\n")  # interrupted after one summary of three
