@@ -503,11 +503,9 @@ def _gather_run_statistics(stats: dict, world_size: int) -> dict:
     import torch.distributed as dist
 
     every = [None] * world_size
-    dist.all_gather_object(every, {key: stats[key] for key in ("documents", "input_tokens", "truncated", "seconds",
-                                                               "skipped_already_done", "peak_memory_bytes")})
-    return {"documents": sum(s["documents"] for s in every), "input_tokens": sum(s["input_tokens"] for s in every),
-            "truncated": sum(s["truncated"] for s in every), "seconds": max(s["seconds"] for s in every),
-            "skipped_already_done": sum(s["skipped_already_done"] for s in every),
+    summed = ("documents", "input_tokens", "truncated", "skipped_already_done", "edited_since_summarized")
+    dist.all_gather_object(every, {key: stats[key] for key in (*summed, "seconds", "peak_memory_bytes")})
+    return {**{key: sum(s[key] for s in every) for key in summed}, "seconds": max(s["seconds"] for s in every),
             "peak_memory_bytes": max(s["peak_memory_bytes"] for s in every)}
 
 
@@ -611,6 +609,9 @@ def _summarize_corpus_locked(args: argparse.Namespace, corpus, rank: int, world_
         if gone:  # kept (nothing is lost), but said: they are not summaries of this --input
             _progress(f"warning: {args.output} holds {len(gone)} summar{'y' if len(gone) == 1 else 'ies'} of ids no "
                       f"longer in --input {args.input} (e.g. {gone[:3]}), kept at its end")
+        if stats["edited_since_summarized"]:
+            _progress(f"{_documents(stats['edited_since_summarized'])} edited since {args.output} summarized them: "
+                      "summarized again, their new records replace the old ones")
         if stats["truncated"]:
             limit = (f"--max_input_length {args.max_input_length}" if args.max_input_length
                      else "the model's longest input")

@@ -12,9 +12,11 @@ models answer the question instead of summarizing; the answer is the record's ``
 * Throughput: documents are sorted by length and cut into batches whose padded size (rows x longest row) stays under
   ``max_batch_tokens``; each batch is one ``generate()`` call, so the encoder runs once per batch.
 * Nothing is lost: every finished summary is appended to ``OUT`` as one JSON line (``id``, ``summary``,
-  ``input_tokens``, ``truncated``) and flushed to disk batch by batch. Rerunning the same command skips the ids already
-  in ``OUT`` (a line cut short by a crash is dropped and redone). A malformed record, or a document whose generation
-  fails, goes to ``OUT.errors.jsonl`` with its id and the error, and the run goes on.
+  ``input_tokens``, ``truncated``, ``text_digest``) and flushed to disk batch by batch. Rerunning the same command skips
+  the ids already in ``OUT`` (a line cut short by a crash is dropped and redone) whose text is the one summarized
+  (:func:`text_digest`): a document edited since is summarized again, and its new record replaces the old one. A
+  malformed record, or a document whose generation fails, goes to ``OUT.errors.jsonl`` with its id and the error, and
+  the run goes on.
 * Several processes (``torchrun`` / ``accelerate launch``: ``RANK`` and ``WORLD_SIZE``) split the documents; each
   appends to its own ``OUT.part-R-of-W.jsonl`` (resumable on its own) and rank 0 merges the parts into ``OUT``.
 * With a reference column, ROUGE-1/2/Lsum (``rouge-score``) is printed and written to ``OUT.metrics.json``; answers
@@ -89,6 +91,17 @@ class Corpus:
         self.references.append(_reference_texts(reference))
         if self.questions is not None:
             self.questions.append(question)
+
+
+def text_digest(text: str, question: str | None = None) -> str:
+    """A record's ``text_digest``: the first 16 hex digits of the SHA-256 of the document it summarizes (and of the
+    question it answers, where there is one), so that a rerun tells an edited document from the one it summarized."""
+    import hashlib
+
+    digest = hashlib.sha256(text.encode("utf-8", "surrogatepass"))
+    if question is not None:
+        digest.update(b"\0" + question.encode("utf-8", "surrogatepass"))
+    return digest.hexdigest()[:16]
 
 
 def _reference_texts(reference) -> str | list[str] | None:
@@ -621,12 +634,18 @@ def summarize_corpus(
     output = Path(output)
     output.parent.mkdir(parents=True, exist_ok=True)
     target = part_path(output, rank, world_size)
-    done = set()
+    finished = {}  # by id, the latest record (a later file's replaces an earlier one's, as merge_parts keeps them)
     for path in dict.fromkeys([output, target]):  # one file when this process writes OUT itself: read once
-        done |= set(finished_records(path))
+        finished.update(finished_records(path))
     for part, part_world_size in part_files(output).items():
         if part_world_size != world_size:  # left by an interrupted run with another process count (merged at the end)
-            done |= set(finished_records(part, repair=False))
+            finished.update(finished_records(part, repair=False))
+    digests = [text_digest(text, corpus.questions[k] if corpus.questions is not None else None)
+               for k, text in enumerate(corpus.texts)]
+    # done: summarized from the text read now (records written before the digest existed count as done, as then)
+    edited = {corpus.ids[k] for k, digest in enumerate(digests)
+              if corpus.ids[k] in finished and finished[corpus.ids[k]].get("text_digest", digest) != digest}
+    done = set(finished) - edited
     errors_path = errors_path_of(target)
     errors_path.unlink(missing_ok=True)  # this run's errors only: failed documents are tried again
     errors = [error for k, error in enumerate(corpus.errors) if k % world_size == rank]
@@ -639,6 +658,7 @@ def summarize_corpus(
         lengths = [length + len(ids) for length, ids in zip(lengths, tokenizer(corpus.questions)["input_ids"])]
     by_length = sorted(range(len(corpus.texts)), key=lambda i: (-lengths[i], corpus.ids[i]))
     mine = [i for k, i in enumerate(by_length) if k % world_size == rank and corpus.ids[i] not in done]
+    edited_mine = sum(corpus.ids[i] in edited for i in mine)
     batches = [[mine[j] for j in batch] for batch in plan_batches([lengths[i] for i in mine], max_batch_tokens,
                                                                   max_batch_size)]
     generate_kwargs = dict(generate_kwargs or {})
@@ -651,12 +671,13 @@ def summarize_corpus(
     with open(target, "a", encoding="utf-8") as handle:
         for batch in batches:
             try:
-                records = _summarize_batch(summarizer, corpus, batch, max_input_length, generate_kwargs)
+                records = _summarize_batch(summarizer, corpus, batch, max_input_length, generate_kwargs, digests)
             except Exception:  # noqa: BLE001  one document may be the cause: try them one by one
                 records = []
                 for index in batch:
                     try:
-                        records += _summarize_batch(summarizer, corpus, [index], max_input_length, generate_kwargs)
+                        records += _summarize_batch(summarizer, corpus, [index], max_input_length, generate_kwargs,
+                                                    digests)
                     except Exception as error:  # noqa: BLE001  reported with its id; the run goes on
                         errors.append({"id": corpus.ids[index], "error": f"{type(error).__name__}: {_first_line(error)}"})
             _append(handle, records)
@@ -674,11 +695,13 @@ def summarize_corpus(
     return {"documents": documents, "input_tokens": tokens, "truncated": truncated,
             "seconds": round(time.perf_counter() - start, 3),
             "skipped_already_done": len([i for k, i in enumerate(by_length) if k % world_size == rank]) - len(mine),
+            "edited_since_summarized": edited_mine,
             "errors": len(errors), "peak_memory_bytes": peak_memory_bytes(model.device), "output": str(target),
             "errors_file": str(errors_path) if errors else None}
 
 
-def _summarize_batch(summarizer, corpus: Corpus, batch: list[int], max_input_length, generate_kwargs) -> list[dict]:
+def _summarize_batch(summarizer, corpus: Corpus, batch: list[int], max_input_length, generate_kwargs,
+                     digests: list[str]) -> list[dict]:
     import torch
 
     documents, questions = [corpus.texts[i] for i in batch], None
@@ -703,8 +726,8 @@ def _summarize_batch(summarizer, corpus: Corpus, batch: list[int], max_input_len
     # what the model reads of each document: Dodo's compressed context (its `attention_mask` is the decoder prompt's)
     mask = inputs["context_attention_mask"] if "context_attention_mask" in inputs else inputs["attention_mask"]
     read = mask.sum(dim=1).tolist()
-    records = [{"id": corpus.ids[i], "summary": summary, "input_tokens": int(tokens), "truncated": count > 0}
-               for i, summary, tokens, count in zip(batch, summaries, read, dropped)]
+    records = [{"id": corpus.ids[i], "summary": summary, "input_tokens": int(tokens), "truncated": count > 0,
+                "text_digest": digests[i]} for i, summary, tokens, count in zip(batch, summaries, read, dropped)]
     for record, question in zip(records, questions or []):
         record["question"] = question
     return records

@@ -788,3 +788,40 @@ def test_without_posix_locks_the_run_lock_is_a_no_op(tmp_path, monkeypatch):
     output = tmp_path / "out.jsonl"
     with corpus_module.output_lock(output), corpus_module.output_lock(output):
         assert not corpus_module.lock_path_of(output).exists()
+
+
+def test_a_rerun_summarizes_again_the_documents_edited_since_and_only_those(model_folder, tmp_path, capsys):
+    rows = write_jsonl(tmp_path / "corpus.jsonl", 5)
+    output = tmp_path / "out.jsonl"
+    arguments = summarize_args(model_folder, tmp_path / "corpus.jsonl", output, "--id_column", "doc_id")
+    assert main(arguments) == 0
+    first = read_output(output)
+    assert first["d001"]["text_digest"] == corpus_module.text_digest(rows[1]["text"])
+    rows[1]["text"] = document(30, offset=17)  # d001 edited under the same id
+    (tmp_path / "corpus.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
+    calls = []
+    original = corpus_module._summarize_batch
+    corpus_module._summarize_batch = lambda summarizer, corpus, batch, *rest: (
+        calls.extend(corpus.ids[i] for i in batch) or original(summarizer, corpus, batch, *rest))
+    capsys.readouterr()
+    try:
+        assert main(arguments) == 0
+    finally:
+        corpus_module._summarize_batch = original
+    assert calls == ["d001"]
+    assert f"1 document edited since {output} summarized them" in capsys.readouterr().err
+    records = read_output(output)
+    assert list(records) == [row["doc_id"] for row in rows] and len(output.read_text().splitlines()) == 5
+    summarizer = pipeline("summarization", model=str(model_folder), trust_remote_code=True)
+    assert records["d001"]["summary"] == summarizer(rows[1]["text"], max_new_tokens=4)[0]["summary_text"]
+    assert records["d001"]["text_digest"] == corpus_module.text_digest(rows[1]["text"])
+    assert {key: records[key] for key in records if key != "d001"} == {key: first[key] for key in first if key != "d001"}
+    # records written before the digest existed count as done, as they did then
+    old = [{key: value for key, value in record.items() if key != "text_digest"} for record in records.values()]
+    output.write_text("".join(json.dumps(record) + "\n" for record in old), encoding="utf-8")
+    corpus_module._summarize_batch = lambda *args: pytest.fail("a record without a digest was summarized again")
+    try:
+        assert main(arguments) == 0
+    finally:
+        corpus_module._summarize_batch = original
+    assert corpus_module.json_lines(output) == old

@@ -136,8 +136,8 @@ def test_demo_smoke_run(tmp_path, capsys, monkeypatch):
         assert f"[{stage}/9]" in out  # data, tokenizer, model, lead pretraining, training, ROUGE, save, reload, corpus
     lines = (tmp_path / "longreach-demo-heldout" / "summaries.jsonl").read_text(encoding="utf-8").splitlines()
     summaries = [json.loads(line) for line in lines]
-    assert len(summaries) == 4 and all(set(record) == {"id", "summary", "input_tokens", "truncated"}
-                                       for record in summaries)
+    assert len(summaries) == 4 and all(
+        set(record) == {"id", "summary", "input_tokens", "truncated", "text_digest"} for record in summaries)
     assert lines[0] in out  # its first lines are shown
     assert (tmp_path / "longreach-demo-heldout" / "summaries.metrics.json").is_file()
     result = json.loads(out.strip().splitlines()[-1])
