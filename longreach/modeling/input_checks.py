@@ -15,9 +15,22 @@ def describe(tensor: torch.Tensor) -> str:
 
 
 def values_readable(tensor: torch.Tensor) -> bool:
-    """Whether a check may read ``tensor``'s values: in eager mode, and not on the meta device (shapes only, as when
-    tracing a model's operators or shapes without data)."""
-    return not torch.compiler.is_compiling() and tensor.device.type != "meta"
+    """Whether a check may read ``tensor``'s values: in eager mode, not on the meta device (shapes only, as when
+    tracing a model's operators or shapes without data), and not batched by ``torch.func.vmap`` (a batched tensor's
+    values cannot be read back; ``torch.func.grad`` alone allows it)."""
+    return not torch.compiler.is_compiling() and tensor.device.type != "meta" and not _batched_by_vmap(tensor)
+
+
+def _batched_by_vmap(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is, or wraps, a tensor batched by ``torch.func.vmap`` (at any level of nested transforms)."""
+    functorch = torch._C._functorch
+    for _ in range(64):  # one wrapper per nested transform
+        if not functorch.is_functorch_wrapped_tensor(tensor):
+            return False
+        if functorch.is_batchedtensor(tensor):
+            return True
+        tensor = functorch.get_unwrapped(tensor)
+    return False
 
 
 def unwrap_layer(layer: torch.nn.Module, attribute: str) -> torch.nn.Module:
