@@ -9,11 +9,104 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.func import grad, vmap
+from torch.func import functional_call, grad, vmap
 
+from longreach import LocostConfig, LocostForConditionalGeneration, VCCT5Config, VCCT5ForConditionalGeneration
+from longreach.modeling import ssm
 from longreach.modeling.input_checks import check_token_ids
 
 VOCAB = 99
+
+
+def tiny_locost() -> LocostForConditionalGeneration:
+    return LocostForConditionalGeneration(LocostConfig(
+        vocab_size=VOCAB, d_model=32, d_state=8, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2, num_heads=4,
+        dropout_rate=0.0))
+
+
+def tiny_vcc_t5() -> VCCT5ForConditionalGeneration:
+    # no random exploration in training (a random op: vmap would need `randomness=`), every token a VIP token
+    return VCCT5ForConditionalGeneration(VCCT5Config(
+        vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=3, num_decoder_layers=2, num_heads=4,
+        decoder_start_token_id=0, dropout_rate=0.0, num_vanilla_layers=1, segment_length=8, num_vip_slots=4,
+        block_size=2, num_refined_blocks=2, exploration_probability=0.0))
+
+
+MODELS = {"locost": tiny_locost, "vcc_t5": tiny_vcc_t5}
+
+
+def fresh(name: str, training: bool, state: dict | None = None):
+    torch.manual_seed(0)
+    model = MODELS[name]()
+    if state is not None:
+        model.load_state_dict(state)
+    return model.train(training)
+
+
+def batch(size: int = 3, length: int = 24):
+    torch.manual_seed(1)
+    return torch.randint(3, VOCAB, (size, length)), torch.randint(3, VOCAB, (size, 5))
+
+
+def loss_of(model):
+    """The loss as a function of a parameter dict and one batch (``tie_weights=True``, as for T5)."""
+    def loss(params, input_ids, labels):
+        return functional_call(model, params, (), {"input_ids": input_ids, "labels": labels}, tie_weights=True).loss
+    return loss
+
+
+def detached_parameters(model) -> dict:
+    return {name: parameter.detach() for name, parameter in model.named_parameters()}
+
+
+@pytest.mark.parametrize("training", [False, True], ids=["eval", "train"])
+@pytest.mark.parametrize("name", list(MODELS))
+def test_grad_of_functional_call_equals_backward(name, training):
+    input_ids, labels = batch()
+    model = fresh(name, training)
+    model(input_ids=input_ids, labels=labels).loss.backward()
+    expected = {key: parameter.grad for key, parameter in model.named_parameters()}
+    model = fresh(name, training, model.state_dict())
+    gradients = grad(loss_of(model))(detached_parameters(model), input_ids, labels)
+    assert gradients.keys() == expected.keys()
+    for key, value in gradients.items():
+        torch.testing.assert_close(value, expected[key], atol=1e-5, rtol=1e-5, msg=key)
+
+
+@pytest.mark.parametrize("training", [False, True], ids=["eval", "train"])
+@pytest.mark.parametrize("name", list(MODELS))
+def test_per_sample_gradients_with_vmap_of_grad_equal_a_loop(name, training):
+    input_ids, labels = batch()
+    model = fresh(name, training)
+    expected = []
+    for row in range(input_ids.shape[0]):
+        model.zero_grad(set_to_none=True)
+        model(input_ids=input_ids[row:row + 1], labels=labels[row:row + 1]).loss.backward()
+        expected.append({key: parameter.grad.clone() for key, parameter in model.named_parameters()})
+    model = fresh(name, training, model.state_dict())
+    loss = loss_of(model)
+    per_sample = vmap(grad(lambda params, ids, target: loss(params, ids[None], target[None])),
+                      in_dims=(None, 0, 0))(detached_parameters(model), input_ids, labels)
+    for row, row_expected in enumerate(expected):
+        for key, value in per_sample.items():
+            torch.testing.assert_close(value[row], row_expected[key], atol=1e-5, rtol=1e-5, msg=f"{key}, row {row}")
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_vmap_over_a_batch_of_inputs_equals_a_loop(name):
+    input_ids, labels = batch()
+    model = fresh(name, training=False)
+    with torch.no_grad():
+        expected = torch.stack([model(input_ids=input_ids[row:row + 1], labels=labels[row:row + 1]).logits[0]
+                                for row in range(input_ids.shape[0])])
+    model = fresh(name, False, model.state_dict())
+    params = detached_parameters(model)
+
+    def logits(ids, target):
+        return functional_call(model, params, (), {"input_ids": ids[None], "labels": target[None]},
+                               tie_weights=True).logits[0]
+
+    torch.testing.assert_close(vmap(logits)(input_ids, labels), expected, atol=1e-5, rtol=1e-5)
 
 
 def test_the_token_range_check_is_skipped_under_vmap_and_kept_outside():
@@ -25,3 +118,18 @@ def test_the_token_range_check_is_skipped_under_vmap_and_kept_outside():
     with pytest.raises(ValueError, match=r"`input_ids` holds the token id 100"):
         grad(lambda x: (check_token_ids("input_ids", torch.tensor([[100]]), vocab_size=VOCAB), x.sum())[1])(
             torch.ones(2))
+
+
+def test_second_order_through_the_ssm_is_still_refused_under_torch_func():
+    """``torch.func.grad`` runs backward passes with ``create_graph=True``: one ``grad`` works (above), a ``grad`` of
+    ``grad`` would drop the SSM parameters' second-order terms, and is refused as with ``create_graph=True``."""
+    conv = ssm.BidirectionalS4DConvolution(3, 4)
+    x = torch.randn(2, 7, 3)
+    params = detached_parameters(conv)
+
+    def energy(x):
+        return functional_call(conv, params, (x,)).pow(2).sum()
+
+    assert grad(energy)(x).shape == x.shape
+    with pytest.raises(RuntimeError, match=r"Second-order gradients .* are not supported"):
+        grad(lambda x: grad(energy)(x).pow(2).sum())(x)

@@ -52,6 +52,7 @@ tensor memory 1,369 against 1,422 MiB.)
 
 from __future__ import annotations
 
+import contextlib
 import math
 import threading
 from collections import OrderedDict
@@ -241,35 +242,61 @@ def s4d_kernel_vjp(grad: torch.Tensor, dtA: torch.Tensor, z: torch.Tensor, C_hat
     return grad_dtA, grad_C_hat
 
 
-def _refuse_second_order() -> None:
-    """The SSM's backward passes are not differentiable themselves (the convolution's reads the kernel's spectrum,
-    made outside the graph; the kernel's VJP writes into buffers): with ``create_graph=True`` (a gradient penalty,
-    higher-order gradients) autograd would differentiate them and drop the SSM parameters' terms without a word.
+def _in_functorch_transform() -> bool:
+    """Whether a ``torch.func`` transform (``grad``, ``vmap``, ``jvp``...) is running."""
+    return torch._C._functorch.maybe_current_level() is not None
+
+
+def _first_order_backward():
+    """The context the SSM's backward passes run in, after refusing a second-order gradient.
+
+    Those passes are not differentiable themselves (the convolution's reads the kernel's spectrum, made outside the
+    graph; the kernel's VJP writes into buffers): with ``create_graph=True`` (a gradient penalty, higher-order
+    gradients) autograd would differentiate them and drop the SSM parameters' terms without a word.
     (``once_differentiable`` does not catch it: the upstream gradient need not require grad for those terms to exist.)
+    ``torch.func.grad`` runs every backward pass with ``create_graph=True``: there the second order is a second
+    differentiating transform around it (``grad`` of ``grad``, ``jacfwd`` of ``grad``), and a first-order pass runs
+    without recording.
     """
-    if torch.is_grad_enabled() and not torch.compiler.is_compiling():
-        raise RuntimeError("Second-order gradients (backward with create_graph=True) through LOCOST's S4D convolution "
-                           "are not supported: its backward pass is not differentiable.")
+    if _in_functorch_transform():
+        from torch._C._functorch import TransformType
+        from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
+
+        differentiating = [interpreter for interpreter in retrieve_all_functorch_interpreters()
+                           if interpreter.key() in (TransformType.Grad, TransformType.Jvp)]
+        if len(differentiating) <= 1:
+            return torch.no_grad()
+    elif not torch.is_grad_enabled() or torch.compiler.is_compiling():
+        return contextlib.nullcontext()
+    raise RuntimeError("Second-order gradients (backward with create_graph=True) through LOCOST's S4D convolution "
+                       "are not supported: its backward pass is not differentiable.")
 
 
 class _S4DKernel(torch.autograd.Function):
     """``s4d_kernel`` as an autograd function: keeps ΔA and Ĉ ([H, N/2] each) and computes its backward pass with
     ``s4d_kernel_vjp``, instead of autograd recording the doubling's complex products (several times the kernel's
-    size; at 1K tokens and the released size a training step took 9.8 s with those, 7.5 s with this: measured)."""
+    size; at 1K tokens and the released size a training step took 9.8 s with those, 7.5 s with this: measured).
+    ``forward`` and ``setup_context`` are separate, so that ``torch.func`` transforms (``grad``, ``vmap``) take it."""
+
+    generate_vmap_rule = True
 
     @staticmethod
-    def forward(ctx, dtA, z, C_hat, length, max_chunk):
-        # z = exp(ΔA) in complex128 comes from the discretisation; only ΔA and Ĉ are kept and z is taken again in the
-        # backward pass (one exponential per mode, against keeping an [H, N/2] complex128 tensor per layer)
-        ctx.save_for_backward(dtA, C_hat)
-        ctx.length, ctx.max_chunk = length, max_chunk
+    def forward(dtA, z, C_hat, length, max_chunk):
         return s4d_kernel(dtA, z, C_hat, length, max_chunk)
 
     @staticmethod
+    def setup_context(ctx, inputs, output):
+        # z = exp(ΔA) in complex128 comes from the discretisation; only ΔA and Ĉ are kept and z is taken again in the
+        # backward pass (one exponential per mode, against keeping an [H, N/2] complex128 tensor per layer)
+        dtA, _, C_hat, length, max_chunk = inputs
+        ctx.save_for_backward(dtA, C_hat)
+        ctx.length, ctx.max_chunk = length, max_chunk
+
+    @staticmethod
     def backward(ctx, grad):
-        _refuse_second_order()
-        dtA, C_hat = ctx.saved_tensors
-        grad_dtA, grad_C_hat = s4d_kernel_vjp(grad, dtA, _exp_complex128(dtA), C_hat, ctx.length, ctx.max_chunk)
+        with _first_order_backward():
+            dtA, C_hat = ctx.saved_tensors
+            grad_dtA, grad_C_hat = s4d_kernel_vjp(grad, dtA, _exp_complex128(dtA), C_hat, ctx.length, ctx.max_chunk)
         return grad_dtA, None, grad_C_hat, None, None
 
 
@@ -325,45 +352,69 @@ class _FFTConvolution(torch.autograd.Function):
     Both passes run over blocks of channels (`_fft_channel_blocks`), so their temporaries (spectra, products,
     n-point inverse transforms) are a block's, not the whole signal's: at 16K tokens and the released width, the
     backward pass of a checkpointed LOCOST training step held three [H, n] temporaries at once there, 288 MiB.
-    Pass either the real kernel ``k [h, len(k)]`` (differentiable) or its precomputed ``spectrum`` (not).
+    Pass either the real kernel ``k [h, len(k)]`` (differentiable) or its precomputed ``spectrum`` (not); use it
+    through `fft_convolution`. Given the kernel, ``forward`` returns the spectrum it computes too (``setup_context``
+    keeps it: the split that ``torch.func`` transforms need); given the spectrum, the output alone (an input returned
+    as an output cannot be kept). The buffers are made from the signal and the gradient (batched tensors under
+    ``torch.func.vmap``, where writing a batched value into a plain buffer fails).
     """
 
+    generate_vmap_rule = True
+
     @staticmethod
-    def forward(ctx, signal, kernel, spectrum, fft_size):
+    def forward(signal, kernel, spectrum, fft_size):
         if spectrum is None:
             spectrum = torch.fft.rfft(kernel, n=fft_size)
         length = signal.shape[-1]
-        output = torch.empty(torch.broadcast_shapes(signal.shape[:-1], spectrum.shape[:-1]) + (length,),
-                             dtype=signal.dtype, device=signal.device)
+        output = signal.new_empty(torch.broadcast_shapes(signal.shape[:-1], spectrum.shape[:-1]) + (length,))
         for rows in _fft_channel_blocks(signal, fft_size):
             output[..., rows, :] = torch.fft.irfft(torch.fft.rfft(signal[..., rows, :], n=fft_size) * spectrum[rows],
                                                    n=fft_size)[..., :length]
+        return output if kernel is None else (output, spectrum)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        signal, kernel, spectrum, fft_size = inputs
+        if kernel is not None:
+            spectrum = output[1]
+            ctx.mark_non_differentiable(spectrum)
+            ctx.set_materialize_grads(False)  # (no zeros made for the spectrum's gradient, which is never used)
         ctx.save_for_backward(signal, spectrum)
         ctx.fft_size = fft_size
         ctx.kernel_length = None if kernel is None else kernel.shape[-1]
-        return output
 
     @staticmethod
-    def backward(ctx, grad_output):
-        _refuse_second_order()
-        signal, spectrum = ctx.saved_tensors
-        fft_size, length = ctx.fft_size, signal.shape[-1]
-        grad_signal = torch.empty_like(signal) if ctx.needs_input_grad[0] else None
-        grad_kernel = None
-        if ctx.needs_input_grad[1]:
-            grad_kernel = signal.new_empty(spectrum.shape[-2], ctx.kernel_length)
-        batch_dims = tuple(range(signal.dim() - spectrum.dim()))  # the kernel is shared by the batch
-        for rows in _fft_channel_blocks(signal, fft_size):
-            grad_spectrum = torch.fft.rfft(grad_output[..., rows, :], n=fft_size)
-            if grad_signal is not None:
-                grad_signal[..., rows, :] = torch.fft.irfft(grad_spectrum * spectrum[rows].conj(),
-                                                            n=fft_size)[..., :length]
-            if grad_kernel is not None:
-                cross = grad_spectrum * torch.fft.rfft(signal[..., rows, :], n=fft_size).conj()
-                if batch_dims:  # (sum over dim=() would sum everything)
-                    cross = cross.sum(dim=batch_dims)
-                grad_kernel[rows] = torch.fft.irfft(cross, n=fft_size)[..., :ctx.kernel_length]
+    def backward(ctx, grad_output, _=None):
+        if grad_output is None:  # (grads are not materialized: the output got no gradient)
+            return None, None, None, None
+        with _first_order_backward():
+            signal, spectrum = ctx.saved_tensors
+            fft_size, length = ctx.fft_size, signal.shape[-1]
+            grad_signal = grad_output.new_empty(signal.shape) if ctx.needs_input_grad[0] else None
+            grad_kernel = None
+            if ctx.needs_input_grad[1]:
+                grad_kernel = grad_output.new_empty(spectrum.shape[-2], ctx.kernel_length)
+            batch_dims = tuple(range(signal.dim() - spectrum.dim()))  # the kernel is shared by the batch
+            for rows in _fft_channel_blocks(signal, fft_size):
+                grad_spectrum = torch.fft.rfft(grad_output[..., rows, :], n=fft_size)
+                if grad_signal is not None:
+                    grad_signal[..., rows, :] = torch.fft.irfft(grad_spectrum * spectrum[rows].conj(),
+                                                                n=fft_size)[..., :length]
+                if grad_kernel is not None:
+                    cross = grad_spectrum * torch.fft.rfft(signal[..., rows, :], n=fft_size).conj()
+                    if batch_dims:  # (sum over dim=() would sum everything)
+                        cross = cross.sum(dim=batch_dims)
+                    grad_kernel[rows] = torch.fft.irfft(cross, n=fft_size)[..., :ctx.kernel_length]
         return grad_signal, grad_kernel, None, None
+
+
+def fft_convolution(signal: torch.Tensor, kernel: torch.Tensor | None, spectrum: torch.Tensor | None,
+                    fft_size: int) -> torch.Tensor:
+    """``irfft(rfft(signal, n) · rfft(kernel, n), n)[..., :L]`` (or with the given ``spectrum``), through
+    `_FFTConvolution`."""
+    if kernel is None:
+        return _FFTConvolution.apply(signal, None, spectrum, fft_size)
+    return _FFTConvolution.apply(signal, kernel, None, fft_size)[0]
 
 
 def _same_memory(tensor: torch.Tensor, alias: torch.Tensor) -> bool:
@@ -568,8 +619,12 @@ class BidirectionalS4DConvolution(Float32ParametersModule):
             # the discretisation's graph (a dozen [H, N/2] tensors, some complex128: 21 MB per layer at the released
             # size, whatever the length) is recomputed in the backward pass instead of kept
             # (deterministic: no RNG state to stash and restore, which costs CPU tensors on every call)
-            dtA, z, C_hat = torch.utils.checkpoint.checkpoint(self._discretized, channels, use_reentrant=False,
-                                                              preserve_rng_state=False)
+            # (not under torch.func's transforms, which refuse the checkpoint's saved-tensor hooks)
+            if _in_functorch_transform():
+                dtA, z, C_hat = self._discretized(channels)
+            else:
+                dtA, z, C_hat = torch.utils.checkpoint.checkpoint(self._discretized, channels, use_reentrant=False,
+                                                                  preserve_rng_state=False)
             return _S4DKernel.apply(dtA, z, C_hat, length, self.kernel_chunk_size)
         dtA, z, C_hat = self._discretized(channels)
         return s4d_kernel(dtA, z, C_hat, length, self.kernel_chunk_size)
@@ -625,12 +680,12 @@ class BidirectionalS4DConvolution(Float32ParametersModule):
         spectrum_bytes = self.channels * (fft_size // 2 + 1) * 2 * self.compute_dtype.itemsize  # complex
         if channels == slice(None) and self._records_kernel_graph():  # training: gradients flow into the kernel
             period = None if self.authors_fft_size else fft_size
-            y = _FFTConvolution.apply(signal, self.circular_kernel(kernel_length, period=period), None, fft_size)
+            y = fft_convolution(signal, self.circular_kernel(kernel_length, period=period), None, fft_size)
         else:
             if channels == slice(None) or (self._cacheable() and spectrum_bytes <= self.kernel_cache_bytes):
                 kernel_f = self.kernel_spectrum(kernel_length, fft_size, channels)  # all channels, cached when allowed
             else:  # a group of channels of a long input: computed for this group only
                 period = None if self.authors_fft_size else fft_size
                 kernel_f = torch.fft.rfft(self.circular_kernel(kernel_length, channels, period), n=fft_size)
-            y = _FFTConvolution.apply(signal, None, kernel_f, fft_size)
+            y = fft_convolution(signal, None, kernel_f, fft_size)
         return y + signal * self.D.to(self.compute_dtype)[channels, None]

@@ -420,8 +420,11 @@ def _executor(threads: int) -> ThreadPoolExecutor:
 def compiled_kernel_usable(lags: int, *tensors: torch.Tensor) -> bool:
     """Whether the compiled kernel should compute a kernel of ``lags`` (padded to whole chunks) from these tensors: on
     CPU, not under ``torch.compile``, at most ``MAX_LAGS`` lags, asked for by ``$LONGREACH_SSM_KERNEL`` and built.
-    Raises when "compiled" was asked for and cannot be built."""
+    Raises when "compiled" was asked for and cannot be built. Not for tensors that a ``torch.func`` transform wraps
+    (their data cannot be read by pointer)."""
     if any(t.device.type != "cpu" for t in tensors) or torch.compiler.is_compiling() or lags > MAX_LAGS:
+        return False
+    if any(torch._C._functorch.is_functorch_wrapped_tensor(t) for t in tensors):
         return False
     choice = backend()
     if choice == "torch":

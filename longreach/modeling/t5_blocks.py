@@ -59,17 +59,29 @@ class _RMSNormFunction(torch.autograd.Function):
     """T5's RMSNorm (see `T5LayerNorm`) whose backward keeps the input and 1/rms, not the normalised input too.
 
     With n = x·r, r = 1/sqrt(mean(x²) + eps) and y = w·n: ∂w = Σ ∂y·n and ∂x = r·(g − n·mean(g·n)), g = ∂y·w.
+    ``forward`` returns ``(y, 1/rms)`` and ``setup_context`` keeps 1/rms (the split ``torch.func`` transforms need).
     """
 
+    generate_vmap_rule = True
+
     @staticmethod
-    def forward(ctx, hidden_states, weight, eps):
+    def forward(hidden_states, weight, eps):
         inverse_rms = _inverse_rms(hidden_states, eps)
+        return weight * _normalized(hidden_states, inverse_rms, weight), inverse_rms
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        hidden_states, weight, _ = inputs
+        inverse_rms = output[1]
+        ctx.mark_non_differentiable(inverse_rms)
+        ctx.set_materialize_grads(False)  # (no zeros made for the gradient of 1/rms, which is never used)
         ctx.save_for_backward(hidden_states, inverse_rms, weight)
-        return weight * _normalized(hidden_states, inverse_rms, weight)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_output):
+    def backward(ctx, grad_output, _):
+        if grad_output is None:  # (grads are not materialized: the output got no gradient)
+            return None, None, None
         hidden_states, inverse_rms, weight = ctx.saved_tensors
         grad_input, grad_weight = _rms_norm_backward(grad_output, hidden_states, inverse_rms, weight,
                                                      *ctx.needs_input_grad[:2])
@@ -120,24 +132,35 @@ class T5LayerNorm(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         if torch.is_grad_enabled() and (hidden_states.requires_grad or self.weight.requires_grad):
-            return _RMSNormFunction.apply(hidden_states, self.weight, self.variance_epsilon)
+            return _RMSNormFunction.apply(hidden_states, self.weight, self.variance_epsilon)[0]
         return self.weight * _normalized(hidden_states, _inverse_rms(hidden_states, self.variance_epsilon), self.weight)
 
 
 class _BoolMaskDropout(torch.autograd.Function):
     """``x · mask / (1 − p)`` keeping the mask as bool for the backward pass. torch's CPU dropout computes the same
-    values from the same random draws (bit for bit) but keeps the mask as a float tensor, 4 bytes per element."""
+    values from the same random draws (bit for bit) but keeps the mask as a float tensor, 4 bytes per element.
+    ``forward`` returns ``(output, mask)``; ``setup_context`` keeps the mask."""
+
+    generate_vmap_rule = True
 
     @staticmethod
-    def forward(ctx, hidden_states, p):
+    def forward(hidden_states, p):
         mask = torch.empty_like(hidden_states, dtype=torch.bool).bernoulli_(1 - p)
+        return hidden_states * mask.to(hidden_states.dtype).div_(1 - p), mask
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        mask = output[1]
+        ctx.mark_non_differentiable(mask)
+        ctx.set_materialize_grads(False)
         ctx.save_for_backward(mask)
-        ctx.p = p
-        return hidden_states * mask.to(hidden_states.dtype).div_(1 - p)
+        ctx.p = inputs[1]
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_output):
+    def backward(ctx, grad_output, _):
+        if grad_output is None:  # (grads are not materialized: the output got no gradient)
+            return None, None
         (mask,) = ctx.saved_tensors
         return grad_output * mask.to(grad_output.dtype).div_(1 - ctx.p), None
 
@@ -149,7 +172,7 @@ class Dropout(nn.Dropout):
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         if (self.training and 0 < self.p < 1 and not self.inplace and hidden_states.device.type == "cpu"
                 and torch.is_grad_enabled() and hidden_states.requires_grad):
-            return _BoolMaskDropout.apply(hidden_states, self.p)
+            return _BoolMaskDropout.apply(hidden_states, self.p)[0]
         return super().forward(hidden_states)
 
 
@@ -242,10 +265,15 @@ class _GatedTanhGELU(torch.autograd.Function):
     """``gelu_tanh(gate) * value`` keeping gate and value for the backward pass, where the activation is recomputed
     (autograd would keep the activation's output too: one [*, d_ff] tensor more per feed-forward)."""
 
+    generate_vmap_rule = True
+
     @staticmethod
-    def forward(ctx, gate, value):
-        ctx.save_for_backward(gate, value)
+    def forward(gate, value):
         return nn.functional.gelu(gate, approximate="tanh") * value
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(*inputs)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
@@ -331,10 +359,16 @@ class _GatedFeedForwardFunction(torch.autograd.Function):
     allocate two or three [*, d_ff] tensors at once: at 16K tokens and d_ff 2048 that is 176 MiB more kept and up to
     384 MiB more at once, where a checkpointed LOCOST training step peaked (in the FFN's recomputation and backward
     pass of the last encoder block).
+
+    ``forward`` returns the output and what the backward pass needs (1/rms, the projections, the mask if any), which
+    ``setup_context`` keeps (the split ``torch.func`` transforms need); buffers are made from the inputs and the
+    gradient (batched tensors under ``torch.func.vmap``).
     """
 
+    generate_vmap_rule = True
+
     @staticmethod
-    def forward(ctx, hidden_states, norm_weight, eps, wi_0, wi_1, wo, dropout_p):
+    def forward(hidden_states, norm_weight, eps, wi_0, wi_1, wo, dropout_p):
         inverse_rms = _inverse_rms(hidden_states, eps)
         normed = norm_weight * _normalized(hidden_states, inverse_rms, norm_weight)
         gate, value = nn.functional.linear(normed, wi_0), nn.functional.linear(normed, wi_1)
@@ -352,15 +386,23 @@ class _GatedFeedForwardFunction(torch.autograd.Function):
             if mask is not None:
                 product = product * mask.reshape(-1, d_ff)[step].to(product.dtype).div_(1 - dropout_p)
             flat_output[step] = nn.functional.linear(product, wo)
-        # the mask only when there is one: no None among the saved values
-        masks = () if mask is None else (mask,)
-        ctx.save_for_backward(hidden_states, inverse_rms, norm_weight, wi_0, wi_1, wo, gate, value, *masks)
+        # the mask only when there is one: no None among the outputs and saved values
+        return (output, inverse_rms, gate, value) + (() if mask is None else (mask,))
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        hidden_states, norm_weight, _, wi_0, wi_1, wo, dropout_p = inputs
+        kept = output[1:]
+        ctx.mark_non_differentiable(*kept)
+        ctx.set_materialize_grads(False)  # (no zeros made for the kept tensors' gradients, which are never used)
+        ctx.save_for_backward(hidden_states, kept[0], norm_weight, wi_0, wi_1, wo, *kept[1:])
         ctx.dropout_p = dropout_p
-        return output
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_output):
+    def backward(ctx, grad_output, *_):
+        if grad_output is None:  # (grads are not materialized: the output got no gradient)
+            return None, None, None, None, None, None, None
         hidden_states, inverse_rms, norm_weight, wi_0, wi_1, wo, gate, value, *masks = ctx.saved_tensors
         mask = masks[0] if masks else None
         needs_x, needs_norm, _, needs_wi_0, needs_wi_1, needs_wo, _ = ctx.needs_input_grad
@@ -371,9 +413,9 @@ class _GatedFeedForwardFunction(torch.autograd.Function):
         # weight gradients summed over the steps in float32 (one matmul over all rows would also accumulate so)
         wanted = (("wi_0", wi_0, needs_wi_0), ("wi_1", wi_1, needs_wi_1), ("wo", wo, needs_wo),
                   ("norm", norm_weight, needs_norm))
-        accumulators = {name: torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        accumulators = {name: grad_output.new_zeros(weight.shape, dtype=torch.float32)
                         for name, weight, needed in wanted if needed}
-        grad_x = torch.empty_like(x) if needs_x else None
+        grad_x = grad_output.new_empty(x.shape) if needs_x else None
         rows = _feed_forward_step_rows(d_ff, x.device)
         for start in range(0, x.shape[0], rows):
             step = slice(start, start + rows)
@@ -471,7 +513,7 @@ class T5LayerFF(nn.Module):
             dense = self.DenseReluDense
             output = _GatedFeedForwardFunction.apply(hidden_states, self.layer_norm.weight,
                                                      self.layer_norm.variance_epsilon, dense.wi_0.weight,
-                                                     dense.wi_1.weight, dense.wo.weight, dropout_p)
+                                                     dense.wi_1.weight, dense.wo.weight, dropout_p)[0]
         else:
             output = self.DenseReluDense(self.layer_norm(hidden_states))
         return hidden_states + self.dropout(output)
@@ -573,12 +615,16 @@ def _avx512_row_sum(values: torch.Tensor) -> torch.Tensor:
 
 
 class _ReproducibleSoftmax(torch.autograd.Function):
+    generate_vmap_rule = True
+
     @staticmethod
-    def forward(ctx, scores: torch.Tensor) -> torch.Tensor:
+    def forward(scores: torch.Tensor) -> torch.Tensor:
         exponentials = _sleef_expf(scores - scores.amax(dim=-1, keepdim=True))
-        probabilities = exponentials * (1 / _avx512_row_sum(exponentials)).unsqueeze(-1)
-        ctx.save_for_backward(probabilities)
-        return probabilities
+        return exponentials * (1 / _avx512_row_sum(exponentials)).unsqueeze(-1)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(output)
 
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor) -> torch.Tensor:
