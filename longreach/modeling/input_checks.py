@@ -23,7 +23,10 @@ def values_readable(tensor: torch.Tensor) -> bool:
 
 def _batched_by_vmap(tensor: torch.Tensor) -> bool:
     """Whether ``tensor`` is, or wraps, a tensor batched by ``torch.func.vmap`` (at any level of nested transforms)."""
-    functorch = torch._C._functorch
+    functorch = getattr(torch._C, "_functorch", None)  # (torch's private API: without it, nothing counts as batched)
+    if not all(hasattr(functorch, name) for name in ("is_functorch_wrapped_tensor", "is_batchedtensor",
+                                                     "get_unwrapped")):
+        return False
     for _ in range(64):  # one wrapper per nested transform
         if not functorch.is_functorch_wrapped_tensor(tensor):
             return False

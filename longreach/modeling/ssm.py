@@ -243,8 +243,10 @@ def s4d_kernel_vjp(grad: torch.Tensor, dtA: torch.Tensor, z: torch.Tensor, C_hat
 
 
 def _in_functorch_transform() -> bool:
-    """Whether a ``torch.func`` transform (``grad``, ``vmap``, ``jvp``...) is running."""
-    return torch._C._functorch.maybe_current_level() is not None
+    """Whether a ``torch.func`` transform (``grad``, ``vmap``, ``jvp``...) is running (torch's private functorch API:
+    where a release lacks it, no transform is seen and the code paths are those from before torch.func support)."""
+    current_level = getattr(getattr(torch._C, "_functorch", None), "maybe_current_level", None)
+    return current_level is not None and current_level() is not None
 
 
 def _first_order_backward():
@@ -259,11 +261,14 @@ def _first_order_backward():
     without recording.
     """
     if _in_functorch_transform():
-        from torch._C._functorch import TransformType
-        from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
-
-        differentiating = [interpreter for interpreter in retrieve_all_functorch_interpreters()
-                           if interpreter.key() in (TransformType.Grad, TransformType.Jvp)]
+        try:
+            from torch._C._functorch import TransformType
+            from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
+        except ImportError:  # (private API: without it, refused as before)
+            differentiating = [None, None]
+        else:
+            differentiating = [interpreter for interpreter in retrieve_all_functorch_interpreters()
+                               if interpreter.key() in (TransformType.Grad, TransformType.Jvp)]
         if len(differentiating) <= 1:
             return torch.no_grad()
     elif not torch.is_grad_enabled() or torch.compiler.is_compiling():

@@ -424,7 +424,8 @@ def compiled_kernel_usable(lags: int, *tensors: torch.Tensor) -> bool:
     (their data cannot be read by pointer)."""
     if any(t.device.type != "cpu" for t in tensors) or torch.compiler.is_compiling() or lags > MAX_LAGS:
         return False
-    if any(torch._C._functorch.is_functorch_wrapped_tensor(t) for t in tensors):
+    wrapped = getattr(getattr(torch._C, "_functorch", None), "is_functorch_wrapped_tensor", None)  # (private API)
+    if wrapped is not None and any(wrapped(t) for t in tensors):
         return False
     choice = backend()
     if choice == "torch":
