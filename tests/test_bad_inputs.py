@@ -5,13 +5,16 @@ without a single real token (which would otherwise generate a repeated token sil
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import re
+import warnings
 
 import pytest
 import torch
 from test_modeling_dodo import tiny_model as tiny_dodo
 from test_modeling_vcc_t5 import tiny_model as tiny_vcc
+from transformers import TrainingArguments
 from workflow_helpers import tiny_locost
 
 
@@ -611,10 +614,21 @@ def test_dodo_refuses_layers_wrapped_by_torchs_checkpoint_wrapper():
     for index, layer in enumerate(layers):
         layers[index] = checkpoint_wrapper(layer, preserve_rng_state=False)
     with pytest.raises(ValueError, match=re.escape(
-            "Decoder layer 0 is wrapped by torch's CheckpointWrapper (FSDP's or accelerate's "
+            "Decoder layer 0 is wrapped by torch's CheckpointWrapper (the FSDP config's or accelerate's "
             "`activation_checkpointing`), whose replay would write the layer's keys and values into Dodo's cache a "
-            "second time. Turn it off and "
-            "use the model's own gradient checkpointing instead: `model.gradient_checkpointing_enable()`")):
+            "second time. Turn it off and use the model's own activation checkpointing instead: `model.")) as caught:
         model(**batch)
     with torch.no_grad():
         assert torch.equal(model(**batch).logits, expected)
+
+    # The fix it names is the installed transformers' own, not a deprecated alias (in 5.24,
+    # `gradient_checkpointing_enable` and `TrainingArguments(gradient_checkpointing=...)` warn: aliases of
+    # `activation_...`).
+    method, argument = re.search(r"`model\.(\w+)\(\)` or `TrainingArguments\((\w+)=True\)`",
+                                 str(caught.value)).groups()
+    assert argument == method.removesuffix("_enable")
+    assert argument in {field.name for field in dataclasses.fields(TrainingArguments)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        getattr(tiny_dodo().train(), method)()
+        TrainingArguments(output_dir="unused", **{argument: True})

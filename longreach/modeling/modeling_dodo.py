@@ -571,11 +571,13 @@ class DodoLlamaModel(LlamaModel):
         wrapped = next((index for index, layer in enumerate(self.layers)
                         if any(type(module).__name__ == "CheckpointWrapper" for module in layer.modules())), None)
         if wrapped is not None:
+            # transformers 5.24 calls it activation checkpointing (`gradient_checkpointing*`: deprecated aliases)
+            name = "activation" if hasattr(self, "activation_checkpointing_enable") else "gradient"
             raise ValueError(
-                f"Decoder layer {wrapped} is wrapped by torch's CheckpointWrapper (FSDP's or accelerate's "
+                f"Decoder layer {wrapped} is wrapped by torch's CheckpointWrapper (the FSDP config's or accelerate's "
                 "`activation_checkpointing`), whose replay would write the layer's keys and values into Dodo's cache "
-                "a second time. Turn it off and use the model's own gradient checkpointing instead: "
-                "`model.gradient_checkpointing_enable()` or `TrainingArguments(gradient_checkpointing=True)`."
+                "a second time. Turn it off and use the model's own activation checkpointing instead: "
+                f"`model.{name}_checkpointing_enable()` or `TrainingArguments({name}_checkpointing=True)`."
             )
 
 
