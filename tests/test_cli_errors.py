@@ -48,6 +48,24 @@ def test_version(capsys):
     assert capsys.readouterr().out.strip() == f"longreach {longreach.__version__}"
 
 
+def test_python_dash_m_longreach_is_the_command(tmp_path):
+    """`python -m longreach` runs the command (where the script is not on PATH: `pip install --target`, `--user`); it
+    said "No module named longreach.__main__"."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import longreach
+
+    package_root = str(Path(longreach.__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([package_root, os.environ.get("PYTHONPATH", "")])}
+    command = [sys.executable, "-m", "longreach"]
+    version = subprocess.run([*command, "--version"], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert (version.returncode, version.stdout.strip()) == (0, f"longreach {longreach.__version__}"), version.stderr
+    usage = subprocess.run([*command, "summarize"], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert usage.returncode == 2 and "--model" in usage.stderr and "Traceback" not in usage.stderr
+
+
 def test_a_missing_local_model_path_never_asks_the_hub(text_file, capsys, monkeypatch):
     def no_network(*args, **kwargs):
         raise AssertionError("a local path was sent to the Hub")
