@@ -27,8 +27,9 @@ def _ignore(folder: str, names: list[str]) -> set[str]:
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
-    """(source copy, wheel's file names, sdist's file names relative to its root folder), built from a copy of the
-    clone so that the build's `build/` and `*.egg-info` do not land in it."""
+    """(source copy, wheel's file names, sdist's file names relative to its root folder, the wheel's METADATA and
+    entry_points.txt), built from a copy of the clone so that the build's `build/` and `*.egg-info` do not land in
+    it."""
     pytest.importorskip("setuptools")
     root = tmp_path_factory.mktemp("packaging")
     source, out = root / "source", root / "dist"
@@ -41,14 +42,16 @@ def built(tmp_path_factory):
     wheel_name, sdist_name = result.stdout.strip().splitlines()[-1].split()[1:]  # (setuptools prints its steps)
     with zipfile.ZipFile(out / wheel_name) as wheel:
         wheel_files = set(wheel.namelist())
+        info = wheel_name.split("-py")[0] + ".dist-info"
+        metadata, entry_points = (wheel.read(f"{info}/{name}").decode() for name in ("METADATA", "entry_points.txt"))
     with tarfile.open(out / sdist_name) as sdist:
         sdist_files = {name.partition("/")[2] for name in sdist.getnames()
                        if sdist.getmember(name).isfile()}
-    return source, wheel_files, sdist_files
+    return source, wheel_files, sdist_files, metadata, entry_points
 
 
 def test_wheel_holds_every_runtime_file_and_nothing_else(built):
-    source, wheel_files, _ = built
+    source, wheel_files, *_ = built
     package = {path.relative_to(source).as_posix() for path in (source / "longreach").rglob("*")
                if path.is_file() and "__pycache__" not in path.parts}
     assert {"longreach/py.typed", "longreach/__main__.py", "longreach/model_card_templates/locost.md"} <= package
@@ -61,10 +64,29 @@ def test_wheel_holds_every_runtime_file_and_nothing_else(built):
 def test_sdist_holds_the_whole_source(built):
     """The sdist held the test files named test_*.py but not conftest.py, the helpers they import or the fixtures:
     27 of the 41 test files failed to import from an unpacked sdist; LICENSE, examples/ and benchmarks/ were missing."""
-    source, _, sdist_files = built
+    source, _, sdist_files, *_ = built
     needed = {"pyproject.toml", "README.md", "LICENSE", "MANIFEST.in"}
     for folder in ("longreach", *SDIST_FOLDERS):
         needed |= {path.relative_to(source).as_posix() for path in (source / folder).rglob("*")
                    if path.is_file() and "__pycache__" not in path.parts}
     assert {"tests/conftest.py", "tests/workflow_helpers.py", "tests/fixtures/locost/refs.safetensors"} <= needed
     assert sorted(needed - sdist_files) == []
+
+
+def test_wheel_metadata(built):
+    """Dependencies have lower bounds only (`transformers<6` would refuse the next major release however it works),
+    the extras the README installs exist, and the command is the console script."""
+    import re
+
+    *_, metadata, entry_points = built
+    fields = [line.split(": ", 1) for line in metadata.split("\n\n")[0].splitlines() if ": " in line]
+    requirements = [value for key, value in fields if key == "Requires-Dist"]
+    assert requirements and [r for r in requirements if re.search(r"<|==|~=|!=", r.split(";")[0])] == []
+    assert any(r.startswith("transformers>=") for r in requirements)
+    readme = (REPO_ROOT / "README.md").read_text(encoding="utf-8")
+    extras = set(re.findall(r"longreach\[(\w+)\]|\.\[(\w+)\]", readme))
+    assert {"train", "test"} <= {name for pair in extras for name in pair if name} <= {
+        value for key, value in fields if key == "Provides-Extra"}
+    assert ("Requires-Python", ">=3.11") in [tuple(f) for f in fields]
+    assert ("License-Expression", "Apache-2.0") in [tuple(f) for f in fields]
+    assert "longreach = longreach.cli:main" in entry_points
