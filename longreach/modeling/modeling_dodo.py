@@ -32,10 +32,12 @@ import json
 import math
 import numbers
 import os
+import threading
+import weakref
 from collections.abc import Mapping
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
-from functools import partial
+from functools import partial, wraps
 from pathlib import Path
 
 import torch
@@ -374,6 +376,33 @@ def _activate_adapter(lora_layers: list[BaseTunerLayer], adapter: str | tuple[st
         param.requires_grad_(flag)
 
 
+# One lock per model (created on first use; a deep copy gets its own): see `_one_call_at_a_time`.
+_CALL_LOCKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_CALL_LOCKS_GUARD = threading.Lock()
+
+
+def _call_lock(model: nn.Module) -> threading.RLock:
+    lock = _CALL_LOCKS.get(model)
+    if lock is None:
+        with _CALL_LOCKS_GUARD:
+            lock = _CALL_LOCKS.setdefault(model, threading.RLock())
+    return lock
+
+
+def _one_call_at_a_time(method):
+    """Run ``method`` holding the model's lock. A Dodo call switches the LoRA layers between φ and θ (state of the
+    layers, shared by every thread that uses the model) and may hook a decoder layer for the duration of a pass, so
+    threads sharing one model (a server's worker threads) take turns, call by call: each call gives what it gives
+    alone. Reentrant: a call's own inner calls (`forward` compressing its context) never wait."""
+
+    @wraps(method)
+    def locked(self, *args, **kwargs):
+        with _call_lock(self):
+            return method(self, *args, **kwargs)
+
+    return locked
+
+
 @contextmanager
 def _adapter_activated(lora_layers: list[BaseTunerLayer], adapter: tuple[str, ...] | None):
     previous = _active_adapter(lora_layers)
@@ -701,6 +730,7 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
         self._check_config()
         return super().save_pretrained(save_directory, *args, **kwargs)
 
+    @_one_call_at_a_time
     def set_active_adapter(self, adapter_name: str | None) -> None:
         """Run the backbone with adapter ``adapter_name`` (φ or θ name), or with no adapter (``None``).
 
@@ -954,6 +984,7 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
     # Compression (paper §2.3, Eq. 5-6 and 14-15)
     # -----------------------------------------------------------------------------------------------------------------
 
+    @_one_call_at_a_time
     def compress(
         self, input_ids: torch.LongTensor, attention_mask: torch.Tensor | None = None, output_features: bool = False,
         *, argument_names: tuple[str, str] = ("input_ids", "attention_mask"),
@@ -1403,6 +1434,7 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
     # Forward
     # -----------------------------------------------------------------------------------------------------------------
 
+    @_one_call_at_a_time
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
