@@ -75,6 +75,45 @@ def test_dodo_compression_is_not_switched_to_theta_by_a_call_in_another_thread()
     torch.testing.assert_close(results["logits"], alone_logits, rtol=0, atol=0)
 
 
+
+def test_vcc_t5_compression_info_of_generate_is_the_calls_own():
+    """`generate(output_compression_info=True)` hooks the shared encoder for the duration of the call: before, an
+    encoder run by another thread meanwhile was recorded too, and its compression info (another input's) returned."""
+    from test_modeling_vcc_t5 import tiny_model as tiny_vcc
+
+    torch.manual_seed(0)
+    model = tiny_vcc()
+    mine, other = torch.randint(3, 200, (1, 100)), torch.randint(3, 200, (2, 60))
+    options = dict(max_new_tokens=2, do_sample=False, return_dict_in_generate=True, output_compression_info=True)
+    with torch.inference_mode():
+        alone = model.generate(mine, **options).encoder_compression_info
+    paused, resume, results = threading.Event(), threading.Event(), {}
+
+    def generate_with_info():
+        handle = _paused_at_first_layer(model, model.encoder.block, paused, resume)
+        try:
+            with torch.inference_mode():
+                results["info"] = model.generate(mine, **options).encoder_compression_info
+        finally:
+            handle.remove()
+
+    def generate_other():
+        paused.wait(PAUSE_S)
+        with torch.inference_mode():
+            model.generate(other, max_new_tokens=2, do_sample=False)
+        resume.set()
+
+    threads = [threading.Thread(target=generate_with_info), threading.Thread(target=generate_other)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert results["info"].padded_length == alone.padded_length
+    torch.testing.assert_close(results["info"].vip_sort_order, alone.vip_sort_order, rtol=0, atol=0)
+    for got, expected in zip(results["info"].selection_scores, alone.selection_scores):
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # Stress: a thread pool shares one model; every call is compared with the same call made alone
 # ---------------------------------------------------------------------------------------------------------------------

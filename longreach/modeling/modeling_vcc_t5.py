@@ -29,6 +29,7 @@ segment then gets uniform, finite attention instead of NaN).
 from __future__ import annotations
 
 import inspect
+import threading
 import warnings
 from dataclasses import dataclass
 
@@ -1014,8 +1015,13 @@ class VCCT5ForConditionalGeneration(_VCCT5Seq2Seq, GenerationMixin):
         if not return_dict:
             raise ValueError("generate(output_compression_info=True) returns the compression info only with "
                              f"return_dict_in_generate=True; got return_dict_in_generate={return_dict!r}.")
-        encoder_outputs = []
-        hook = self.get_encoder().register_forward_hook(lambda module, inputs, output: encoder_outputs.append(output))
+        encoder_outputs, caller = [], threading.get_ident()
+
+        def record(module, inputs, output):  # this call's encoder only: threads may share the model
+            if threading.get_ident() == caller:
+                encoder_outputs.append(output)
+
+        hook = self.get_encoder().register_forward_hook(record)
         try:
             output = super().generate(*args, output_compression_info=True, **kwargs)
         finally:
