@@ -114,6 +114,50 @@ def test_vcc_t5_compression_info_of_generate_is_the_calls_own():
         torch.testing.assert_close(got, expected, rtol=0, atol=0)
 
 
+
+def test_dodo_assistant_of_another_configuration_drafts_from_its_own_nuggets_while_another_thread_generates():
+    """generate() hands an assistant of another configuration the nuggets it compressed itself. Before, they were
+    kept on the model for the call: a generate() of another thread meanwhile reset them, and the assistant got the
+    main model's nuggets ("`nuggets` were produced by a model with another configuration")."""
+    model = tiny_dodo()
+    small = tiny_dodo(hidden_size=16, intermediate_size=32, num_hidden_layers=2, nugget_layer=1)
+    torch.manual_seed(1)
+    context, prompt = torch.randint(3, 100, (1, 30)), torch.randint(3, 100, (1, 6))
+    options = dict(context_input_ids=context, max_new_tokens=6)
+    with torch.inference_mode():
+        alone = model.generate(prompt, assistant_model=small, **options)
+    paused, resume, results, owner = threading.Event(), threading.Event(), {}, []
+
+    def pausing_candidate_generator(*args, **kwargs):  # between generate()'s start and its assistant's setup
+        if threading.get_ident() in owner:
+            paused.set()
+            resume.wait(PAUSE_S)
+        return type(model)._get_candidate_generator(model, *args, **kwargs)
+
+    def assisted():
+        owner.append(threading.get_ident())
+        try:
+            with torch.inference_mode():
+                results["assisted"] = model.generate(prompt, assistant_model=small, **options)
+        except ValueError as error:
+            results["assisted"] = error
+
+    def other():
+        paused.wait(PAUSE_S)
+        with torch.inference_mode():
+            model.generate(prompt, max_new_tokens=2)
+        resume.set()
+
+    model._get_candidate_generator = pausing_candidate_generator
+    threads = [threading.Thread(target=assisted), threading.Thread(target=other)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not isinstance(results["assisted"], ValueError), results["assisted"]
+    assert torch.equal(results["assisted"], alone)
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # Stress: a thread pool shares one model; every call is compared with the same call made alone
 # ---------------------------------------------------------------------------------------------------------------------

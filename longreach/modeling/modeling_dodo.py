@@ -36,6 +36,7 @@ import threading
 import weakref
 from collections.abc import Mapping
 from contextlib import contextmanager, nullcontext
+from contextvars import ContextVar
 from dataclasses import dataclass
 from functools import partial, wraps
 from pathlib import Path
@@ -375,6 +376,10 @@ def _activate_adapter(lora_layers: list[BaseTunerLayer], adapter: str | tuple[st
     for param, flag in flags:
         param.requires_grad_(flag)
 
+
+# (model, nuggets) of the generate() call running in this thread (or asyncio task): the nuggets its assistant of another
+# configuration drafts from (see `generate`); threads sharing the model each have their own.
+_ASSISTANT_NUGGETS: ContextVar[tuple | None] = ContextVar("dodo_assistant_nuggets", default=None)
 
 # One lock per model (created on first use; a deep copy gets its own): see `_one_call_at_a_time`.
 _CALL_LOCKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -1682,11 +1687,11 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
                     argument_names=("context_input_ids", "context_attention_mask"),
                 )
             kwargs["nuggets"] = nuggets
-        self._assistant_nuggets = assistant_nuggets
+        token = _ASSISTANT_NUGGETS.set((self, assistant_nuggets))
         try:
             return super().generate(input_ids, **kwargs)
         finally:
-            self._assistant_nuggets = None
+            _ASSISTANT_NUGGETS.reset(token)
 
     def _get_candidate_generator(self, generation_config, *args, model_kwargs: dict, **kwargs):
         """transformers' candidate generator (assisted decoding, before its first step); an assistant with another
@@ -1702,8 +1707,9 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
             raise _assisted_decoding_refused("this model", window)
         generator = super()._get_candidate_generator(generation_config, *args, model_kwargs=model_kwargs, **kwargs)
         assistant_kwargs = getattr(generator, "assistant_kwargs", None)
-        if getattr(self, "_assistant_nuggets", None) is not None and isinstance(assistant_kwargs, dict):
-            assistant_kwargs["nuggets"] = self._assistant_nuggets
+        owner, assistant_nuggets = _ASSISTANT_NUGGETS.get() or (None, None)
+        if owner is self and assistant_nuggets is not None and isinstance(assistant_kwargs, dict):
+            assistant_kwargs["nuggets"] = assistant_nuggets
         assistant = getattr(generator, "assistant_model", None)
         if (_is_a(assistant, DodoLlamaForCausalLM) and isinstance(assistant_kwargs, dict)
                 and assistant_kwargs.get("nuggets") is None and assistant.config.recent_window is not None):
