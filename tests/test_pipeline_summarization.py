@@ -171,6 +171,34 @@ def test_models_without_the_protocol_get_plain_tokenization_and_prefix(tokenizer
         summarizer(doc, max_input_length=10)  # 2 + 30 words + </s> = 33 tokens
 
 
+
+def test_the_truncation_warning_is_shown_every_time_and_remembered_nowhere(summarizer):
+    """A server summarizing long documents: ``warnings.warn`` kept each text it showed (one per document length) in
+    its caller's ``__warningregistry__``, a dict that grew by one entry per truncated document, and an identical
+    document truncated again was not reported."""
+    import sys
+
+    def remembered():
+        return sum(isinstance(key, tuple) and "tokens were dropped" in str(key[0])
+                   for module in list(sys.modules.values())
+                   for key in getattr(module, "__dict__", {}).get("__warningregistry__", {}))
+
+    documents = [document(20 + k, offset=k) for k in range(12)] + [document(20)]  # the last one again
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("default")  # Python's own setting outside pytest
+        for doc in documents:
+            summarizer(doc, max_input_length=10, max_new_tokens=2)
+        assert remembered() == 0  # was 12
+    dropped = [str(warning.message) for warning in caught if "tokens were dropped" in str(warning.message)]
+    assert len(dropped) == len(documents)  # the repeated document too (was 12)
+    assert dropped[-1] == dropped[0] == (f"The document ({len(documents[0])} characters) is longer than the model may "
+                                         "read: its last 11 tokens were dropped (max_input_length=10).")
+    assert all(warning.category is UserWarning for warning in caught)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # filters still apply
+        with pytest.raises(UserWarning, match="tokens were dropped"):
+            summarizer(documents[0], max_input_length=10, max_new_tokens=2)
+
 def test_decoder_only_models_return_only_new_tokens(tokenizer):
     torch.manual_seed(0)
     llama = LlamaForCausalLM(LlamaConfig(vocab_size=99, hidden_size=32, intermediate_size=64, num_hidden_layers=2,

@@ -31,11 +31,22 @@ from __future__ import annotations
 
 import inspect
 import numbers
+import sys
 import warnings
 
 import torch
 from transformers import Pipeline
 
+
+
+def _warn_every_time(message: str) -> None:
+    """``warnings.warn(message, UserWarning, stacklevel=2)`` for the caller of our caller, shown at every call and
+    remembered nowhere. ``warnings.warn`` keeps each text it showed in the calling module's ``__warningregistry__``;
+    a text naming each document's length added one entry per truncated document, for the life of a server. Filters
+    (``ignore``, ``error``) and ``catch_warnings`` apply as to ``warnings.warn``."""
+    frame = sys._getframe(2)
+    warnings.warn_explicit(message, UserWarning, frame.f_code.co_filename, frame.f_lineno,
+                           module=frame.f_globals.get("__name__"), registry=None, module_globals=frame.f_globals)
 
 class LongSummarizationPipeline(Pipeline):
     """Summarize (long) documents with ``generate()``.
@@ -249,11 +260,9 @@ class LongSummarizationPipeline(Pipeline):
             inputs, dropped = self._prepare_inputs(documents, max_input_length, questions)
         for document, count in zip(documents, dropped):
             if count > 0:
-                warnings.warn(
+                _warn_every_time(
                     f"The document ({len(document)} characters) is longer than the model may read: its last {count} "
-                    f"tokens were dropped (max_input_length={max_input_length if max_input_length is not None else 'the model limit'}).",
-                    UserWarning,
-                    stacklevel=2,
+                    f"tokens were dropped (max_input_length={max_input_length if max_input_length is not None else 'the model limit'})."
                 )
 
         summarizing = all(question is None for question in questions)
