@@ -651,11 +651,11 @@ def summarize_corpus(
     errors = [error for k, error in enumerate(corpus.errors) if k % world_size == rank]
 
     tokenizer, model = summarizer.tokenizer, summarizer.model
-    lengths = [len(ids) for ids in tokenizer(corpus.texts)["input_ids"]] if corpus.texts else []
+    lengths = token_counts(tokenizer, corpus.texts)
     if max_input_length is not None:
         lengths = [min(length, max_input_length) for length in lengths]
-    if corpus.questions is not None and corpus.texts:  # the question is read too (VCC-T5's input, Dodo's prompt)
-        lengths = [length + len(ids) for length, ids in zip(lengths, tokenizer(corpus.questions)["input_ids"])]
+    if corpus.questions is not None:  # the question is read too (VCC-T5's input, Dodo's prompt)
+        lengths = [length + count for length, count in zip(lengths, token_counts(tokenizer, corpus.questions))]
     by_length = sorted(range(len(corpus.texts)), key=lambda i: (-lengths[i], corpus.ids[i]))
     mine = [i for k, i in enumerate(by_length) if k % world_size == rank and corpus.ids[i] not in done]
     edited_mine = sum(corpus.ids[i] in edited for i in mine)
@@ -698,6 +698,26 @@ def summarize_corpus(
             "edited_since_summarized": edited_mine,
             "errors": len(errors), "peak_memory_bytes": peak_memory_bytes(model.device), "output": str(target),
             "errors_file": str(errors_path) if errors else None}
+
+
+
+#: Characters of text tokenized at once by :func:`token_counts`.
+TOKEN_COUNT_CHARACTERS = 2**20
+
+
+def token_counts(tokenizer, texts: list[str]) -> list[int]:
+    """Each text's number of tokens, tokenized a slice of about ``TOKEN_COUNT_CHARACTERS`` characters at a time: the
+    ids of a whole corpus at once, only to be counted, took about 170 bytes per token of peak memory (1 GB for 2,000
+    documents of 3,000 words)."""
+    counts, first = [], 0
+    while first < len(texts):
+        last, characters = first, 0
+        while last < len(texts) and (last == first or characters + len(texts[last]) <= TOKEN_COUNT_CHARACTERS):
+            characters += len(texts[last])
+            last += 1
+        counts += [len(ids) for ids in tokenizer(texts[first:last], return_attention_mask=False)["input_ids"]]
+        first = last
+    return counts
 
 
 def _summarize_batch(summarizer, corpus: Corpus, batch: list[int], max_input_length, generate_kwargs,
