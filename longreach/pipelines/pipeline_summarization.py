@@ -260,10 +260,9 @@ class LongSummarizationPipeline(Pipeline):
             inputs, dropped = self._prepare_inputs(documents, max_input_length, questions)
         for document, count in zip(documents, dropped):
             if count > 0:
-                _warn_every_time(
-                    f"The document ({len(document)} characters) is longer than the model may read: its last {count} "
-                    f"tokens were dropped (max_input_length={max_input_length if max_input_length is not None else 'the model limit'})."
-                )
+                limit = max_input_length if max_input_length is not None else "the model limit"
+                _warn_every_time(f"The document ({len(document)} characters) is longer than the model may read: its "
+                                 f"last {count} tokens were dropped (max_input_length={limit}).")
 
         summarizing = all(question is None for question in questions)
         output_ids = self.model.generate(**inputs, **self._generate_options(generate_kwargs, summarizing))
