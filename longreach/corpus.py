@@ -700,7 +700,6 @@ def summarize_corpus(
             "errors_file": str(errors_path) if errors else None}
 
 
-
 #: Characters of text tokenized at once by :func:`token_counts`.
 TOKEN_COUNT_CHARACTERS = 2**20
 
