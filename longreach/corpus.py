@@ -429,6 +429,22 @@ def finished_records(path: Path, repair: bool = True) -> _Records:
     return records
 
 
+def _keep_latest(records: dict, found: dict, texts: dict[str, str]) -> None:
+    """``records.update(found)`` (a later file's record of an id replaces an earlier one's), except that a record of
+    the text read now (:func:`text_digest`; one without a digest counts as such, as for a rerun) is not replaced by
+    one of another text: a part file left by an interrupted run may hold the summary of a document edited since, older
+    than the record that a rerun with another process count wrote into ``OUT``."""
+
+    def current(record: dict) -> bool:
+        text = texts.get(str(record["id"]))
+        return (text is None or "text_digest" not in record
+                or record["text_digest"] == text_digest(text, record.get("question")))
+
+    for record_id, record in found.items():
+        if record_id not in records or current(record) or not current(records[record_id]):
+            records[record_id] = record
+
+
 def json_lines(path: Path) -> list[dict]:
     """The JSON objects of one of our JSONL files (split on newlines only, as :func:`finished_records` reads)."""
     return [json.loads(line) for line in path.read_text(encoding="utf-8").split("\n") if line.strip()]
@@ -634,12 +650,12 @@ def summarize_corpus(
     output = Path(output)
     output.parent.mkdir(parents=True, exist_ok=True)
     target = part_path(output, rank, world_size)
-    finished = {}  # by id, the latest record (a later file's replaces an earlier one's, as merge_parts keeps them)
+    finished, texts = {}, dict(zip(corpus.ids, corpus.texts))  # by id, the record merge_parts will keep
     for path in dict.fromkeys([output, target]):  # one file when this process writes OUT itself: read once
-        finished.update(finished_records(path))
+        _keep_latest(finished, finished_records(path), texts)
     for part, part_world_size in part_files(output).items():
         if part_world_size != world_size:  # left by an interrupted run with another process count (merged at the end)
-            finished.update(finished_records(part, repair=False))
+            _keep_latest(finished, finished_records(part, repair=False), texts)
     digests = [text_digest(text, corpus.questions[k] if corpus.questions is not None else None)
                for k, text in enumerate(corpus.texts)]
     # done: summarized from the text read now (records written before the digest existed count as done, as then)
@@ -761,8 +777,9 @@ def merge_parts(output: str | os.PathLike, corpus: Corpus, world_size: int) -> l
     records = finished_records(output)
     in_output, lines = list(records.values()), records.lines
     parts = list(part_files(output))
+    texts = dict(zip(corpus.ids, corpus.texts))
     for part in parts:
-        records.update(finished_records(part, repair=False))
+        _keep_latest(records, finished_records(part, repair=False), texts)
     order = {record_id: k for k, record_id in enumerate(corpus.ids)}
     merged = sorted(records.values(), key=lambda record: (order.get(str(record["id"]), len(order)), str(record["id"])))
     if merged != in_output or lines != len(merged):  # new, changed or reordered records, or an id written twice

@@ -856,3 +856,34 @@ def test_a_rerun_summarizes_again_the_documents_edited_since_and_only_those(mode
     finally:
         corpus_module._summarize_batch = original
     assert corpus_module.json_lines(output) == old
+
+
+def test_a_part_left_by_an_interrupted_run_does_not_bring_back_the_summary_of_an_edited_document(model_folder,
+                                                                                                   tmp_path, capsys):
+    """An interrupted 2-process run left d001's summary in a part; d001 is edited and a 1-process rerun summarizes it
+    again into OUT. The merge let the part's older record replace the new one (a later file's record won), while the
+    run said that the new records replace the old ones."""
+    rows = write_jsonl(tmp_path / "corpus.jsonl", 4)
+    arguments = summarize_args(model_folder, tmp_path / "corpus.jsonl", tmp_path / "one.jsonl", "--id_column", "doc_id")
+    assert main(arguments) == 0
+    before = corpus_module.finished_records(tmp_path / "one.jsonl")["d001"]
+    output = tmp_path / "out.jsonl"
+    (tmp_path / "out.jsonl.part-1-of-2.jsonl").write_text(json.dumps(before) + "\n", encoding="utf-8")
+    rows[1]["text"] = document(40, offset=17)
+    (tmp_path / "corpus.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
+    arguments = summarize_args(model_folder, tmp_path / "corpus.jsonl", output, "--id_column", "doc_id")
+    capsys.readouterr()
+    assert main(arguments) == 0
+    assert "1 document edited since" in capsys.readouterr().err
+    records = corpus_module.json_lines(output)
+    assert [record["id"] for record in records] == ["d000", "d001", "d002", "d003"]
+    assert records[1]["text_digest"] == corpus_module.text_digest(rows[1]["text"]) != before["text_digest"]
+    summarizer = pipeline("summarization", model=str(model_folder), trust_remote_code=True)
+    assert records[1]["summary"] == summarizer(rows[1]["text"], max_new_tokens=4)[0]["summary_text"]
+    assert not list(tmp_path.glob("out.jsonl.part-*"))
+    # the part's record of the text read now is kept over an older one in OUT, as before
+    (tmp_path / "out.jsonl.part-1-of-2.jsonl").write_text(json.dumps(records[1]) + "\n", encoding="utf-8")
+    with open(output, "a", encoding="utf-8") as handle:
+        handle.write(json.dumps(before) + "\n")
+    corpus = corpus_module.read_corpus(str(tmp_path / "corpus.jsonl"), id_column="doc_id")
+    assert corpus_module.merge_parts(output, corpus, world_size=1) == records
