@@ -49,7 +49,6 @@ def test_plan_batches_respects_the_padded_token_budget():
     assert batches[2] == [4, 3, 2] and batches[3] == [6, 0]  # neighbours in length share a batch
 
 
-
 def test_the_batches_are_planned_from_token_counts_made_a_slice_at_a_time(model_folder, tmp_path, monkeypatch):
     """The corpus's token counts were made by tokenizing every document at once: about 170 bytes per token of peak
     memory (1 GB for 2,000 documents of 3,000 words) before the first summary, only to be counted."""
@@ -79,6 +78,7 @@ def test_the_batches_are_planned_from_token_counts_made_a_slice_at_a_time(model_
     ((lengths, peak),) = planned
     assert lengths == [5001] * count  # 5,000 words and </s> each
     assert peak < 8 * 2**20  # 1.5 million tokens: 23 MiB of Python objects at their peak before, 2.1 MiB now
+
 
 def test_a_folder_corpus_equals_the_pipeline_and_reports_unreadable_files(model_folder, tmp_path, monkeypatch, capsys):
     source = tmp_path / "docs"
@@ -808,7 +808,6 @@ def test_a_rerun_after_documents_were_removed_from_the_input_says_their_summarie
     error = capsys.readouterr().err
     assert f"warning: {tmp_path / 'out.jsonl'} holds 2 summaries of ids no longer in --input" in error, error
     assert "['d003', 'd004']" in error and len(read_output(tmp_path / "out.jsonl")) == 5  # kept: nothing is lost
-
 
 
 def test_without_posix_locks_the_run_lock_is_a_no_op(tmp_path, monkeypatch):

@@ -171,7 +171,6 @@ def test_models_without_the_protocol_get_plain_tokenization_and_prefix(tokenizer
         summarizer(doc, max_input_length=10)  # 2 + 30 words + </s> = 33 tokens
 
 
-
 def test_the_truncation_warning_is_shown_every_time_and_remembered_nowhere(summarizer):
     """A server summarizing long documents: ``warnings.warn`` kept each text it showed (one per document length) in
     its caller's ``__warningregistry__``, a dict that grew by one entry per truncated document, and an identical
@@ -198,6 +197,7 @@ def test_the_truncation_warning_is_shown_every_time_and_remembered_nowhere(summa
         warnings.simplefilter("error", UserWarning)  # filters still apply
         with pytest.raises(UserWarning, match="tokens were dropped"):
             summarizer(documents[0], max_input_length=10, max_new_tokens=2)
+
 
 def test_decoder_only_models_return_only_new_tokens(tokenizer):
     torch.manual_seed(0)

@@ -75,7 +75,6 @@ def test_dodo_compression_is_not_switched_to_theta_by_a_call_in_another_thread()
     torch.testing.assert_close(results["logits"], alone_logits, rtol=0, atol=0)
 
 
-
 def test_vcc_t5_compression_info_of_generate_is_the_calls_own():
     """`generate(output_compression_info=True)` hooks the shared encoder for the duration of the call: before, an
     encoder run by another thread meanwhile was recorded too, and its compression info (another input's) returned."""
@@ -112,7 +111,6 @@ def test_vcc_t5_compression_info_of_generate_is_the_calls_own():
     torch.testing.assert_close(results["info"].vip_sort_order, alone.vip_sort_order, rtol=0, atol=0)
     for got, expected in zip(results["info"].selection_scores, alone.selection_scores):
         torch.testing.assert_close(got, expected, rtol=0, atol=0)
-
 
 
 def test_dodo_assistant_of_another_configuration_drafts_from_its_own_nuggets_while_another_thread_generates():

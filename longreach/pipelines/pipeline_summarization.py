@@ -38,7 +38,6 @@ import torch
 from transformers import Pipeline
 
 
-
 def _warn_every_time(message: str) -> None:
     """``warnings.warn(message, UserWarning, stacklevel=2)`` for the caller of our caller, shown at every call and
     remembered nowhere. ``warnings.warn`` keeps each text it showed in the calling module's ``__warningregistry__``;
@@ -47,6 +46,7 @@ def _warn_every_time(message: str) -> None:
     frame = sys._getframe(2)
     warnings.warn_explicit(message, UserWarning, frame.f_code.co_filename, frame.f_lineno,
                            module=frame.f_globals.get("__name__"), registry=None, module_globals=frame.f_globals)
+
 
 class LongSummarizationPipeline(Pipeline):
     """Summarize (long) documents with ``generate()``.
