@@ -262,3 +262,15 @@ def test_summarization_pipeline_shared_by_threads(name):
         return {f"{row}": torch.as_tensor(record["summary_token_ids"]) for row, record in enumerate(records)}
 
     _shared_by_threads(run, calls)
+
+
+def test_dodo_forward_still_compiles_as_one_graph():
+    """The per-model lock cannot be traced by ``torch.compile``: ``fullgraph=True`` of a θ pass (which compiled as one
+    graph before the lock) failed with "Unsupported context manager". Inside a compiled graph the lock is not taken."""
+    model = tiny_dodo().eval()
+    torch.manual_seed(1)
+    prompt = torch.randint(3, 100, (2, 7))
+    with torch.no_grad():
+        expected = model(prompt).logits
+        compiled = torch.compile(model.forward, backend="eager", fullgraph=True)(prompt).logits
+    torch.testing.assert_close(compiled, expected, rtol=1e-5, atol=1e-5)

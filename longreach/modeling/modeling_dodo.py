@@ -398,10 +398,14 @@ def _one_call_at_a_time(method):
     """Run ``method`` holding the model's lock. A Dodo call switches the LoRA layers between φ and θ (state of the
     layers, shared by every thread that uses the model) and may hook a decoder layer for the duration of a pass, so
     threads sharing one model (a server's worker threads) take turns, call by call: each call gives what it gives
-    alone. Reentrant: a call's own inner calls (`forward` compressing its context) never wait."""
+    alone. Reentrant: a call's own inner calls (`forward` compressing its context) never wait. Not inside
+    ``torch.compile``, which cannot trace a lock (``fullgraph=True`` failed: "Unsupported context manager"): a compiled
+    call runs without it."""
 
     @wraps(method)
     def locked(self, *args, **kwargs):
+        if torch.compiler.is_compiling():
+            return method(self, *args, **kwargs)
         with _call_lock(self):
             return method(self, *args, **kwargs)
 
