@@ -21,18 +21,33 @@ def values_readable(tensor: torch.Tensor) -> bool:
     return not torch.compiler.is_compiling() and tensor.device.type != "meta" and not _batched_by_vmap(tensor)
 
 
+def _functorch_api(name: str):
+    """A function of torch's private functorch API (``torch._C._functorch``), or None where a torch release lacks it:
+    then no tensor counts as wrapped and no transform as running (the code paths from before torch.func support)."""
+    return getattr(getattr(torch._C, "_functorch", None), name, None)
+
+
+def in_functorch_transform() -> bool:
+    """Whether a ``torch.func`` transform (``grad``, ``vmap``, ``jvp``...) is running."""
+    current_level = _functorch_api("maybe_current_level")
+    return current_level is not None and current_level() is not None
+
+
+def functorch_wrapped(tensor: torch.Tensor) -> bool:
+    """Whether a ``torch.func`` transform wraps ``tensor`` (its data cannot be read by pointer)."""
+    wrapped = _functorch_api("is_functorch_wrapped_tensor")
+    return wrapped is not None and wrapped(tensor)
+
+
 def _batched_by_vmap(tensor: torch.Tensor) -> bool:
     """Whether ``tensor`` is, or wraps, a tensor batched by ``torch.func.vmap`` (at any level of nested transforms)."""
-    functorch = getattr(torch._C, "_functorch", None)  # (torch's private API: without it, nothing counts as batched)
-    if not all(hasattr(functorch, name) for name in ("is_functorch_wrapped_tensor", "is_batchedtensor",
-                                                     "get_unwrapped")):
-        return False
-    for _ in range(64):  # one wrapper per nested transform
-        if not functorch.is_functorch_wrapped_tensor(tensor):
+    is_batched, unwrapped = _functorch_api("is_batchedtensor"), _functorch_api("get_unwrapped")
+    for _ in range(64 if is_batched is not None and unwrapped is not None else 0):  # one wrapper per transform
+        if not functorch_wrapped(tensor):
             return False
-        if functorch.is_batchedtensor(tensor):
+        if is_batched(tensor):
             return True
-        tensor = functorch.get_unwrapped(tensor)
+        tensor = unwrapped(tensor)
     return False
 
 

@@ -62,6 +62,7 @@ import torch.utils.checkpoint
 from torch import nn
 from transformers import initialization as init
 
+from .input_checks import in_functorch_transform
 from .ssm_cpu_kernel import compiled_kernel_usable, compiled_s4d_kernel_values
 
 #: Guards every layer's kernel cache: one model in eval mode may serve several threads at once (a lookup and an eviction
@@ -242,13 +243,6 @@ def s4d_kernel_vjp(grad: torch.Tensor, dtA: torch.Tensor, z: torch.Tensor, C_hat
     return grad_dtA, grad_C_hat
 
 
-def _in_functorch_transform() -> bool:
-    """Whether a ``torch.func`` transform (``grad``, ``vmap``, ``jvp``...) is running (torch's private functorch API:
-    where a release lacks it, no transform is seen and the code paths are those from before torch.func support)."""
-    current_level = getattr(getattr(torch._C, "_functorch", None), "maybe_current_level", None)
-    return current_level is not None and current_level() is not None
-
-
 def _first_order_backward():
     """The context the SSM's backward passes run in, after refusing a second-order gradient.
 
@@ -260,7 +254,7 @@ def _first_order_backward():
     differentiating transform around it (``grad`` of ``grad``, ``jacfwd`` of ``grad``), and a first-order pass runs
     without recording.
     """
-    if _in_functorch_transform():
+    if in_functorch_transform():
         try:
             from torch._C._functorch import TransformType
             from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
@@ -625,7 +619,7 @@ class BidirectionalS4DConvolution(Float32ParametersModule):
             # size, whatever the length) is recomputed in the backward pass instead of kept
             # (deterministic: no RNG state to stash and restore, which costs CPU tensors on every call)
             # (not under torch.func's transforms, which refuse the checkpoint's saved-tensor hooks)
-            if _in_functorch_transform():
+            if in_functorch_transform():
                 dtA, z, C_hat = self._discretized(channels)
             else:
                 dtA, z, C_hat = torch.utils.checkpoint.checkpoint(self._discretized, channels, use_reentrant=False,

@@ -42,6 +42,8 @@ from pathlib import Path
 
 import torch
 
+from .input_checks import functorch_wrapped
+
 logger = logging.getLogger(__name__)
 
 #: Environment variable choosing the CPU kernel: "auto" (default: compiled when a compiler works), "compiled", "torch".
@@ -424,8 +426,7 @@ def compiled_kernel_usable(lags: int, *tensors: torch.Tensor) -> bool:
     (their data cannot be read by pointer)."""
     if any(t.device.type != "cpu" for t in tensors) or torch.compiler.is_compiling() or lags > MAX_LAGS:
         return False
-    wrapped = getattr(getattr(torch._C, "_functorch", None), "is_functorch_wrapped_tensor", None)  # (private API)
-    if wrapped is not None and any(wrapped(t) for t in tensors):
+    if any(functorch_wrapped(t) for t in tensors):
         return False
     choice = backend()
     if choice == "torch":
