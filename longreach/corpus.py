@@ -627,8 +627,9 @@ def summarize_corpus(
     progress: bool = True,
 ) -> dict:
     """Summarize this process's share of ``corpus`` with ``summarizer`` (a :class:`LongSummarizationPipeline`) into
-    ``output`` (see the module docstring); returns the run's statistics. Call :func:`merge_parts` afterwards when
-    ``world_size > 1``. With ``question`` (asked of every document) or the corpus's own ``questions``, the records
+    ``output`` (see the module docstring); returns the run's statistics. Call :func:`merge_parts` afterwards, as the
+    command does: it merges the parts of ``world_size > 1`` processes, and leaves one line per id where a rerun
+    appended the new record of an edited document. With ``question`` (asked of every document) or the corpus's own ``questions``, the records
     hold the answers."""
     import torch
     from tqdm.auto import tqdm
