@@ -223,6 +223,40 @@ def test_a_failing_compiler_names_its_error(fresh_loader, monkeypatch, tmp_path)
     assert "this compiler is broken" in ssm_cpu_kernel.unavailable_reason()
 
 
+def test_a_compiler_writing_another_encoding_falls_back_with_its_error(fresh_loader, monkeypatch, tmp_path):
+    """A compiler whose messages are not in the locale's encoding (a localized gcc, a Windows console code page):
+    decoding them raised a UnicodeDecodeError out of the model's forward instead of falling back to the torch ops."""
+    latin1 = tmp_path / "latin1-cc"
+    latin1.write_bytes(b"#!/bin/sh\nprintf 'cc (\\351dition 1)\\n'\nprintf 'erreur: \\351chec\\n' >&2\nexit 1\n")
+    latin1.chmod(0o755)
+    monkeypatch.setattr(ssm_cpu_kernel, "_compiler", lambda: str(latin1))
+    monkeypatch.setenv(ssm_cpu_kernel.BACKEND_VARIABLE, "auto")
+    torch.manual_seed(0)
+    conv = BidirectionalS4DConvolution(3, 8)
+    with torch.no_grad():
+        kernel = conv.kernel(50)
+    assert "erreur: \ufffdchec" in ssm_cpu_kernel.unavailable_reason()
+    torch.testing.assert_close(kernel.double(), direct_kernel(conv, 50), atol=2e-6, rtol=0)
+
+
+@needs_compiler
+def test_the_kernel_builds_where_the_locale_encoding_is_not_utf8(tmp_path):
+    """The C source (its comments hold Ĉ) was written in the locale's encoding: under an ASCII locale (or Windows'
+    cp1252) a UnicodeEncodeError came out of the model's forward."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "LC_ALL": "C", "PYTHONUTF8": "0", "PYTHONIOENCODING": "utf-8"}
+    result = subprocess.run([sys.executable, "-c", "import locale; print(locale.getpreferredencoding())\n" +
+                             LOAD_AND_COMPUTE, str(tmp_path)], capture_output=True, text=True, timeout=300, env=env)
+    assert result.returncode == 0, result.stderr[-2000:]
+    encoding, name, total = result.stdout.split()
+    assert encoding.lower() in ("ansi_x3.4-1968", "ascii", "us-ascii")  # the condition was reached
+    assert (name, float(total)) == _load_in_a_process(tmp_path)
+    assert name.startswith(str(tmp_path / "kernels"))  # built into the cache, not the torch path
+
+
 def test_torch_backend_never_compiles(fresh_loader, monkeypatch):
     monkeypatch.setenv(ssm_cpu_kernel.BACKEND_VARIABLE, "torch")
     monkeypatch.setattr(ssm_cpu_kernel, "load", lambda: pytest.fail("the torch backend must not load the library"))

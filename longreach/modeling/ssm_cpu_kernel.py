@@ -301,14 +301,17 @@ def _cpu_identity() -> str:
     """What ``-march=native`` depends on: the CPU's model and feature flags (a shared cache folder may be read by
     machines with other CPUs)."""
     try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        lines = Path("/proc/cpuinfo").read_text(errors="replace").splitlines()
         return "\n".join(sorted({line for line in lines if line.startswith(("model name", "flags", "Features"))}))
     except OSError:
         return platform.processor()
 
 
 def _compile(compiler: str) -> Path:
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60).stdout
+    # errors="replace": a compiler may write another encoding than the locale's (a localized gcc, a Windows console
+    # code page); its messages are only shown
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, errors="replace",
+                             timeout=60).stdout
     # OpenMP (to share torch's libgomp threads) where the compiler has it, else threads of our own (see
     # `compiled_s4d_kernel_values`)
     attempts = [[*openmp, "-O3", *arch] for openmp in (["-fopenmp"], []) for arch in (["-march=native"],
@@ -343,7 +346,7 @@ def _verified(library: Path) -> bool:
     """Whether ``library`` holds the bytes its build recorded beside it: a truncated or altered library (a cache
     copied in part, a full disk, another tool) would kill the process when loaded (SIGBUS), not raise an error."""
     try:
-        recorded = _digest_file(library).read_text().strip()
+        recorded = _digest_file(library).read_text(encoding="ascii", errors="replace").strip()
         return recorded == hashlib.sha256(library.read_bytes()).hexdigest()
     except OSError:
         return False
@@ -355,15 +358,15 @@ def _build(compiler: str, attempts: list[list[str]], folder: Path, library: Path
     rebuilt, never loaded)."""
     with tempfile.TemporaryDirectory(dir=folder) as work:
         source = Path(work) / "s4d_kernel.c"
-        source.write_text(_C_SOURCE)
+        source.write_text(_C_SOURCE, encoding="utf-8")  # its comments are not ASCII: not the locale's
         errors = []
         for flags in attempts:
             built = Path(work) / "s4d_kernel.so"
             result = subprocess.run([compiler, *flags, "-std=gnu11", "-fPIC", "-shared", "-o", str(built), str(source)],
-                                    capture_output=True, text=True, timeout=300)
+                                    capture_output=True, text=True, errors="replace", timeout=300)
             if result.returncode == 0 and _loads(built):
                 digest = Path(work) / "digest"
-                digest.write_text(hashlib.sha256(built.read_bytes()).hexdigest() + "\n")
+                digest.write_text(hashlib.sha256(built.read_bytes()).hexdigest() + "\n", encoding="ascii")
                 os.replace(digest, _digest_file(library))
                 os.replace(built, library)  # atomic: a concurrent process sees the whole library or none
                 return library
