@@ -402,6 +402,13 @@ def summarize(args: argparse.Namespace) -> int:
             raise CommandError(f"cannot write --output {args.output}: {error.strerror}") from None
         _progress(f"summary written to {args.output}")
     else:
+        try:
+            summary.encode(getattr(sys.stdout, "encoding", None) or "utf-8")
+        except UnicodeEncodeError:
+            _progress(f"warning: standard output's encoding ({sys.stdout.encoding}) lacks characters of the summary, "
+                      "written as \\uXXXX escapes; --output FILE writes UTF-8 (or set PYTHONUTF8=1)")
+        except (LookupError, TypeError):  # a stream without a codec name: written as it is
+            pass
         print(summary)
     return 0
 
@@ -827,7 +834,13 @@ def main(argv: list[str] | None = None) -> int:
     while "--debug" in argv:
         argv.remove("--debug")
     _DEBUG = debug
+    # characters standard output's encoding lacks (cp1252 where Windows redirects it to a file or pipe) are written as
+    # \uXXXX escapes, as Python writes them to stderr: a UnicodeEncodeError lost a summary made in minutes
+    stdout = sys.stdout
+    escaping = getattr(stdout, "errors", None) == "strict" and hasattr(stdout, "reconfigure")
     try:
+        if escaping:
+            stdout.reconfigure(errors="backslashreplace")
         return run(argv)
     except CommandError as error:
         if debug:
@@ -845,6 +858,9 @@ def main(argv: list[str] | None = None) -> int:
         message = str(error).strip().splitlines()[0] if str(error).strip() else ""
         print(f"error: {type(error).__name__}: {message} (run again with --debug for the traceback)", file=sys.stderr)
         return 1
+    finally:
+        if escaping:
+            stdout.reconfigure(errors="strict")
 
 
 if __name__ == "__main__":

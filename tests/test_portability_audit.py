@@ -1,0 +1,44 @@
+"""The command line on other systems, simulated here: a Windows console's cp1252 standard output, Windows line
+endings piped in."""
+
+from __future__ import annotations
+
+import io
+import sys
+
+import pytest
+from workflow_helpers import document, save_tiny_locost
+
+from longreach import cli
+from longreach.cli import main
+
+
+@pytest.fixture(scope="module")
+def model_folder(tmp_path_factory):
+    return save_tiny_locost(tmp_path_factory.mktemp("portability") / "tiny")
+
+
+def test_a_summary_that_standard_output_cannot_encode_is_printed_with_escapes(model_folder, tmp_path, monkeypatch,
+                                                                               capsys):
+    """Windows writes a redirected standard output (``longreach summarize doc.txt > summary.txt``) in cp1252: a
+    summary with other characters failed with 'UnicodeEncodeError: 'charmap' codec can't encode' after it was made,
+    and was lost."""
+    summary = "Résumé — 要約 ✓"
+    load = cli.load_summarizer
+
+    def non_ascii_summarizer(*args, **kwargs):
+        real = load(*args, **kwargs)
+        return type("Summarizer", (), {"model": real.model, "tokenizer": real.tokenizer,
+                                       "__call__": lambda self, *a, **k: [{"summary_text": summary}]})()
+
+    monkeypatch.setattr(cli, "load_summarizer", non_ascii_summarizer)
+    (tmp_path / "doc.txt").write_text(document(20), encoding="utf-8")
+    written = io.BytesIO()
+    console = io.TextIOWrapper(written, encoding="cp1252", write_through=True)
+    monkeypatch.setattr(sys, "stdout", console)
+    assert main(["summarize", "--model", str(model_folder), str(tmp_path / "doc.txt")]) == 0
+    assert written.getvalue().decode("cp1252") == "Résumé — \\u8981\\u7d04 \\u2713\n"
+    err = capsys.readouterr().err
+    assert "standard output's encoding (cp1252) lacks characters of the summary" in err and "--output" in err
+    assert console.errors == "strict"  # main() leaves the stream as it found it
+
