@@ -322,6 +322,8 @@ def _read_document(file: str) -> str:
         if file == "-":  # the bytes, decoded here: the locale's text stream may pass bad bytes on as surrogates
             stdin_bytes = getattr(sys.stdin, "buffer", None)  # (none where stdin was replaced by a text stream)
             document = sys.stdin.read() if stdin_bytes is None else stdin_bytes.read().decode("utf-8")
+            # newlines as a FILE is read (universal newlines): a Windows document piped in is the same document
+            document = document.replace("\r\n", "\n").replace("\r", "\n")
         else:
             with open(file, encoding="utf-8") as handle:
                 document = handle.read()

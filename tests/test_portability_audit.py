@@ -42,3 +42,12 @@ def test_a_summary_that_standard_output_cannot_encode_is_printed_with_escapes(mo
     assert "standard output's encoding (cp1252) lacks characters of the summary" in err and "--output" in err
     assert console.errors == "strict"  # main() leaves the stream as it found it
 
+
+def test_a_document_piped_in_with_windows_line_endings_is_the_document_of_the_file(tmp_path, monkeypatch):
+    """``type doc.txt | longreach summarize -`` on Windows: the FILE was read with universal newlines, standard input
+    kept every '\\r' (byte-level tokenizers such as Llama's read an extra token per line)."""
+    data = "first line\r\nsecond line\r\nthird\rfourth\n".encode("utf-8")
+    (tmp_path / "doc.txt").write_bytes(data)
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(data)))
+    piped = cli._read_document("-")
+    assert piped == cli._read_document(str(tmp_path / "doc.txt")) == "first line\nsecond line\nthird\nfourth\n"
