@@ -343,6 +343,15 @@ def _read_document(file: str) -> str:
     return document
 
 
+def _same_file(first: str, second: str) -> bool:
+    """Whether two paths name one file: by identity where both exist (a case-insensitive file system, macOS's and
+    Windows' defaults, takes ``Doc.txt`` for ``doc.txt``; a hard link), else by their resolved paths."""
+    try:
+        return os.path.samefile(first, second)
+    except OSError:
+        return Path(first).resolve() == Path(second).resolve()
+
+
 def summarize(args: argparse.Namespace) -> int:
     if (args.file is None) == (args.input is None):
         raise UsageError("longreach summarize: give one document as FILE, or a corpus as --input SRC --output OUT.jsonl")
@@ -360,7 +369,7 @@ def summarize(args: argparse.Namespace) -> int:
                          "--max_batch_tokens are for a corpus (--input SRC --output OUT.jsonl)")
     if args.output == "-":  # standard output, as for FILE "-"
         args.output = None
-    if args.output and args.file != "-" and Path(args.output).resolve() == Path(args.file).resolve():
+    if args.output and args.file != "-" and _same_file(args.output, args.file):
         raise UsageError(f"longreach summarize: --output {args.output} is the document FILE; choose another file for "
                          "the summary")
     if args.output:  # before minutes of loading and generating, not after
@@ -540,7 +549,7 @@ def summarize_corpus_command(args: argparse.Namespace) -> int:
     if kind == "table" and "--split" in given:
         raise UsageError(f"longreach summarize: --split applies to Hub datasets; --input {args.input} is one file, "
                          "read whole; leave it out")
-    if kind in ("table", "text") and Path(args.output).resolve() == Path(args.input).expanduser().resolve():
+    if kind in ("table", "text") and _same_file(args.output, os.path.expanduser(args.input)):
         raise UsageError(f"longreach summarize: --output {args.output} is the --input file; choose another file for "
                          "the summaries")
     _check_output_path(args.output)

@@ -51,3 +51,24 @@ def test_a_document_piped_in_with_windows_line_endings_is_the_document_of_the_fi
     monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(data)))
     piped = cli._read_document("-")
     assert piped == cli._read_document(str(tmp_path / "doc.txt")) == "first line\nsecond line\nthird\nfourth\n"
+
+
+@pytest.mark.parametrize("corpus", [False, True], ids=["FILE", "--input"])
+def test_an_output_that_names_the_document_in_another_spelling_is_refused(model_folder, tmp_path, monkeypatch,
+                                                                          capsys, corpus):
+    """macOS and Windows file systems ignore case by default: ``--output Doc.txt`` for FILE ``doc.txt`` compared
+    unequal as paths, and the summary was renamed over the document. A hard link is such a second spelling here."""
+    document_file = tmp_path / "doc.txt"
+    document_file.write_text(document(30), encoding="utf-8")
+    other_spelling = tmp_path / ("Doc.txt" if not corpus else "Doc.jsonl")
+    if corpus:  # a one-record JSONL corpus, its output another name of it
+        document_file = tmp_path / "doc.jsonl"
+        document_file.write_text('{"text": "%s"}\n' % document(30), encoding="utf-8")
+    import os
+
+    os.link(document_file, other_spelling)
+    monkeypatch.setattr(cli, "load_summarizer", lambda *a, **k: pytest.fail("the model was loaded"))
+    source = ["--input", str(document_file)] if corpus else [str(document_file)]
+    assert main(["summarize", "--model", str(model_folder), *source, "--output", str(other_spelling)]) == 2
+    err = capsys.readouterr().err
+    assert ("is the document FILE" if not corpus else "--input") in err, err
