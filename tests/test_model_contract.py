@@ -7,6 +7,7 @@ model prefix, `device_map="auto"` and `torch.compile`.
 from __future__ import annotations
 
 import os
+import threading
 import traceback
 
 import pytest
@@ -15,8 +16,8 @@ from test_modeling_dodo import tiny_model as tiny_dodo
 from test_modeling_vcc_t5 import tiny_model as tiny_vcc
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import (
-    AutoModel, AutoModelForSeq2SeqLM, GenerationConfig, LlamaConfig, LlamaForCausalLM, T5Config,
-    T5ForConditionalGeneration,
+    AutoModel, AutoModelForSeq2SeqLM, GenerationConfig, LlamaConfig, LlamaForCausalLM, LogitsProcessorList,
+    StoppingCriteria, StoppingCriteriaList, T5Config, T5ForConditionalGeneration,
 )
 from transformers.generation.streamers import BaseStreamer
 from workflow_helpers import tiny_locost
@@ -322,6 +323,40 @@ def test_streamer_receives_every_generated_token(tester):
         out = tester.model.generate(**inputs, max_new_tokens=4, min_new_tokens=4, streamer=streamer)
     streamed = torch.cat(streamer.chunks)
     assert streamer.ended and torch.equal(streamed[-4:], out[0, -4:])
+
+
+def test_generate_takes_transformers_positional_arguments(tester):
+    """`generate(inputs, generation_config, logits_processor, stopping_criteria, ...)` positionally, as transformers'
+    `GenerationMixin.generate` takes them (T5 and Llama do): Dodo's generate() refused them ("takes from 1 to 3
+    positional arguments but 5 were given"). An Event-watching StoppingCriteria stops the stream after 2 tokens."""
+    stop = threading.Event()
+
+    class StopOnEvent(StoppingCriteria):
+        def __call__(self, input_ids, scores, **kwargs):
+            return torch.full((input_ids.shape[0],), stop.is_set(), dtype=torch.bool, device=input_ids.device)
+
+    class SetAfterTwo(BaseStreamer):
+        def __init__(self):
+            self.tokens = 0
+
+        def put(self, value):
+            self.tokens += 1
+            if self.tokens == 2:  # the prompt, then the first token: the criteria stop after the second
+                stop.set()
+
+        def end(self):
+            pass
+
+    inputs = {key: value[:1] for key, value in tester.inputs().items()}
+    prompt = inputs.pop("input_ids")
+    with torch.no_grad():
+        expected = tester.model.generate(prompt, max_new_tokens=2, min_new_tokens=2, do_sample=False, **inputs)
+        out = tester.model.generate(prompt, None, LogitsProcessorList(), StoppingCriteriaList([StopOnEvent()]), None,
+                                    None, None, SetAfterTwo(), max_new_tokens=8, do_sample=False, **inputs)
+    assert torch.equal(out, expected)
+    with pytest.raises(TypeError, match="multiple values for argument 'streamer'"):
+        tester.model.generate(prompt, None, None, None, None, None, None, SetAfterTwo(), streamer=SetAfterTwo(),
+                              **inputs)
 
 
 def test_generation_config_round_trip(tester, tmp_path):

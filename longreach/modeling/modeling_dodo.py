@@ -381,6 +381,13 @@ def _activate_adapter(lora_layers: list[BaseTunerLayer], adapter: str | tuple[st
 # configuration drafts from (see `generate`); threads sharing the model each have their own.
 _ASSISTANT_NUGGETS: ContextVar[tuple | None] = ContextVar("dodo_assistant_nuggets", default=None)
 
+# `GenerationMixin.generate`'s positional parameters after `inputs` and `generation_config` (logits_processor,
+# stopping_criteria, ..., streamer): Dodo's generate() takes them in that order too, as T5 and Llama do.
+_GENERATE_POSITIONAL = tuple(
+    name for name, parameter in list(inspect.signature(GenerationMixin.generate).parameters.items())[3:]
+    if parameter.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD
+)
+
 # One lock per model (created on first use; a deep copy gets its own): see `_one_call_at_a_time`.
 _CALL_LOCKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _CALL_LOCKS_GUARD = threading.Lock()
@@ -1616,7 +1623,7 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
         self,
         inputs: torch.LongTensor | None = None,
         generation_config: GenerationConfig | None = None,
-        *,
+        *args,
         nuggets: DodoNuggets | None = None,
         context_input_ids: torch.LongTensor | None = None,
         context_attention_mask: torch.Tensor | None = None,
@@ -1625,11 +1632,20 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
         """``GenerationMixin.generate`` conditioned on nuggets (or on a context compressed here first).
 
         ``inputs`` (or ``input_ids=``) is the prompt and ``generation_config`` the second positional argument, as for
-        any transformers model; the nuggets and the context are keyword arguments. Greedy, sampling and beam search
-        work; the returned sequences start with the prompt. Without nuggets: the plain Llama with θ, or the
-        autoregressive mode when ``config.recent_window`` is set. An ``assistant_model`` is a Dodo model; one with
-        another configuration (a smaller Dodo) compresses ``context_input_ids`` itself and drafts from its own nuggets.
+        any transformers model, followed by ``GenerationMixin.generate``'s other positional arguments
+        (``logits_processor``, ``stopping_criteria``, ..., ``streamer``); the nuggets and the context are keyword
+        arguments. Greedy, sampling and beam search work; the returned sequences start with the prompt. Without
+        nuggets: the plain Llama with θ, or the autoregressive mode when ``config.recent_window`` is set. An
+        ``assistant_model`` is a Dodo model; one with another configuration (a smaller Dodo) compresses
+        ``context_input_ids`` itself and drafts from its own nuggets.
         """
+        if len(args) > len(_GENERATE_POSITIONAL):
+            raise TypeError(f"generate() takes at most {2 + len(_GENERATE_POSITIONAL)} positional arguments (inputs, "
+                            f"generation_config, {', '.join(_GENERATE_POSITIONAL)}), got {2 + len(args)}.")
+        for name, value in zip(_GENERATE_POSITIONAL, args):  # named, as read below (`assistant_model`)
+            if name in kwargs:
+                raise TypeError(f"generate() got multiple values for argument {name!r}")
+            kwargs[name] = value
         input_ids = kwargs.pop("input_ids", None)
         if inputs is not None and input_ids is not None:
             raise ValueError("Pass the prompt once: as `inputs` (the first argument) or as `input_ids`, not both.")
