@@ -629,8 +629,8 @@ def summarize_corpus(
     """Summarize this process's share of ``corpus`` with ``summarizer`` (a :class:`LongSummarizationPipeline`) into
     ``output`` (see the module docstring); returns the run's statistics. Call :func:`merge_parts` afterwards, as the
     command does: it merges the parts of ``world_size > 1`` processes, and leaves one line per id where a rerun
-    appended the new record of an edited document. With ``question`` (asked of every document) or the corpus's own ``questions``, the records
-    hold the answers."""
+    appended the new record of an edited document. With ``question`` (asked of every document) or the corpus's own
+    ``questions``, the records hold the answers."""
     import torch
     from tqdm.auto import tqdm
 
