@@ -308,3 +308,19 @@ def test_the_source_builds_and_computes_without_native_flags(tmp_path, flags):
                                   ctypes.c_long(0), ctypes.c_long(5)) == 0
     expected = ssm_cpu_kernel.compiled_s4d_kernel_values(z, C_hat, chunk, num_chunks)
     torch.testing.assert_close(values, expected, atol=2e-6 * expected.abs().max().item(), rtol=0)
+
+
+@needs_compiler
+def test_without_a_home_folder_the_kernel_is_built_for_the_process(fresh_loader, monkeypatch, caplog):
+    """No $LONGREACH_CACHE, no $XDG_CACHE_HOME and no home folder (no $HOME, no passwd entry: some containers), where
+    `Path.home()` raises: built in the process's temporary folder, as for a cache folder that cannot be written."""
+    monkeypatch.delenv("LONGREACH_CACHE")
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+
+    def no_home():
+        raise RuntimeError("Could not determine home directory.")
+
+    monkeypatch.setattr(ssm_cpu_kernel.Path, "home", staticmethod(no_home))
+    with caplog.at_level(logging.WARNING, logger=ssm_cpu_kernel.__name__):
+        assert ssm_cpu_kernel.load() is not None
+    assert "no cache folder" in caplog.text and ssm_cpu_kernel.unavailable_reason() is None

@@ -285,9 +285,16 @@ def backend() -> str:
 
 
 def _cache_dir() -> Path:
+    """``$LONGREACH_CACHE/kernels``, else ``$XDG_CACHE_HOME/longreach/kernels`` or ``~/.cache/longreach/kernels``;
+    raises OSError where there is no home folder (no ``$HOME`` and no passwd entry, as in some containers)."""
     if os.environ.get("LONGREACH_CACHE"):
         return Path(os.environ["LONGREACH_CACHE"]) / "kernels"
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "longreach" / "kernels"
+    if os.environ.get("XDG_CACHE_HOME"):
+        return Path(os.environ["XDG_CACHE_HOME"]) / "longreach" / "kernels"
+    try:
+        return Path.home() / ".cache" / "longreach" / "kernels"
+    except RuntimeError as error:  # (what Path.home() raises then)
+        raise OSError(f"no cache folder: {error}") from None
 
 
 def _compiler() -> str | None:
@@ -317,21 +324,22 @@ def _compile(compiler: str) -> Path:
     attempts = [[*openmp, "-O3", *arch] for openmp in (["-fopenmp"], []) for arch in (["-march=native"],
                                                                                       ["-mcpu=native"], [])]
     key = hashlib.sha256("\0".join([_C_SOURCE, compiler, version, platform.machine(), _cpu_identity()]).encode())
-    folder = _cache_dir()
-    library = folder / f"s4d_kernel_{key.hexdigest()[:20]}.so"
-    if _verified(library):
-        return library
+    name = f"s4d_kernel_{key.hexdigest()[:20]}.so"
+    folder = None
     try:
+        folder = _cache_dir()
+        if _verified(folder / name):
+            return folder / name
         folder.mkdir(parents=True, exist_ok=True)
-        return _build(compiler, attempts, folder, library)
-    except OSError as error:  # a read-only or full cache folder: a build for this process alone, still compiled
+        return _build(compiler, attempts, folder, folder / name)
+    except OSError as error:  # a read-only or full cache folder, or none: a build for this process alone, compiled
         global _private_folder
         logger.warning("longreach: cannot write the SSM kernel cache %s (%s); building the compiled kernel for this "
-                       "process only (point LONGREACH_CACHE at a writable folder to keep it).", folder, error)
+                       "process only (point LONGREACH_CACHE at a writable folder to keep it).", folder or "~/.cache", error)
         if _private_folder is None:
             _private_folder = tempfile.TemporaryDirectory(prefix="longreach-kernels-")
         private = Path(_private_folder.name)
-        return _build(compiler, attempts, private, private / library.name)
+        return _build(compiler, attempts, private, private / name)
 
 
 #: Where a process builds the kernel when the cache folder cannot be written (removed at exit).
