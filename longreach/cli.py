@@ -845,10 +845,12 @@ def main(argv: list[str] | None = None) -> int:
     while "--debug" in argv:
         argv.remove("--debug")
     _DEBUG = debug
-    # characters standard output's encoding lacks (cp1252 where Windows redirects it to a file or pipe) are written as
-    # \uXXXX escapes, as Python writes them to stderr: a UnicodeEncodeError lost a summary made in minutes
+    # characters standard output's encoding lacks (cp1252 where Windows redirects it to a file or pipe, ASCII under
+    # LC_ALL=C: "surrogateescape") are written as \uXXXX escapes, as Python writes them to stderr: a
+    # UnicodeEncodeError lost a summary made in minutes
     stdout = sys.stdout
-    escaping = getattr(stdout, "errors", None) == "strict" and hasattr(stdout, "reconfigure")
+    errors = getattr(stdout, "errors", None)
+    escaping = errors in ("strict", "surrogateescape") and hasattr(stdout, "reconfigure")
     try:
         if escaping:
             stdout.reconfigure(errors="backslashreplace")
@@ -870,8 +872,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {type(error).__name__}: {message} (run again with --debug for the traceback)", file=sys.stderr)
         return 1
     finally:
-        if escaping:
-            stdout.reconfigure(errors="strict")
+        if escaping:  # the stream's own handler back
+            stdout.reconfigure(errors=errors)
 
 
 if __name__ == "__main__":

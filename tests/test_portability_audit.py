@@ -18,11 +18,16 @@ def model_folder(tmp_path_factory):
     return save_tiny_locost(tmp_path_factory.mktemp("portability") / "tiny")
 
 
+@pytest.mark.parametrize("encoding, errors, expected", [
+    ("cp1252", "strict", "Résumé — \\u8981\\u7d04 \\u2713\n"),
+    ("ascii", "surrogateescape", "R\\xe9sum\\xe9 \\u2014 \\u8981\\u7d04 \\u2713\n"),
+], ids=["windows", "LC_ALL=C"])
 def test_a_summary_that_standard_output_cannot_encode_is_printed_with_escapes(model_folder, tmp_path, monkeypatch,
-                                                                               capsys):
+                                                                               capsys, encoding, errors, expected):
     """Windows writes a redirected standard output (``longreach summarize doc.txt > summary.txt``) in cp1252: a
     summary with other characters failed with 'UnicodeEncodeError: 'charmap' codec can't encode' after it was made,
-    and was lost."""
+    and was lost. Under ``LC_ALL=C`` (``PYTHONUTF8=0``, ``PYTHONCOERCECLOCALE=0``) Python's standard output is ASCII
+    with the "surrogateescape" handler, which raised the same error."""
     summary = "Résumé — 要約 ✓"
     load = cli.load_summarizer
 
@@ -34,13 +39,13 @@ def test_a_summary_that_standard_output_cannot_encode_is_printed_with_escapes(mo
     monkeypatch.setattr(cli, "load_summarizer", non_ascii_summarizer)
     (tmp_path / "doc.txt").write_text(document(20), encoding="utf-8")
     written = io.BytesIO()
-    console = io.TextIOWrapper(written, encoding="cp1252", write_through=True)
+    console = io.TextIOWrapper(written, encoding=encoding, errors=errors, write_through=True)
     monkeypatch.setattr(sys, "stdout", console)
     assert main(["summarize", "--model", str(model_folder), str(tmp_path / "doc.txt")]) == 0
-    assert written.getvalue().decode("cp1252") == "Résumé — \\u8981\\u7d04 \\u2713\n"
+    assert written.getvalue().decode(encoding) == expected
     err = capsys.readouterr().err
-    assert "standard output's encoding (cp1252) lacks characters of the summary" in err and "--output" in err
-    assert console.errors == "strict"  # main() leaves the stream as it found it
+    assert f"standard output's encoding ({encoding}) lacks characters of the summary" in err and "--output" in err
+    assert console.errors == errors  # main() leaves the stream as it found it
 
 
 def test_a_document_piped_in_with_windows_line_endings_is_the_document_of_the_file(tmp_path, monkeypatch):
