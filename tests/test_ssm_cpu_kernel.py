@@ -323,4 +323,5 @@ def test_without_a_home_folder_the_kernel_is_built_for_the_process(fresh_loader,
     monkeypatch.setattr(ssm_cpu_kernel.Path, "home", staticmethod(no_home))
     with caplog.at_level(logging.WARNING, logger=ssm_cpu_kernel.__name__):
         assert ssm_cpu_kernel.load() is not None
-    assert "no cache folder" in caplog.text and ssm_cpu_kernel.unavailable_reason() is None
+    assert "no SSM kernel cache (no cache folder" in caplog.text and ssm_cpu_kernel.unavailable_reason() is None
+    assert "~/.cache" not in caplog.text  # (no such folder: the warning named it as the one that could not be written)

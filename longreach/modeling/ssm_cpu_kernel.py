@@ -334,8 +334,9 @@ def _compile(compiler: str) -> Path:
         return _build(compiler, attempts, folder, folder / name)
     except OSError as error:  # a read-only or full cache folder, or none: a build for this process alone, compiled
         global _private_folder
-        logger.warning("longreach: cannot write the SSM kernel cache %s (%s); building the compiled kernel for this "
-                       "process only (point LONGREACH_CACHE at a writable folder to keep it).", folder or "~/.cache", error)
+        problem = f"cannot write the SSM kernel cache {folder}" if folder is not None else "no SSM kernel cache"
+        logger.warning("longreach: %s (%s); building the compiled kernel for this process only (point LONGREACH_CACHE at "
+                       "a writable folder to keep it).", problem, error)
         if _private_folder is None:
             _private_folder = tempfile.TemporaryDirectory(prefix="longreach-kernels-")
         private = Path(_private_folder.name)
