@@ -76,4 +76,4 @@ def test_an_output_that_names_the_document_in_another_spelling_is_refused(model_
     source = ["--input", str(document_file)] if corpus else [str(document_file)]
     assert main(["summarize", "--model", str(model_folder), *source, "--output", str(other_spelling)]) == 2
     err = capsys.readouterr().err
-    assert ("is the document FILE" if not corpus else "--input") in err, err
+    assert ("is the document FILE" if not corpus else "is the --input file") in err, err
