@@ -335,8 +335,8 @@ def _compile(compiler: str) -> Path:
     except OSError as error:  # a read-only or full cache folder, or none: a build for this process alone, compiled
         global _private_folder
         problem = f"cannot write the SSM kernel cache {folder}" if folder is not None else "no SSM kernel cache"
-        logger.warning("longreach: %s (%s); building the compiled kernel for this process only (point LONGREACH_CACHE at "
-                       "a writable folder to keep it).", problem, error)
+        logger.warning("longreach: %s (%s); building the compiled kernel for this process only (point "
+                       "LONGREACH_CACHE at a writable folder to keep it).", problem, error)
         if _private_folder is None:
             _private_folder = tempfile.TemporaryDirectory(prefix="longreach-kernels-")
         private = Path(_private_folder.name)
