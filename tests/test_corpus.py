@@ -845,7 +845,8 @@ def test_a_rerun_summarizes_again_the_documents_edited_since_and_only_those(mode
     summarizer = pipeline("summarization", model=str(model_folder), trust_remote_code=True)
     assert records["d001"]["summary"] == summarizer(rows[1]["text"], max_new_tokens=4)[0]["summary_text"]
     assert records["d001"]["text_digest"] == corpus_module.text_digest(rows[1]["text"])
-    assert {key: records[key] for key in records if key != "d001"} == {key: first[key] for key in first if key != "d001"}
+    unchanged = [key for key in first if key != "d001"]
+    assert [records[key] for key in unchanged] == [first[key] for key in unchanged]
     # records written before the digest existed count as done, as they did then
     old = [{key: value for key, value in record.items() if key != "text_digest"} for record in records.values()]
     output.write_text("".join(json.dumps(record) + "\n" for record in old), encoding="utf-8")
