@@ -38,6 +38,22 @@ def _paused_at_first_layer(model, decoder_layers, paused_thread: threading.Event
     return decoder_layers[0].register_forward_pre_hook(pause, with_kwargs=True)
 
 
+def _second_while_first_is_paused(first, second, paused: threading.Event, resume: threading.Event) -> None:
+    """``first`` in one thread and ``second`` in another: ``second`` runs once ``first`` says it is ``paused``, then
+    sets ``resume`` to let it finish (each wait at most `PAUSE_S`)."""
+
+    def run_second():
+        paused.wait(PAUSE_S)
+        second()
+        resume.set()
+
+    threads = [threading.Thread(target=first), threading.Thread(target=run_second)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+
+
 def test_dodo_compression_is_not_switched_to_theta_by_a_call_in_another_thread():
     """Thread 1 compresses (φ pass) and is paused inside it; thread 2 decodes with θ meanwhile. Before, thread 2's
     switch to θ was left active and thread 1's φ pass finished with θ: other nuggets, silently."""
@@ -58,16 +74,10 @@ def test_dodo_compression_is_not_switched_to_theta_by_a_call_in_another_thread()
             handle.remove()
 
     def decode():
-        paused.wait(PAUSE_S)
         with torch.inference_mode():
             results["logits"] = model(prompt).logits
-        resume.set()
 
-    threads = [threading.Thread(target=compress), threading.Thread(target=decode)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    _second_while_first_is_paused(compress, decode, paused, resume)
     for got, expected in zip(results["nuggets"].key_values, alone.key_values):
         torch.testing.assert_close(got[0], expected[0], rtol=0, atol=0)
         torch.testing.assert_close(got[1], expected[1], rtol=0, atol=0)
@@ -97,16 +107,10 @@ def test_vcc_t5_compression_info_of_generate_is_the_calls_own():
             handle.remove()
 
     def generate_other():
-        paused.wait(PAUSE_S)
         with torch.inference_mode():
             model.generate(other, max_new_tokens=2, do_sample=False)
-        resume.set()
 
-    threads = [threading.Thread(target=generate_with_info), threading.Thread(target=generate_other)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    _second_while_first_is_paused(generate_with_info, generate_other, paused, resume)
     assert results["info"].padded_length == alone.padded_length
     torch.testing.assert_close(results["info"].vip_sort_order, alone.vip_sort_order, rtol=0, atol=0)
     for got, expected in zip(results["info"].selection_scores, alone.selection_scores):
@@ -141,17 +145,11 @@ def test_dodo_assistant_of_another_configuration_drafts_from_its_own_nuggets_whi
             results["assisted"] = error
 
     def other():
-        paused.wait(PAUSE_S)
         with torch.inference_mode():
             model.generate(prompt, max_new_tokens=2)
-        resume.set()
 
     model._get_candidate_generator = pausing_candidate_generator
-    threads = [threading.Thread(target=assisted), threading.Thread(target=other)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    _second_while_first_is_paused(assisted, other, paused, resume)
     assert not isinstance(results["assisted"], ValueError), results["assisted"]
     assert torch.equal(results["assisted"], alone)
 
