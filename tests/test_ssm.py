@@ -423,3 +423,50 @@ def test_a_smooth_fft_size_gives_the_exact_convolution(monkeypatch, bidirectiona
             grouped = conv.convolve_in_channel_groups_(x.detach().clone(), group=2)
             assert (grouped - expected).abs().max() < 1e-10
         conv.train()
+
+
+@pytest.mark.parametrize("chunk_size", [256, 12])  # the chunk a power of two (one chain of powers), and not
+def test_without_float64_the_convolution_and_its_gradients_stay_close_to_the_float64_path(monkeypatch, chunk_size):
+    """On a device without float64 (Apple's ``mps``; forced here on the CPU, where every float64 result raises) z =
+    exp(ΔA) and its powers are float32 exponentials (`_exponential_powers`), not float64 squarings: forward, gradients
+    and the cached and grouped inference paths compute, close to the float64 path (measured: about 1e-6 apart at
+    unit-size values, as far as 128K lags)."""
+    from device_helpers import without_float64
+
+    torch.manual_seed(0)
+    conv = BidirectionalS4DConvolution(8, 16, kernel_chunk_size=chunk_size)
+    x = torch.randn(2, 300, 8, requires_grad=True)
+    weights = torch.randn(2, 300, 8)
+
+    def run():
+        conv.train().zero_grad()
+        x.grad = None
+        (conv(x) * weights).sum().backward()
+        conv.eval()
+        with torch.no_grad():
+            outputs = [conv(x), conv(x), conv.convolve_in_channel_groups_(x.detach().clone(), group=3)]
+        return outputs + [x.grad.clone()] + [p.grad.clone() for p in conv.parameters()]
+
+    expected = run()
+    with without_float64(monkeypatch, ssm):
+        got = run()
+    assert len(got) == len(expected) == 10 and not torch.equal(got[0], expected[0])  # (the float32 path ran)
+    for value, reference in zip(got, expected):  # about 3e-7 of the largest value apart (measured), 3e-6 allowed
+        torch.testing.assert_close(value, reference, rtol=0, atol=3e-6 * reference.abs().max().item())
+
+
+def test_without_float64_the_locost_encoder_computes_close_to_the_float64_path(monkeypatch):
+    """The tiny LOCOST encoder on a (forced) device without float64: its output, within 3e-6 of its largest value of
+    the float64 path's (the decoder's softmax takes float64 on the CPU only: on ``mps`` it is ``torch.softmax``)."""
+    from device_helpers import without_float64
+    from workflow_helpers import tiny_locost
+
+    encoder = tiny_locost().encoder
+    input_ids = torch.randint(3, 99, (2, 600))
+    with torch.no_grad():
+        expected = encoder(input_ids=input_ids).last_hidden_state
+        with without_float64(monkeypatch, ssm):
+            encoder.apply(lambda module: getattr(module, "clear_kernel_cache", lambda: None)())
+            hidden = encoder(input_ids=input_ids).last_hidden_state
+    assert not torch.equal(hidden, expected)  # (the float32 path ran)
+    torch.testing.assert_close(hidden, expected, rtol=0, atol=3e-6 * expected.abs().max().item())

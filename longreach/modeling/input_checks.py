@@ -39,6 +39,12 @@ def functorch_wrapped(tensor: torch.Tensor) -> bool:
     return wrapped is not None and wrapped(tensor)
 
 
+def supports_float64(device: torch.device) -> bool:
+    """Whether ``device`` has float64 and complex128 tensors (Apple's ``mps`` has neither: the SSM kernel and Dodo's
+    nugget count use float32 ways there)."""
+    return device.type != "mps"
+
+
 def _batched_by_vmap(tensor: torch.Tensor) -> bool:
     """Whether ``tensor`` is, or wraps, a tensor batched by ``torch.func.vmap`` (at any level of nested transforms)."""
     is_batched, unwrapped = _functorch_api("is_batchedtensor"), _functorch_api("get_unwrapped")

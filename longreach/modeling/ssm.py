@@ -28,10 +28,11 @@ that no new tensor takes its address) and version counter instead: an edit throu
 
 Memory and time: the authors materialise exp(ΔA·l) as [H, N/2, L] (51 GB at the released size and 16K tokens, and
 L complex exponentials per mode). We split the lags into chunks l = l0 + j and use z^(l0 + j) = z^l0 · z^j with
-z = exp(ΔA): one exponential per mode, its power-of-two powers by squaring in float64, the chunk's powers by doubling
-(one complex multiplication each, about (1 + directions)·√L per mode), one real batched matmul per block of 32
-channels (``s4d_kernel``), and no tensor larger than O(32·N/2·√L) besides the [directions, H, L] kernel and the
-squarings. That is the torch-ops path (``LONGREACH_SSM_KERNEL=torch``, and every accelerator). With torch ops on CPU the
+z = exp(ΔA): one exponential per mode, its power-of-two powers by squaring in float64 (one float32 exponential each on
+a device without float64, Apple's ``mps``), the chunk's powers by doubling (one complex multiplication each, about
+(1 + directions)·√L per mode), one real batched matmul per block of 32 channels (``s4d_kernel``), and no tensor larger
+than O(32·N/2·√L) besides the [directions, H, L] kernel and the squarings. That is the torch-ops path
+(``LONGREACH_SSM_KERNEL=torch``, and every accelerator). With torch ops on CPU the
 kernel ran at 3.5x (1 thread) to 3.8x (2 threads) the time of a plain matmul of its multiply-adds at 1K lags: the
 batched matmul alone took 1.7x the plain one (per channel [32, 512] x [512, 64], about 10 FLOPs per byte read against
 about 170 for a square matmul: it runs at the speed of the caches), and the elementwise powers and per-block ops
@@ -62,7 +63,7 @@ import torch.utils.checkpoint
 from torch import nn
 from transformers import initialization as init
 
-from .input_checks import in_functorch_transform
+from .input_checks import in_functorch_transform, supports_float64
 from .ssm_cpu_kernel import compiled_kernel_usable, compiled_s4d_kernel_values
 
 #: Guards every layer's kernel cache: one model in eval mode may serve several threads at once (a lookup and an eviction
@@ -75,9 +76,11 @@ _KERNEL_CACHE_LOCK = threading.RLock()
 KERNEL_CHANNEL_BLOCK = 32
 
 
-def _exp_complex128(exponent: torch.Tensor) -> torch.Tensor:
-    """exp(exponent) in complex128 from real float64 exp/cos/sin (torch's complex ``exp`` is slow on CPU)."""
-    real, imag = exponent.real.double(), exponent.imag.double()
+def _exp_wide(exponent: torch.Tensor) -> torch.Tensor:
+    """exp(exponent) from real exp/cos/sin (torch's complex ``exp`` is slow on CPU): in complex128 (float64), or in
+    complex64 on a device without float64 (``mps``), where `_doubling_ratios` then takes no power by squaring."""
+    real_dtype = torch.float64 if supports_float64(exponent.device) else torch.float32
+    real, imag = exponent.real.to(real_dtype), exponent.imag.to(real_dtype)
     magnitude = torch.exp(real)
     return torch.complex(magnitude * torch.cos(imag), magnitude * torch.sin(imag))
 
@@ -90,6 +93,13 @@ def _square_powers(base: torch.Tensor, count: int, dtype: torch.dtype = torch.co
         base = base * base
         powers.append(base.to(dtype))
     return torch.stack(powers)
+
+
+def _exponential_powers(exponent: torch.Tensor, count: int, dtype: torch.dtype) -> torch.Tensor:
+    """``[exp(e), exp(2e), exp(4e), …]`` (count of them) for ``e = exponent``, each its own exponential in float32 (the
+    scaling by 2^i is exact): the powers of `_square_powers` on a device without float64, where squaring in complex64
+    would multiply z's rounding error by 2^i (kernel 4e-3 off at 128K lags, against 7e-7 this way: measured on CPU)."""
+    return torch.stack([_exp_wide(exponent * float(2**i)).to(dtype) for i in range(count)])
 
 
 def _geometric(first: torch.Tensor, ratio_powers, count: int, out: torch.Tensor) -> torch.Tensor:
@@ -137,13 +147,17 @@ def _lag_chunks(directions: int, length: int, max_chunk: int) -> tuple[int, int]
 def _doubling_ratios(z: torch.Tensor, dtA: torch.Tensor, chunk: int, num_chunks: int):
     """``(z^(2^i) for i < log2(chunk), z^(chunk·2^i) for i < log2(num_chunks))`` of a block of channels, in ΔA's
     dtype (complex64, complex128 for a float64 module) ``[count, h, N/2]`` each, from z = exp(ΔA) in complex128 by
-    squaring (one chain when the chunk is a power of two, else a second one from exp(ΔA·chunk))."""
+    squaring (one chain when the chunk is a power of two, else a second one from exp(ΔA·chunk)); from exponentials of
+    their own where the device has no float64 (z in complex64: `_exponential_powers`)."""
     step_count, stride_count = (chunk - 1).bit_length(), (num_chunks - 1).bit_length()
+    if z.dtype != torch.complex128:  # no float64 on this device (`_exp_wide`)
+        step = _exponential_powers(dtA, max(1, step_count), dtA.dtype)[:step_count]
+        return step, _exponential_powers(dtA * chunk, max(1, stride_count), dtA.dtype)
     if chunk & (chunk - 1) == 0:  # z^(chunk·2^i) = z^(2^(log2(chunk) + i)): one chain
         chain = _square_powers(z, max(1, step_count + stride_count), dtA.dtype)
         return chain[:step_count], chain[step_count:]
     step = _square_powers(z, max(1, step_count), dtA.dtype)[:step_count]
-    return step, _square_powers(_exp_complex128(dtA * chunk), max(1, stride_count), dtA.dtype)
+    return step, _square_powers(_exp_wide(dtA * chunk), max(1, stride_count), dtA.dtype)
 
 
 def _channel_block(width: int, device: torch.device) -> int:
@@ -175,13 +189,14 @@ def s4d_kernel(dtA: torch.Tensor, z: torch.Tensor, C_hat: torch.Tensor, length: 
     parts (2·Re(W·P) = Re W·Re P + Im W·Im P̄ twice). W and P are geometric sequences, built by doubling
     (``_geometric``) into buffers reused by every block: one complex multiplication per term and no transcendental
     beyond exp(ΔA) per mode. The work besides the matmul is O(H·N/2·√L) against its O(H·N·L) multiply-adds.
-    ``dtA`` [H, N/2] complex64, ``z = exp(dtA)`` complex128, ``C_hat`` [directions, H, N/2] complex64 (complex128
-    and a float64 kernel for a float64 module).
+    ``dtA`` [H, N/2] complex64, ``z = exp(dtA)`` complex128 (complex64 on a device without float64), ``C_hat``
+    [directions, H, N/2] complex64 (complex128 and a float64 kernel for a float64 module).
     """
     directions, width, _ = C_hat.shape
     chunk, num_chunks = _lag_chunks(directions, length, max_chunk)
     # on CPU up to 8K lags: the same products in C (complex64 only)
-    if C_hat.dtype == torch.complex64 and compiled_kernel_usable(num_chunks * chunk, dtA, z, C_hat):
+    if (C_hat.dtype == torch.complex64 and z.dtype == torch.complex128
+            and compiled_kernel_usable(num_chunks * chunk, dtA, z, C_hat)):
         values = compiled_s4d_kernel_values(z, C_hat, chunk, num_chunks)
     else:
         values = _s4d_kernel_values(dtA, z, C_hat, chunk, num_chunks)
@@ -285,8 +300,8 @@ class _S4DKernel(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        # z = exp(ΔA) in complex128 comes from the discretisation; only ΔA and Ĉ are kept and z is taken again in the
-        # backward pass (one exponential per mode, against keeping an [H, N/2] complex128 tensor per layer)
+        # z = exp(ΔA) (complex128: `_exp_wide`) comes from the discretisation; only ΔA and Ĉ are kept and z is taken
+        # again in the backward pass (one exponential per mode, against keeping an [H, N/2] complex128 tensor per layer)
         dtA, _, C_hat, length, max_chunk = inputs
         ctx.save_for_backward(dtA, C_hat)
         ctx.length, ctx.max_chunk = length, max_chunk
@@ -295,7 +310,7 @@ class _S4DKernel(torch.autograd.Function):
     def backward(ctx, grad):
         with _first_order_backward():
             dtA, C_hat = ctx.saved_tensors
-            grad_dtA, grad_C_hat = s4d_kernel_vjp(grad, dtA, _exp_complex128(dtA), C_hat, ctx.length, ctx.max_chunk)
+            grad_dtA, grad_C_hat = s4d_kernel_vjp(grad, dtA, _exp_wide(dtA), C_hat, ctx.length, ctx.max_chunk)
         return grad_dtA, None, grad_C_hat, None, None
 
 
@@ -496,14 +511,15 @@ class BidirectionalS4DConvolution(Float32ParametersModule):
         return dtA, C_hat
 
     def _discretized(self, channels: slice = slice(None)) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """ΔA and Ĉ (complex64, complex128 in float64) and z = exp(ΔA) (complex128) of the given channels."""
+        """ΔA and Ĉ (complex64, complex128 in float64) and z = exp(ΔA) (complex128, or complex64 on a device without
+        float64: `_exp_wide`) of the given channels."""
         real = self.compute_dtype
         dt = torch.exp(self.log_dt.to(real)[channels])
         A = torch.complex(-torch.exp(self.inv_A_real.to(real)[channels]), self.A_imag.to(real)[channels])
         B = torch.view_as_complex(self.B.to(real)[channels].contiguous())
         C = torch.view_as_complex(self.C.to(real)[:, channels].contiguous())
         dtA = dt[:, None] * A
-        z = _exp_complex128(dtA)
+        z = _exp_wide(dtA)
         C_hat = C * (B * (z.to(A.dtype) - 1.0) / A)
         return dtA, z, C_hat
 
