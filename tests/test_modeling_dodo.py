@@ -150,6 +150,28 @@ def test_the_configs_nugget_count_is_the_models_at_exact_products():
     assert counts == model._num_nuggets(torch.arange(1, 1001)).tolist()
 
 
+@pytest.mark.parametrize("ratio", [0.07, 0.1, 0.2, 1 / 3])
+def test_without_float64_the_ceil_nugget_count_is_the_float64_one(monkeypatch, ratio):
+    """On a device without float64 (Apple's ``mps``; forced here on the CPU, where every float64 result raises) the
+    'ceil' nugget count is taken from the same float64 numbers as Python floats, and compress() runs."""
+    from device_helpers import without_float64
+
+    from longreach.modeling import modeling_dodo
+
+    model = tiny_model(nugget_ratio=ratio, nugget_count_rounding="ceil")
+    lengths = torch.arange(0, 1001)
+    expected = model._num_nuggets(lengths)
+    context = ids(2, 30)
+    with torch.no_grad():
+        nuggets = model.compress(context)
+        with without_float64(monkeypatch, modeling_dodo):
+            counts = model._num_nuggets(lengths)
+            nuggets_without = model.compress(context)
+    assert counts.dtype == torch.long and torch.equal(counts, expected)
+    assert torch.equal(nuggets_without.num_nuggets, nuggets.num_nuggets)
+    assert torch.equal(nuggets_without.indices, nuggets.indices)
+
+
 @pytest.mark.parametrize(
     "field, value",
     [

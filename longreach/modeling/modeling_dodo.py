@@ -69,6 +69,7 @@ from .input_checks import (
     question_per_document,
     reject_head_masks,
     summarization_documents,
+    supports_float64,
     take_cache_argument,
     values_readable,
 )
@@ -1218,8 +1219,12 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
 
     def _num_nuggets(self, real_tokens: torch.LongTensor) -> torch.LongTensor:
         if self.config.nugget_count_rounding == "ceil":
-            # a tiny tolerance so that e.g. 30 * 0.1 = 3.0000000000000004 does not round up to 4
-            counts = torch.ceil(real_tokens.double() * self.config.nugget_ratio - 1e-9).long()
+            # in float64, with a tiny tolerance so that e.g. 30 * 0.1 = 3.0000000000000004 does not round up to 4
+            if supports_float64(real_tokens.device):
+                counts = torch.ceil(real_tokens.double() * self.config.nugget_ratio - 1e-9).long()
+            else:  # (mps) the same float64 numbers, as Python floats
+                counts = [math.ceil(tokens * self.config.nugget_ratio - 1e-9) for tokens in real_tokens.tolist()]
+                counts = torch.tensor(counts, dtype=torch.long, device=real_tokens.device)
         else:  # the authors': float32 product + 0.99, truncated toward zero (the paper says ⌈n / r⌉)
             counts = (real_tokens * self.config.nugget_ratio + 0.99).long()
         return torch.minimum(counts, real_tokens)
