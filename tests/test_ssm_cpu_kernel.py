@@ -325,3 +325,27 @@ def test_without_a_home_folder_the_kernel_is_built_for_the_process(fresh_loader,
         assert ssm_cpu_kernel.load() is not None
     assert "no SSM kernel cache (no cache folder" in caplog.text and ssm_cpu_kernel.unavailable_reason() is None
     assert "~/.cache" not in caplog.text  # (no such folder: the warning named it as the one that could not be written)
+
+
+def test_on_macos_the_kernel_cache_tells_cpus_apart_by_sysctl(monkeypatch, tmp_path):
+    """macOS has no /proc/cpuinfo, and ``platform.processor()`` is "arm" on every Apple Silicon Mac: a library built
+    with ``-mcpu=native`` on an M3 would be loaded by an M1 sharing the cache folder. ``sysctl``'s CPU model and
+    feature flags tell them apart."""
+    import platform
+    import subprocess
+
+    # no /proc/cpuinfo, however it is read
+    monkeypatch.setattr(ssm_cpu_kernel, "_CPUINFO", tmp_path / "no_cpuinfo", raising=False)
+    monkeypatch.setattr(ssm_cpu_kernel, "Path", lambda *parts: tmp_path / "no_cpuinfo")
+    monkeypatch.setattr(platform, "system", lambda: "Darwin")
+    monkeypatch.setattr(platform, "processor", lambda: "arm")
+    machines = {"Apple M1": "hw.optional.arm.FEAT_BF16: 0\n", "Apple M3": "hw.optional.arm.FEAT_BF16: 1\n"}
+    identities = []
+    for brand, flags in machines.items():
+        def sysctl(command, brand=brand, flags=flags, **kwargs):
+            assert command[0] == "sysctl"
+            return subprocess.CompletedProcess(command, 0, f"machdep.cpu.brand_string: {brand}\n{flags}", "")
+
+        monkeypatch.setattr(subprocess, "run", sysctl)
+        identities.append(ssm_cpu_kernel._cpu_identity())
+    assert identities[0] != identities[1] and "Apple M1" in identities[0] and "FEAT_BF16: 1" in identities[1]

@@ -304,14 +304,28 @@ def _compiler() -> str | None:
     return None
 
 
+#: Where Linux describes the CPU (macOS has no /proc: `_cpu_identity` asks ``sysctl`` there).
+_CPUINFO = Path("/proc/cpuinfo")
+
+
 def _cpu_identity() -> str:
-    """What ``-march=native`` depends on: the CPU's model and feature flags (a shared cache folder may be read by
-    machines with other CPUs)."""
+    """What ``-march=native`` / ``-mcpu=native`` depends on: the CPU's model and feature flags (a shared cache folder
+    may be read by machines with other CPUs). On macOS, ``sysctl``'s: ``platform.processor()`` there is "arm" or
+    "i386" for every Mac."""
     try:
-        lines = Path("/proc/cpuinfo").read_text(errors="replace").splitlines()
+        lines = _CPUINFO.read_text(errors="replace").splitlines()
         return "\n".join(sorted({line for line in lines if line.startswith(("model name", "flags", "Features"))}))
     except OSError:
-        return platform.processor()
+        pass
+    if platform.system() == "Darwin":
+        try:
+            result = subprocess.run(["sysctl", "machdep.cpu.brand_string", "hw.optional"], capture_output=True,
+                                    text=True, errors="replace", timeout=60)
+            if result.stdout.strip():
+                return result.stdout
+        except (OSError, subprocess.SubprocessError):
+            pass
+    return platform.processor()
 
 
 def _compile(compiler: str) -> Path:
