@@ -534,13 +534,11 @@ def test_bfloat16_and_tied_embeddings(tmp_path):
 
 
 def test_bfloat16_base_with_float32_trainable_weights(tmp_path, model):
-    """PEFT's layout (`get_peft_model` keeps LoRA weights float32 on a bfloat16 base): adapters, scorer and soft prompt
-    upcast to float32. The scorer got the bfloat16 features ("mat1 and mat2 must have the same dtype")."""
+    """PEFT's layout (`get_peft_model` keeps LoRA weights float32 on a bfloat16 base), which `from_pretrained` gives:
+    adapters, scorer and soft prompt in float32. The scorer got the bfloat16 features ("mat1 and mat2 must have the
+    same dtype")."""
     model.save_pretrained(tmp_path)
     mixed = DodoLlamaForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16)
-    for param in mixed.parameters():
-        if param.requires_grad:
-            param.data = param.data.float()
     assert mixed.dtype == torch.bfloat16 and mixed.nugget_scorer[0].weight.dtype == torch.float32
     context, prompt = ids(2, 30), ids(2, 6)
     loss = mixed.train()(prompt, context_input_ids=context, labels=prompt).loss
@@ -556,6 +554,67 @@ def test_bfloat16_base_with_float32_trainable_weights(tmp_path, model):
         expected = model(prompt, nuggets=reference).logits
         assert max_diff(logits, expected) < 0.05 * expected.abs().max()
         assert mixed.generate(prompt, context_input_ids=context, max_new_tokens=3, num_beams=2).shape == (2, 9)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_loading_keeps_trainable_weights_float32_as_peft_does(tmp_path, model, dtype):
+    """As PEFT's `autocast_adapter_dtype=True`: loaded in 16 bits, the base follows `dtype` and the adapters, scorer and
+    soft prompt are float32 (read from a float32 checkpoint without rounding), so that small updates are not lost.
+    They were in `dtype` too: one AdamW step at lr 1e-5 left most bfloat16 weights unchanged."""
+    from safetensors import safe_open
+
+    model.save_pretrained(tmp_path / "float32")
+    mixed = DodoLlamaForCausalLM.from_pretrained(tmp_path / "float32", dtype=dtype)
+    reference = dict(model.named_parameters())
+    for name, param in mixed.named_parameters():
+        assert param.dtype == (torch.float32 if param.requires_grad else dtype), name
+        if param.requires_grad:
+            assert torch.equal(param, reference[name]), name
+    context, prompt = ids(2, 30), ids(2, 6)
+
+    def changed_by_one_step(dodo) -> tuple[int, int]:
+        """(weights changed by one AdamW step, weights with a non-zero gradient)."""
+        trained = [param for param in dodo.parameters() if param.requires_grad]
+        before = [param.detach().clone() for param in trained]
+        optimizer = torch.optim.AdamW(trained, lr=1e-5, weight_decay=0.0)
+        dodo.train()(prompt, context_input_ids=context, labels=prompt).loss.backward()
+        optimizer.step()
+        pairs = [(param, old) for param, old in zip(trained, before) if param.grad is not None]
+        return (sum(int(((param != old) & (param.grad != 0)).sum()) for param, old in pairs),
+                sum(int((param.grad != 0).sum()) for param, _ in pairs))
+
+    changed, with_gradient = changed_by_one_step(mixed)
+    assert with_gradient > 1000 and changed == with_gradient
+    if dtype == torch.bfloat16:  # what the all-bfloat16 model (PEFT's opt-out) does with the same step
+        half = DodoLlamaForCausalLM.from_pretrained(tmp_path / "float32", dtype=dtype, autocast_adapter_dtype=False)
+        assert {param.dtype for param in half.parameters()} == {dtype}
+        changed, with_gradient = changed_by_one_step(half)
+        assert changed < with_gradient / 2
+
+    # saved as PEFT saves adapters: in their own dtype (float32), the base in `dtype`; reloaded the same
+    mixed.eval().save_pretrained(tmp_path / "mixed")
+    saved = dict(mixed.state_dict())
+    with safe_open(tmp_path / "mixed" / "model.safetensors", "pt") as file:
+        assert {key: file.get_tensor(key).dtype for key in file.keys()} == {k: t.dtype for k, t in saved.items()}
+    reloaded = DodoLlamaForCausalLM.from_pretrained(tmp_path / "mixed").eval()
+    assert all(torch.equal(tensor, saved[key]) and tensor.dtype == saved[key].dtype
+               for key, tensor in reloaded.state_dict().items())
+    with torch.no_grad():
+        nuggets = reloaded.compress(context)
+        assert nuggets.key_values[0][0].dtype == dtype and nuggets.scores.dtype == dtype
+        assert torch.equal(reloaded(prompt, nuggets=nuggets).logits, mixed(prompt, context_input_ids=context).logits)
+        assert reloaded.generate(prompt, nuggets=nuggets, max_new_tokens=3).shape == (2, 9)
+
+    # a Dodo built around a Llama checkpoint gets fresh float32 ones; `.to(dtype)` casts them with the rest (as it casts
+    # a PEFT model's adapters)
+    built = DodoLlamaForCausalLM.from_base_model(tmp_path / "float32", dtype=dtype)
+    assert {(param.requires_grad, param.dtype) for param in built.parameters()} == {(True, torch.float32),
+                                                                                    (False, dtype)}
+    assert {param.dtype for param in built.to(dtype).parameters()} == {dtype}
+    with pytest.raises(ValueError, match=re.escape("`autocast_adapter_dtype` must be True (float32 adapters, scorer "
+                                                   "and soft prompt on a float16 or bfloat16 model, as PEFT keeps "
+                                                   "adapters) or False, got 'no'.")):
+        DodoLlamaForCausalLM(tiny_config(), autocast_adapter_dtype="no")
 
 
 # --------------------------------------------------------------------------------------------------------------------

@@ -50,6 +50,7 @@ from torch.utils.checkpoint import checkpoint
 from transformers import initialization as init
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.generation import GenerationConfig, GenerationMixin
+from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
 from transformers.modeling_outputs import CausalLMOutputWithPast
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 from transformers.models.llama.modeling_llama import LlamaModel, LlamaPreTrainedModel
@@ -646,12 +647,19 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
 
     Model state: the base Llama (frozen), LoRA φ (``config.encoder_adapter_name``) and θ
     (``config.decoder_adapter_name``) on ``config.lora_target_modules``, the scorer ``nugget_scorer``
-    (``Linear(d, d) -> ReLU -> Linear(d, 1)``) and ``soft_prompt`` (``[soft_prompt_length, d]``).
+    (``Linear(d, d) -> ReLU -> Linear(d, 1)``) and ``soft_prompt`` (``[soft_prompt_length, d]``). In a float16 or
+    bfloat16 model the last three stay float32, as PEFT's adapters do; ``autocast_adapter_dtype=False`` (also a
+    ``from_pretrained`` keyword, as in PEFT) keeps them in the model's dtype.
     """
 
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
 
-    def __init__(self, config: DodoLlamaConfig):
+    def __init__(self, config: DodoLlamaConfig, autocast_adapter_dtype: bool = True):
+        if not isinstance(autocast_adapter_dtype, bool):
+            raise ValueError(
+                "`autocast_adapter_dtype` must be True (float32 adapters, scorer and soft prompt on a float16 or "
+                f"bfloat16 model, as PEFT keeps adapters) or False, got {autocast_adapter_dtype!r}."
+            )
         super().__init__(config)
         self.model = DodoLlamaModel(config)
         self.vocab_size = config.vocab_size
@@ -681,6 +689,8 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
                 layer.lora_B[name]._dodo_lora_role = "B"
         self._dodo_active_adapter = ()  # sentinel: nothing selected yet
         self._dodo_built_settings = {name: copy.deepcopy(getattr(config, name)) for name in BUILT_SETTINGS}
+        if autocast_adapter_dtype:
+            self._upcast_trainable_weights()
         self.post_init()
         self.freeze_base_model()
 
@@ -769,6 +779,24 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
         # every checkpointed layer lives in the backbone, which installs Dodo's cache- and adapter-aware version
         self.model._set_gradient_checkpointing(enable, gradient_checkpointing_func, every_n_layers)
 
+    @staticmethod
+    def _is_trainable_weight(name: str) -> bool:
+        """Whether parameter ``name`` is one of Dodo's own trainable weights (adapters, scorer, soft prompt)."""
+        return ".lora_A." in name or ".lora_B." in name or name.startswith(("nugget_scorer.", "soft_prompt."))
+
+    def _upcast_trainable_weights(self) -> None:
+        """float16 / bfloat16 adapters, scorer and soft prompt to float32, as PEFT's ``get_peft_model`` and
+        ``PeftModel.from_pretrained`` do (``autocast_adapter_dtype=True``): in 16 bits most small optimizer updates
+        would round away. Run at construction, so that ``from_pretrained(dtype=torch.bfloat16)`` loads these weights
+        into float32 (a float32 checkpoint's without rounding). The LoRA layers cast their input to the adapter's dtype
+        and the result back; the scorer and the soft prompt do the same in `_compress` and `_decode`. A later
+        ``.to(dtype)`` casts them with the rest, as it does a PEFT model's."""
+        if is_deepspeed_zero3_enabled():  # ZeRO-3 partitions the weights at construction and sets their dtypes
+            return
+        for name, param in self.named_parameters():
+            if self._is_trainable_weight(name) and param.dtype in (torch.float16, torch.bfloat16):
+                param.data = param.data.to(torch.float32)
+
     def freeze_base_model(self) -> None:
         """Train only the adapters, the scorer and the soft prompt (the authors' setting).
 
@@ -776,9 +804,7 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
         (base weights included). To fine-tune more, set ``requires_grad`` yourself afterwards.
         """
         for name, param in self.named_parameters():
-            param.requires_grad_(
-                ".lora_A." in name or ".lora_B." in name or name.startswith(("nugget_scorer.", "soft_prompt."))
-            )
+            param.requires_grad_(self._is_trainable_weight(name))
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
