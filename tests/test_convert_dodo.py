@@ -119,6 +119,22 @@ def test_all_routes_give_the_same_checkpoint(converted, dodo_fixtures):
     )
 
 
+def test_half_precision_conversion_keeps_the_trainable_weights_float32(converted, dodo_fixtures, tmp_path):
+    """`--dtype bfloat16`: the base in bfloat16, the adapters, scorer and soft prompt float32 (the authors' and PEFT's
+    layout, what `from_pretrained(dtype=torch.bfloat16)` loads), bit for bit the float32 conversion's. They were
+    rounded to bfloat16 with the rest."""
+    output = convert("lightning", dodo_fixtures, tmp_path / "out", dtype="bfloat16")
+    half = load_file(str(output / "model.safetensors"))
+    reference = load_file(str(converted["lightning"] / "model.safetensors"))
+    assert set(half) == set(reference)
+    for key, tensor in half.items():
+        if ".lora_" in key or key.startswith(("nugget_scorer.", "soft_prompt.")):
+            assert tensor.dtype == torch.float32 and torch.equal(tensor, reference[key]), key
+        else:
+            assert tensor.dtype == torch.bfloat16 and torch.equal(tensor, reference[key].bfloat16()), key
+    assert json.loads((output / "config.json").read_text())["dtype"] == "bfloat16"
+
+
 # --------------------------------------------------------------------------------------------------------------------
 # Parity: per row (the bug-free references), from every route
 # --------------------------------------------------------------------------------------------------------------------

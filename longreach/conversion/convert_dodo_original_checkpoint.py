@@ -534,14 +534,19 @@ def _build_and_save(
     if wrong:
         raise ConversionError(f"{source}: tensor shapes differ from the model's (checkpoint, model): {wrong}")
     check_floating_dtypes(model, converted, source)
-    # One dtype for the whole model: by default the widest of the sources (lossless: the authors keep float32 adapters)
+    # One dtype for the model: by default the widest of the sources (lossless: the authors keep float32 adapters).
+    # In 16 bits the adapters, scorer and soft prompt stay float32, as `from_pretrained` loads them (PEFT's layout).
     target_dtype = getattr(torch, dtype) if dtype else widest_floating_dtype(converted.values())
+    trainable_dtype = torch.float32 if target_dtype in (torch.float16, torch.bfloat16) else target_dtype
     source_dtypes = sorted({str(t.dtype).removeprefix("torch.") for t in converted.values() if t.is_floating_point()})
     if dtype is None and len(source_dtypes) > 1:  # e.g. a bfloat16 base with float32 adapters: the file grows
         logger.info("The sources hold %s tensors: the converted model is %s throughout (lossless); --dtype %s keeps "
-                    "a smaller file instead.", " and ".join(source_dtypes), str(target_dtype).removeprefix("torch."),
+                    "a smaller file instead (the adapters, scorer and soft prompt stay float32).",
+                    " and ".join(source_dtypes), str(target_dtype).removeprefix("torch."),
                     next(name for name in source_dtypes if getattr(torch, name) != target_dtype))
-    convert_dtypes_in_place(converted, lambda key: target_dtype)
+    convert_dtypes_in_place(
+        converted, lambda key: trainable_dtype if DodoLlamaForCausalLM._is_trainable_weight(key) else target_dtype
+    )
     model.to(target_dtype)
     assign_weights(model, converted, {"lm_head.weight"} if config.tie_word_embeddings else set(), source)
 
@@ -849,7 +854,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--dtype",
         choices=("float32", "bfloat16", "float16"),
-        help="dtype of the converted model (default: the widest dtype among the sources, lossless).",
+        help="dtype of the converted model (default: the widest dtype among the sources, lossless); in float16 or "
+             "bfloat16 the adapters, scorer and soft prompt stay float32, as from_pretrained loads them.",
     )
     parser.add_argument("--tokenizer_name_or_path", help="Tokenizer to save (default: the base folder's, if any).")
     parser.add_argument("--push_to_hub", metavar="REPO_ID", help="Also upload the result to this Hub repo.")
