@@ -25,6 +25,12 @@ def load_benchmark(name: str):
     return module
 
 
+@pytest.fixture(autouse=True)
+def benchmarks_folder_on_path(monkeypatch):
+    """The scripts import their neighbours (``from run_all import ...``), as run from their folder."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+
+
 @pytest.fixture(scope="module")
 def run_all():
     return load_benchmark("run_all")
@@ -107,10 +113,9 @@ def test_logn_scaling_benchmark_runs_on_a_demo_model(tmp_path, monkeypatch, caps
     assert all(0.0 <= line["rouge1"] <= 100.0 for line in lines[1:])
 
 
-def test_profile_step_tables_where_the_time_goes(tmp_path, monkeypatch):
+def test_profile_step_tables_where_the_time_goes(tmp_path):
     """benchmarks/profile_step.py on a tiny LOCOST training step: an operator table whose shares add up to the whole,
     the backward pass of our own autograd functions among its rows, and --out appending one section per run."""
-    monkeypatch.syspath_prepend(str(BENCHMARKS))  # the script imports run_all as its neighbour
     module = load_benchmark("profile_step")
     out = tmp_path / "profiles.md"
     text = module.main(["--quick", "--model", "locost", "--task", "train_ckpt", "--length", "48", "--rows", "1000",
@@ -144,7 +149,7 @@ def test_gpu_scripts_parse(script):
     assert result.returncode == 0, result.stderr
 
 
-def test_profile_table_on_cuda_counts_kernel_time_once(monkeypatch):
+def test_profile_table_on_cuda_counts_kernel_time_once():
     """On CUDA the table ranks host-side operators by the device time of the kernels they launched; the kernels' own
     events (which carry the same time) are left out, so shares are not halved by double counting."""
     import types
@@ -152,7 +157,6 @@ def test_profile_table_on_cuda_counts_kernel_time_once(monkeypatch):
     import torch
     from torch.autograd import DeviceType
 
-    monkeypatch.syspath_prepend(str(BENCHMARKS))
     module = load_benchmark("profile_step")
 
     def event(key, device_type, device_us, count=1):
@@ -178,8 +182,7 @@ def test_decode_attention_benchmark_times_every_way_on_the_cpu(capsys):
         module.main(["--device", "cpu", "--iterations", "0"])
 
 
-def test_static_decode_benchmark_times_each_cache_and_checks_the_tokens(monkeypatch, capsys):
-    monkeypatch.syspath_prepend(str(BENCHMARKS))  # the script imports run_all as its neighbour
+def test_static_decode_benchmark_times_each_cache_and_checks_the_tokens(capsys):
     module = load_benchmark("benchmark_static_decode")
     rows = module.main(["--quick", "--backend", "aot_eager", "--models", "locost", "vcc-t5", "--lengths", "32",
                         "--new_tokens", "3", "--repeats", "1"])
@@ -194,7 +197,6 @@ def test_static_decode_benchmark_times_each_cache_and_checks_the_tokens(monkeypa
 
 
 def test_compiled_step_benchmark_times_eager_and_compiled_steps(monkeypatch, capsys):
-    monkeypatch.syspath_prepend(str(BENCHMARKS))  # the script imports run_all as its neighbour
     module = load_benchmark("benchmark_compiled_step")
     rows = module.main(["--quick", "--backend", "aot_eager", "--models", "locost", "--lengths", "32",
                         "--repeats", "1"])
@@ -246,8 +248,7 @@ def test_compiled_step_benchmark_times_eager_and_compiled_steps(monkeypatch, cap
         module.main(["--quick", "--feed_forward_step_elements", "0"])
 
 
-def test_vcc_t5_benchmark_times_generate_of_both_models_with_the_same_weights(monkeypatch):
-    monkeypatch.syspath_prepend(str(BENCHMARKS))  # the script imports run_all as its neighbour
+def test_vcc_t5_benchmark_times_generate_of_both_models_with_the_same_weights():
     module = load_benchmark("benchmark_vcc_t5")
     cells = [module.run_cell(model, 2048, threads=1, repeats=1, attention="sdpa", generate_tokens=3)
              for model in ("vcc", "t5")]
@@ -264,7 +265,6 @@ def test_benchmark_json_holds_the_cells_finished_before_an_interruption(monkeypa
     (a timeout, Ctrl-C) keeps what it measured."""
     import subprocess
 
-    monkeypatch.syspath_prepend(str(BENCHMARKS))
     vcc = load_benchmark("benchmark_vcc_t5")
     finished = {"model": "vcc", "length": 8, "seconds_median": 1.0}
 
@@ -351,8 +351,7 @@ def test_dodo_compress_parts_time_both_passes_and_restore_the_model():
         assert torch.equal(model.compress(context).indices, expected.indices)
 
 
-def test_corpus_benchmark_runs_buckets_one_by_one_and_a_static_cache(monkeypatch, capsys, tmp_path):
-    monkeypatch.syspath_prepend(str(BENCHMARKS))
+def test_corpus_benchmark_runs_buckets_one_by_one_and_a_static_cache(capsys, tmp_path):
     module = load_benchmark("benchmark_corpus")
     results = module.main(["--quick", "--runs", "bucketed", "one_by_one", "bucketed_static", "bucketed_static_padded",
                            "--pad_to_multiple_of", "96", "--rounds", "2", "--json", str(tmp_path / "corpus.json")])
@@ -369,8 +368,7 @@ def test_corpus_benchmark_runs_buckets_one_by_one_and_a_static_cache(monkeypatch
     assert "bucketed_static: " in capsys.readouterr().out
 
 
-def test_corpus_benchmark_pads_inputs_to_a_multiple_and_undoes_it(monkeypatch):
-    monkeypatch.syspath_prepend(str(BENCHMARKS))
+def test_corpus_benchmark_pads_inputs_to_a_multiple_and_undoes_it():
     module = load_benchmark("benchmark_corpus")
     args = argparse.Namespace(quick=True, documents=3, device="cpu", dtype="float32")
     summarizer, texts = module.build(args)
@@ -680,7 +678,6 @@ def test_benchmark_scripts_resume_from_their_jsonl_and_refuse_other_settings(mon
     """--json (or --jsonl) scripts append each finished cell to a JSONL file; a rerun with the same settings measures
     only what is missing, one with other settings is refused, --fresh starts over. --json holds every cell, resumed
     ones included, and is renamed into place."""
-    monkeypatch.syspath_prepend(str(BENCHMARKS))
     vcc = load_benchmark("benchmark_vcc_t5")
     measured, stop_at = [], [("vcc", 16)]
 
@@ -805,7 +802,6 @@ def test_vcc_t5_benchmark_memory_does_not_count_the_t5_copy(run_all, monkeypatch
     """A VCC cell builds the T5 model to copy its weights into VCC-T5: the memory in the table is the forward's peak
     RSS above a baseline taken with both alive, so neither that copy nor either model's weights are counted (the
     table showed the whole process's peak, with both copies)."""
-    monkeypatch.syspath_prepend(str(BENCHMARKS))
     if not run_all.reset_peak_rss():
         pytest.skip("the peak RSS cannot be reset here (not Linux)")
     module = load_benchmark("benchmark_vcc_t5")
