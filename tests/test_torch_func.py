@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.func import functional_call, grad, vmap
+from torch.func import functional_call, grad, stack_module_state, vmap
 
 from longreach import LocostConfig, LocostForConditionalGeneration, VCCT5Config, VCCT5ForConditionalGeneration
 from longreach.modeling import ssm
@@ -107,6 +107,32 @@ def test_vmap_over_a_batch_of_inputs_equals_a_loop(name):
                                tie_weights=True).logits[0]
 
     torch.testing.assert_close(vmap(logits)(input_ids, labels), expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("training", [False, True], ids=["eval", "train"])
+@pytest.mark.parametrize("name", list(MODELS))
+def test_vmap_over_an_ensemble_of_stacked_models_equals_a_loop(name, training):
+    """``stack_module_state`` + ``vmap`` over the parameters (a model ensemble): LOCOST's SSM kernel wrote its powers
+    into buffers (``out=``, which ``vmap`` cannot batch), and in eval mode its kernel cache would keep a spectrum made
+    from the stacked parameters, which escapes the transform."""
+    input_ids, labels = batch()
+    models = []
+    for seed in range(3):
+        torch.manual_seed(seed)
+        models.append(MODELS[name]().train(training))
+    params, buffers = stack_module_state(models)
+    params = {key: value.detach() for key, value in params.items()}
+    base = MODELS[name]().train(training)
+
+    def logits(params, buffers):
+        return functional_call(base, (params, buffers), (), {"input_ids": input_ids, "labels": labels}).logits
+
+    with torch.no_grad():
+        expected = torch.stack([model(input_ids=input_ids, labels=labels).logits for model in models])
+        torch.testing.assert_close(vmap(logits)(params, buffers), expected, atol=1e-5, rtol=1e-5)
+    conv = next(module for module in base.modules() if isinstance(module, ssm.BidirectionalS4DConvolution)
+                ) if name == "locost" else None
+    assert conv is None or conv.kernel_cache_nbytes() == 0
 
 
 def test_the_token_range_check_is_skipped_under_vmap_and_kept_outside():

@@ -63,7 +63,7 @@ import torch.utils.checkpoint
 from torch import nn
 from transformers import initialization as init
 
-from .input_checks import in_functorch_transform, supports_float64
+from .input_checks import functorch_wrapped, in_functorch_transform, supports_float64
 from .ssm_cpu_kernel import compiled_kernel_usable, compiled_s4d_kernel_values
 
 #: Guards every layer's kernel cache: one model in eval mode may serve several threads at once (a lookup and an eviction
@@ -111,9 +111,10 @@ def _geometric(first: torch.Tensor, ratio_powers, count: int, out: torch.Tensor)
     Inside ``torch.compile`` the same products are concatenated instead, and ``out`` is not used: there a write into
     a slice of ``out`` becomes a ``slice_scatter``, which copies the whole buffer at every doubling, and inductor
     generates no code for complex tensors, so it cannot make that write in place. (On an H100, at 16K tokens and the
-    released size, those copies took two thirds of a compiled training step's GPU time.)
+    released size, those copies took two thirds of a compiled training step's GPU time.) So under ``torch.func``'s
+    transforms too: ``vmap`` over stacked SSM parameters (a model ensemble) has no batching rule for ``out=``.
     """
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or in_functorch_transform():
         terms = first
         for ratio in ratio_powers:
             filled = terms.shape[-2]
@@ -130,6 +131,12 @@ def _geometric(first: torch.Tensor, ratio_powers, count: int, out: torch.Tensor)
         torch.mul(out[..., :size, :], ratio, out=out[..., filled:filled + size, :])
         filled += size
     return out
+
+
+def _conjugate(values: torch.Tensor) -> torch.Tensor:
+    """``conj_physical(values)``; under ``torch.func`` transforms the same values through a conjugate view (``vmap``
+    has no batching rule for ``conj_physical`` and warns of a slow fallback)."""
+    return values.conj().resolve_conj() if in_functorch_transform() else torch.conj_physical(values)
 
 
 def _lag_chunks(directions: int, length: int, max_chunk: int) -> tuple[int, int]:
@@ -177,7 +184,7 @@ def _conjugate_powers_by_block(dtA: torch.Tensor, z: torch.Tensor, chunk: int, n
         rows = slice(first, first + block)
         step, stride = _doubling_ratios(z[rows], dtA[rows], chunk, num_chunks)
         size = z[rows].shape[0]
-        powers = _geometric(ones[:size], torch.conj_physical(step)[:, :, None, :].unbind(), chunk, buffer[:size])
+        powers = _geometric(ones[:size], _conjugate(step)[:, :, None, :].unbind(), chunk, buffer[:size])
         yield rows, powers, stride
 
 
@@ -211,6 +218,7 @@ def _s4d_kernel_values(dtA: torch.Tensor, z: torch.Tensor, C_hat: torch.Tensor, 
     values = dtA.real.new_empty(width, directions * num_chunks, chunk)
     weights_buffer = C_hat.new_empty(_channel_block(width, dtA.device), directions, num_chunks, modes)
     weights_first = (2.0 * C_hat).transpose(0, 1)[:, :, None, :]  # 2·Ĉ [h, dirs, 1, N/2]
+    blocks = None if not in_functorch_transform() else []  # (under vmap a block is not written into `values`)
     for rows, powers, stride in _conjugate_powers_by_block(dtA, z, chunk, num_chunks):
         size = powers.shape[0]
         # P̄ [h, chunk, N/2] (conjugate, so that the matmul gives Re W·Re P − Im W·Im P); W [h, dirs, chunks, N/2]
@@ -218,8 +226,11 @@ def _s4d_kernel_values(dtA: torch.Tensor, z: torch.Tensor, C_hat: torch.Tensor, 
                              weights_buffer[:size])
         left = torch.view_as_real(weights).reshape(size, directions * num_chunks, 2 * modes)
         right = torch.view_as_real(powers).reshape(size, chunk, 2 * modes).transpose(1, 2)
-        torch.bmm(left, right, out=values[rows])
-    return values
+        if blocks is None:
+            torch.bmm(left, right, out=values[rows])
+        else:
+            blocks.append(torch.bmm(left, right))
+    return values if blocks is None else torch.cat(blocks)
 
 
 def s4d_kernel_vjp(grad: torch.Tensor, dtA: torch.Tensor, z: torch.Tensor, C_hat: torch.Tensor, length: int,
@@ -245,7 +256,7 @@ def s4d_kernel_vjp(grad: torch.Tensor, dtA: torch.Tensor, z: torch.Tensor, C_hat
     sums = []  # per block of channels: Σ_l G conj(z)^l and Σ_l l·G conj(z)^l per direction [h, directions·2, N/2]
     for rows, powers, stride in _conjugate_powers_by_block(dtA, z, chunk, num_chunks):
         size = powers.shape[0]
-        starts = _geometric(ones[rows], torch.conj_physical(stride)[:, :, None, :].unbind(), num_chunks,
+        starts = _geometric(ones[rows], _conjugate(stride)[:, :, None, :].unbind(), num_chunks,
                             starts_buffer[:size])  # conj(z)^l0 [h, chunks, N/2]
         weighted = torch.stack([padded[:, rows], padded[:, rows] * lags], dim=1)  # G and l·G [dirs, 2, h, lags]
         left = weighted.permute(2, 0, 1, 3).reshape(size, directions * 2 * num_chunks, chunk)
@@ -547,6 +558,8 @@ class BidirectionalS4DConvolution(Float32ParametersModule):
             return False
         if torch.compiler.is_compiling():
             return False
+        if any(functorch_wrapped(p) for p in self._kernel_parameters()):
+            return False  # parameters of a `torch.func` transform (stacked by `vmap`): a kept spectrum would escape it
         return not self._records_kernel_graph()
 
     def _records_kernel_graph(self) -> bool:
