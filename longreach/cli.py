@@ -779,7 +779,10 @@ def build_parser() -> argparse.ArgumentParser:
                             help="Keep at most this many input tokens (VCC-T5 with a question: the question's too; a "
                                  "warning reports what is dropped; with "
                                  "--input, each record's \"truncated\" field, and a count at the end).")
-    summarize_parser.add_argument("--device", default=None, help="e.g. cpu, cuda, cuda:1 (default: cuda if present).")
+    summarize_parser.add_argument("--device", default=None,
+                                  help="e.g. cpu, cuda, cuda:1, mps (default: the accelerator transformers' pipelines "
+                                       "choose: cuda, mps on Apple Silicon, ..., else cpu; under torchrun: "
+                                       "cuda:LOCAL_RANK, else cpu).")
     summarize_parser.add_argument("--dtype", default=None, choices=DTYPES,
                                   help="Weights' dtype (default: the checkpoint's).")
     summarize_parser.add_argument("--output", default=None, type=non_empty,

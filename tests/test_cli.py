@@ -164,3 +164,24 @@ def test_model_cards_keep_files_that_are_not_our_cards(tmp_path, capsys):
     (tmp_path / "afile").write_text("x")
     assert main(["model-cards", "--output_dir", str(tmp_path / "afile")]) == 2
     assert "is a file" in capsys.readouterr().err
+
+
+def test_summarize_device_help_names_the_default_transformers_chooses(converted_locost, monkeypatch, capsys):
+    """`--device`'s help said "default: cuda if present", but with no --device the pipeline takes transformers'
+    choice, which is mps on Apple Silicon (no CUDA there): the help names it."""
+    import torch
+    import transformers.pipelines.base as pipeline_base
+
+    from longreach.cli import load_summarizer
+
+    with pytest.raises(SystemExit):
+        main(["summarize", "--help"])
+    device_help = " ".join(capsys.readouterr().out.split("--device DEVICE")[-1].split("--dtype")[0].split())
+    # a Mac: no CUDA, mps present; the model's move there is recorded instead of done
+    monkeypatch.setattr(pipeline_base, "is_torch_cuda_available", lambda: False)
+    monkeypatch.setattr(pipeline_base, "is_torch_mps_available", lambda: True)
+    moves = []
+    monkeypatch.setattr(torch.nn.Module, "to", lambda module, *args, **kwargs: moves.append(args) or module)
+    assert load_summarizer(str(converted_locost)).device.type == "mps" and moves
+    assert "cuda if present" not in device_help and "mps on Apple Silicon" in device_help, device_help
+    assert "else cpu" in device_help, device_help
