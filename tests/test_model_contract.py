@@ -325,6 +325,30 @@ def test_streamer_receives_every_generated_token(tester):
     assert streamer.ended and torch.equal(streamed[-4:], out[0, -4:])
 
 
+def test_dodo_refuses_a_streamer_with_beam_search_before_compressing_the_context():
+    """transformers refuses a streamer with beam search; Dodo compressed the whole context first (T5 refuses before
+    running its encoder). Beams from the arguments or from a GenerationConfig; greedy still streams."""
+    class Ignore(BaseStreamer):
+        def put(self, value):
+            pass
+
+        def end(self):
+            pass
+
+    tester = ModelTester("dodo")
+    inputs = {key: value[:1] for key, value in tester.inputs().items()}
+    compressed = []
+    tester.model.compress = lambda *args, **kwargs: compressed.append(args) or type(tester.model).compress(
+        tester.model, *args, **kwargs)
+    with torch.no_grad():
+        for beams in (dict(num_beams=2), dict(generation_config=GenerationConfig(num_beams=2, max_new_tokens=2))):
+            with pytest.raises(ValueError, match="`streamer` cannot be used with beam search"):
+                tester.model.generate(**inputs, streamer=Ignore(), **beams)
+            assert compressed == []
+        tester.model.generate(**inputs, streamer=Ignore(), max_new_tokens=2)
+    assert len(compressed) == 1
+
+
 def test_generate_takes_transformers_positional_arguments(tester):
     """`generate(inputs, generation_config, logits_processor, stopping_criteria, ...)` positionally, as transformers'
     `GenerationMixin.generate` takes them (T5 and Llama do): Dodo's generate() refused them ("takes from 1 to 3

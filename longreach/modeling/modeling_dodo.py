@@ -1694,6 +1694,13 @@ class DodoLlamaForCausalLM(DodoLlamaPreTrainedModel, GenerationMixin):
             raise ValueError(f"`cache_implementation`={requested!r} is not supported by Dodo's generate(), which keeps "
                              "the nuggets and the new tokens in its own dynamic cache (DodoCache); expected None or "
                              "'dynamic'.")
+        if context_input_ids is not None and kwargs.get("streamer") is not None:
+            # transformers' checks of the generation mode (no streamer with beam search) run before compressing the
+            # context, as T5's run before its encoder
+            options = {name: value for name, value in kwargs.items() if name != "generation_config"}
+            config, _ = self._prepare_generation_config(kwargs.get("generation_config"), **options)
+            self._validate_generation_mode(config.get_generation_mode(kwargs.get("assistant_model")), config,
+                                           {"streamer": kwargs["streamer"]})
         if context_input_ids is not None:
             check_token_ids("context_input_ids", context_input_ids, vocab_size=self.get_input_embeddings().num_embeddings)
             if nuggets is not None:
