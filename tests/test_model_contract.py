@@ -581,6 +581,21 @@ def test_torch_compile_of_the_forward_gives_the_same_logits(kind):
     torch.testing.assert_close(compiled, expected, atol=1e-5, rtol=1e-5)
 
 
+def test_locost_long_input_path_compiles_as_one_graph():
+    """Without autograd, inputs longer than `encoder_chunk_length` (2048 on the CPU, 32768 on accelerators by default)
+    run the encoder in pieces; `torch.compile(fullgraph=True)` of that path failed ("torch.* op returned non-Tensor":
+    `torch.result_type`). Here 12 tokens in pieces of 4, with the eager logits."""
+    tester = ModelTester("locost")
+    tester.model.config.encoder_chunk_length = 4
+    inputs = {**tester.inputs(), "decoder_input_ids": torch.zeros(2, 3, dtype=torch.long)}
+    with torch.no_grad():
+        expected = tester.model(**inputs).logits  # (applies the edited config)
+        torch._dynamo.reset()
+        compiled = torch.compile(tester.model.forward, backend="aot_eager", fullgraph=True)(**inputs).logits
+    assert tester.model.get_encoder().piece_length(torch.device("cpu")) == 4
+    torch.testing.assert_close(compiled, expected, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("kind", ["locost", "vcc"])
 def test_training_step_compiles_as_one_graph_with_the_eager_gradients(kind):
     """``torch.compile(fullgraph=True)`` of the training forward (loss included; aot_eager backend, so its backward is

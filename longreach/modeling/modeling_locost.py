@@ -152,7 +152,7 @@ class LocostEncoderBlock(GradientCheckpointingLayer):
 
 def _widened_for(hidden_states: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
     """``hidden_states``, or a copy in the wider dtype that ``hidden_states + value`` has (as the one-piece path)."""
-    dtype = torch.result_type(hidden_states, value)
+    dtype = torch.promote_types(hidden_states.dtype, value.dtype)  # (dynamo cannot trace torch.result_type)
     return hidden_states if dtype == hidden_states.dtype else hidden_states.to(dtype)
 
 
