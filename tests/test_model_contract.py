@@ -596,6 +596,28 @@ def test_locost_long_input_path_compiles_as_one_graph():
     torch.testing.assert_close(compiled, expected, atol=1e-5, rtol=1e-5)
 
 
+def test_locost_settings_edited_after_compiling_apply_to_the_compiled_model():
+    """An encoder setting assigned to `model.config` after `torch.compile` applies from the next call, as in eager mode
+    (the compiled code kept the old one: `ssm_authors_fft_size` is another function); with `fullgraph=True` the
+    change is refused (a graph break) rather than ignored."""
+    tester = ModelTester("locost")
+    model = tester.model
+    inputs = {**tester.inputs(), "decoder_input_ids": torch.zeros(2, 3, dtype=torch.long)}
+    torch._dynamo.reset()
+    compiled = torch.compile(model.forward, backend="aot_eager")
+    fullgraph = torch.compile(model.forward, backend="aot_eager", fullgraph=True)
+    with torch.no_grad():
+        before = compiled(**inputs).logits
+        fullgraph(**inputs)  # (compiled with the settings unchanged: one graph)
+        model.config.ssm_authors_fft_size = not model.config.ssm_authors_fft_size
+        with pytest.raises(Exception, match="_apply_changed_settings"):
+            fullgraph(**inputs)
+        after = compiled(**inputs).logits
+        expected = model(**inputs).logits
+    assert not torch.allclose(after, before, atol=1e-6)
+    torch.testing.assert_close(after, expected, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("kind", ["locost", "vcc"])
 def test_training_step_compiles_as_one_graph_with_the_eager_gradients(kind):
     """``torch.compile(fullgraph=True)`` of the training forward (loss included; aot_eager backend, so its backward is

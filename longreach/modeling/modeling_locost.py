@@ -187,11 +187,18 @@ class LocostEncoder(nn.Module):
     def apply_config(self) -> None:
         """Apply the `ENCODER_RUNTIME_SETTINGS` of `self.config` that changed since the last call (checked first with
         `LocostConfig.validate_locost`): assigned to `model.config` after loading, they were ignored, and the saved
-        config then described another computation (`ssm_authors_fft_size` is another function)."""
+        config then described another computation (`ssm_authors_fft_size` is another function).
+
+        Under ``torch.compile`` the comparison is traced (dynamo guards on the settings, so an edit recompiles), and a
+        change is applied outside the graph (`_apply_changed_settings`): a graph break, which ``fullgraph=True``
+        refuses, instead of the compiled code keeping the old settings."""
         current = {name: getattr(self.config, name) for name in ENCODER_RUNTIME_SETTINGS}
         changed = {name: value for name, value in current.items() if value != self._applied_settings[name]}
-        if not changed:
-            return
+        if changed:
+            self._apply_changed_settings(changed)
+
+    @torch.compiler.disable
+    def _apply_changed_settings(self, changed: dict) -> None:
         self.config.validate_locost()
         for name, value in changed.items():
             target = ENCODER_RUNTIME_SETTINGS[name]
@@ -223,8 +230,7 @@ class LocostEncoder(nn.Module):
         block but the last, then the final-norm output. The encoder has no attention, so ``attentions`` is None."""
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Pass exactly one of `input_ids` and `inputs_embeds` to the LOCOST encoder.")
-        if not torch.compiler.is_compiling():
-            self.apply_config()
+        self.apply_config()
         check_token_ids("input_ids", input_ids, vocab_size=embedding_shape(self.embed_tokens)[0])
         callers_embeddings = inputs_embeds is not None
         if inputs_embeds is None:
