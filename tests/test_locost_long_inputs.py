@@ -130,3 +130,23 @@ def test_chunked_float16_does_not_overflow_where_one_piece_does_not():
     assert torch.isfinite(reference).all()
     assert torch.isfinite(chunked).all()
     torch.testing.assert_close(chunked, reference, atol=0, rtol=0)
+
+
+def test_chunked_path_under_disk_offload_loads_the_convolution_weights(tmp_path):
+    # accelerate's offload hooks load a module's weights around its forward only: the convolution was called through
+    # a method, its parameters stayed on the meta device ("Tensor on device meta is not on the expected device cpu!")
+    from longreach import LocostForConditionalGeneration
+
+    torch.manual_seed(0)
+    LocostForConditionalGeneration(LocostConfig(**TINY)).save_pretrained(tmp_path / "locost")
+    offloaded = LocostForConditionalGeneration.from_pretrained(
+        tmp_path / "locost", device_map={"": "disk"}, offload_folder=str(tmp_path / "offload"), encoder_chunk_length=8)
+    assert offloaded.encoder.block[0].layer[0].ssm.conv.C.device.type == "meta"
+    reference = LocostForConditionalGeneration.from_pretrained(tmp_path / "locost", encoder_chunk_length=None)
+    input_ids = torch.randint(2, 50, (2, 29))
+    attention_mask = torch.ones_like(input_ids)
+    attention_mask[1, 20:] = 0
+    with torch.no_grad():
+        chunked = offloaded.get_encoder()(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        expected = reference.get_encoder()(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+    torch.testing.assert_close(chunked, expected, atol=1e-5, rtol=0)

@@ -135,7 +135,7 @@ class LocostEncoderBlock(GradientCheckpointingLayer):
             if k is None:
                 k = value.new_empty(batch, length, width)  # the dtype that `LocostGatedSSM.forward` convolves in
             k[:, piece] = value
-        ssm.conv.convolve_in_channel_groups_(k, group=max(1, piece_length * width // (batch * length)))
+        ssm.conv(k, channel_group=max(1, piece_length * width // (batch * length)))  # (hooks: see its forward)
         for piece in pieces:
             y = k[:, piece]
             if ssm.gating:

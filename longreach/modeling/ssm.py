@@ -677,8 +677,13 @@ class BidirectionalS4DConvolution(Float32ParametersModule):
             [causal[:, :1] + anti_causal[:, :1], causal[:, 1:], zeros, anti_causal[:, 1:].flip(-1)], dim=-1
         )
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``x [B, L, H]`` (any float dtype) -> ``y [B, L, H]`` in x's dtype; FFT and kernel in `compute_dtype`."""
+    def forward(self, x: torch.Tensor, *, channel_group: int | None = None) -> torch.Tensor:
+        """``x [B, L, H]`` (any float dtype) -> ``y [B, L, H]`` in x's dtype; FFT and kernel in `compute_dtype`.
+
+        With ``channel_group``: `convolve_in_channel_groups_` (no autograd, in place), run through this call so that
+        hooks on the module see it (accelerate's offloading loads the weights only around its ``forward``)."""
+        if channel_group is not None:
+            return self.convolve_in_channel_groups_(x, group=channel_group)
         return self._convolve(x.to(self.compute_dtype).transpose(1, 2)).transpose(1, 2).to(x.dtype)
 
     @torch.no_grad()
