@@ -95,3 +95,37 @@ def test_the_decoder_exports_with_transformers_executorch_wrapper_and_decodes_as
             tokens.append(int(logits[0, -1].argmax()))
         expected = model.generate(input_ids, max_new_tokens=4, min_new_tokens=4, do_sample=False)
     assert tokens == expected[0].tolist()
+
+
+def test_locost_exports_with_a_dynamic_encoder_length_through_transformers_seq2seq_exporter():
+    """transformers' `Seq2SeqLMExportableModule(model).export()` (T5's ExecuTorch recipe: the encoder exported with a
+    dynamic length up to 4096, strict) failed for LOCOST with "Constraints violated (encoder_seq_length)": the SSM
+    kernel's chunk sizes (`_lag_chunks`, √(2L)), its doublings, the FFT blocks and the long-input pieces fixed the
+    length to the example's. Its greedy tokens are `generate()`'s at lengths on both sides of a kernel chunk."""
+    from transformers.integrations.executorch import Seq2SeqLMExportableModule
+
+    model = tiny_locost(seed=13)
+    exporter = Seq2SeqLMExportableModule(model, batch_size=1, max_cache_length=8).export()
+    encoder = exporter.exported_encoder.module()
+    for length in (1, 3, 40, 300):
+        generator = torch.Generator().manual_seed(length)
+        input_ids = torch.randint(3, model.config.vocab_size, (1, length), generator=generator)
+        with torch.no_grad():
+            expected = model.generate(input_ids, max_new_tokens=5, min_new_tokens=5, do_sample=False)
+            eager = model.get_encoder()(input_ids=input_ids).last_hidden_state
+            torch.testing.assert_close(encoder(input_ids), eager, rtol=1e-5, atol=1e-5)
+        assert exporter.generate(input_ids, max_new_tokens=6) == expected[0].tolist()
+
+
+def test_the_kernel_traced_for_export_is_the_eager_kernel():
+    """Under torch.export the S4D kernel is computed with fixed chunks, each power its own exponential, by blocks of
+    channels (`_s4d_kernel_for_export`): the same values as `s4d_kernel` to float32 rounding, long inputs included."""
+    from longreach.modeling.ssm import BidirectionalS4DConvolution, _s4d_kernel_for_export, s4d_kernel
+
+    conv = BidirectionalS4DConvolution(64, 64).eval()  # two blocks of 32 channels on the CPU
+    dtA, z, C_hat = conv._discretized()
+    with torch.no_grad():
+        for length in (2, 300, 5000):
+            expected = s4d_kernel(dtA, z, C_hat, length, 256)
+            torch.testing.assert_close(_s4d_kernel_for_export(dtA, C_hat, length, 256), expected, rtol=0, atol=2e-6)
+

@@ -246,7 +246,8 @@ class LocostEncoder(nn.Module):
         hidden_states = self.dropout(inputs_embeds)
         all_hidden = [] if output_hidden_states else None
         length = hidden_states.shape[1]
-        piece_length = self.piece_length(hidden_states.device)
+        # (not under torch.export: the length may be symbolic, and the comparison would fix its range)
+        piece_length = None if torch.compiler.is_exporting() else self.piece_length(hidden_states.device)
         if piece_length is not None and length > piece_length and not torch.is_grad_enabled():
             # long input: pieces written in place (see LocostConfig.encoder_chunk_length)
             if callers_embeddings and hidden_states is inputs_embeds:

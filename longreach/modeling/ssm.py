@@ -200,6 +200,8 @@ def s4d_kernel(dtA: torch.Tensor, z: torch.Tensor, C_hat: torch.Tensor, length: 
     [directions, H, N/2] complex64 (complex128 and a float64 kernel for a float64 module).
     """
     directions, width, _ = C_hat.shape
+    if torch.compiler.is_exporting():
+        return _s4d_kernel_for_export(dtA, C_hat, length, max_chunk)
     chunk, num_chunks = _lag_chunks(directions, length, max_chunk)
     # on CPU up to 8K lags: the same products in C (complex64 only)
     if (C_hat.dtype == torch.complex64 and z.dtype == torch.complex128
@@ -208,6 +210,32 @@ def s4d_kernel(dtA: torch.Tensor, z: torch.Tensor, C_hat: torch.Tensor, length: 
     else:
         values = _s4d_kernel_values(dtA, z, C_hat, chunk, num_chunks)
     return values.view(width, directions, num_chunks * chunk)[..., :length].transpose(0, 1)
+
+
+def _s4d_kernel_for_export(dtA: torch.Tensor, C_hat: torch.Tensor, length: int, chunk: int) -> torch.Tensor:
+    """`s4d_kernel` under ``torch.export``, where the length may be symbolic (a dynamic input length) and
+    `_lag_chunks` and the doublings of `_geometric` would fix it to the example's: chunks of ``chunk`` lags
+    (``max_chunk``) whatever the length, each power z^j, z^l0 its own exponential of ΔA·j in float64 (float32 on a
+    device without it), by blocks of channels (`_channel_block`). The same kernel within float32 rounding."""
+    directions, width, modes = C_hat.shape
+    num_chunks = length // chunk + 2  # (more than L lags; never 1 chunk, whose broadcasts would fix the length)
+    real, wide = (torch.float64, torch.complex128) if supports_float64(dtA.device) else (torch.float32, torch.complex64)
+    offsets = torch.arange(chunk, device=dtA.device, dtype=real)[:, None]
+    starts = torch.arange(num_chunks, device=dtA.device, dtype=real)[:, None] * chunk
+    block, blocks = _channel_block(width, dtA.device), []
+    for first in range(0, width, block):
+        rows = slice(first, first + block)
+        exponent = dtA[rows].to(wide)
+        powers = _exp_wide(exponent[:, None, :] * offsets).to(dtA.dtype)  # z^j [h, chunk, N/2]
+        weights = (2.0 * C_hat[:, rows]).transpose(0, 1)[:, :, None, :] * _exp_wide(
+            exponent[:, None, None, :] * starts).to(dtA.dtype)  # 2·Ĉ·z^l0 [h, dirs, chunks, N/2]
+        size = powers.shape[0]
+        left = torch.view_as_real(weights).reshape(size, directions * num_chunks, 2 * modes)
+        right = torch.view_as_real(_conjugate(powers)).reshape(size, chunk, 2 * modes).transpose(1, 2)
+        blocks.append(torch.bmm(left, right))  # 2·Re(W·P) [h, dirs · chunks, chunk]
+    values = torch.cat(blocks).view(width, directions, num_chunks * chunk)
+    # the first L lags by index (a slice [:L] would need a proof that L <= num_chunks · chunk)
+    return values.index_select(-1, torch.arange(length, device=values.device)).transpose(0, 1)
 
 
 def _s4d_kernel_values(dtA: torch.Tensor, z: torch.Tensor, C_hat: torch.Tensor, chunk: int,
@@ -353,8 +381,8 @@ def next_5_smooth(target: int) -> int:
 def exact_fft_size(length: int) -> int:
     """Points of the FFT that convolves a length-L input with the packed bidirectional kernel exactly: 2L, or from
     ``SMOOTH_FFT_FROM_LENGTH`` on the next 5-smooth size >= 2L − 1 (no lag wraps onto another). A symbolic length
-    (``torch.compile`` with dynamic shapes) keeps 2L, an expression of it."""
-    if not isinstance(length, int) or length < SMOOTH_FFT_FROM_LENGTH:
+    (``torch.compile`` with dynamic shapes) and ``torch.export`` keep 2L, an expression of it."""
+    if not isinstance(length, int) or length < SMOOTH_FFT_FROM_LENGTH or torch.compiler.is_exporting():
         return 2 * length
     return next_5_smooth(2 * length - 1)
 
@@ -362,6 +390,8 @@ def exact_fft_size(length: int) -> int:
 def _fft_channel_blocks(signal: torch.Tensor, fft_size: int):
     """Slices of the channel dim (−2) of ``signal [..., h, L]`` with about ``FFT_BLOCK_ELEMENTS`` FFT elements each
     (an FFT runs along the last dim row by row: blocking the rows changes no value, bit for bit)."""
+    if not isinstance(fft_size, int) or torch.compiler.is_exporting():  # (the length may be symbolic): one block
+        return [slice(None)]
     rows_per_channel = signal[..., 0, 0].numel() * fft_size
     block = max(1, FFT_BLOCK_ELEMENTS // rows_per_channel)
     return [slice(first, first + block) for first in range(0, signal.shape[-2], block)]
@@ -672,6 +702,10 @@ class BidirectionalS4DConvolution(Float32ParametersModule):
         if not self.bidirectional:
             return nn.functional.pad(causal, (0, period - length))
         anti_causal = kernels[1]
+        if torch.compiler.is_exporting():  # the same values without [H, L - 1] slices (whose strides fix L != 2)
+            lags = -torch.arange(period, device=causal.device) % period  # column c holds anti-causal lag -c mod period
+            padding = (0, period - length)
+            return nn.functional.pad(causal, padding) + nn.functional.pad(anti_causal, padding)[:, lags]
         zeros = causal.new_zeros(causal.shape[0], period - 2 * length + 1)
         return torch.cat(
             [causal[:, :1] + anti_causal[:, :1], causal[:, 1:], zeros, anti_causal[:, 1:].flip(-1)], dim=-1
