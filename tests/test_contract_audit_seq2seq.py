@@ -129,3 +129,30 @@ def test_the_kernel_traced_for_export_is_the_eager_kernel():
             expected = s4d_kernel(dtA, z, C_hat, length, 256)
             torch.testing.assert_close(_s4d_kernel_for_export(dtA, C_hat, length, 256), expected, rtol=0, atol=2e-6)
 
+
+def test_vcc_encoder_exports_non_strict_with_a_length_torch_chooses():
+    """`torch.export.export(..., strict=False)` with `Dim.AUTO` on the length: `VCCT5Config.padded_length` refused the
+    symbolic length ("`num_tokens` must be a positive integer, got s70"), where the strict export works. Both now give
+    a program for the lengths that pad to the example's (VCC-T5's compression sizes depend on it); another length is
+    refused by torch's guard."""
+    model = tiny_vcc()
+
+    class Encoder(torch.nn.Module):
+        def __init__(self, encoder):
+            super().__init__()
+            self.encoder = encoder
+
+        def forward(self, input_ids):
+            return self.encoder(input_ids=input_ids).last_hidden_state
+
+    input_ids = torch.randint(3, 200, (1, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        exported = torch.export.export(Encoder(model.get_encoder()).eval(), (input_ids,),
+                                       dynamic_shapes={"input_ids": {1: torch.export.Dim.AUTO}}, strict=False).module()
+        for length in (40, 57):  # both padded to 64
+            other = torch.randint(3, 200, (1, length), generator=torch.Generator().manual_seed(length))
+            expected = model.get_encoder()(input_ids=other).last_hidden_state
+            torch.testing.assert_close(exported(other), expected, rtol=0, atol=0)
+        with pytest.raises(AssertionError, match="Guard failed"):
+            exported(torch.randint(3, 200, (1, 70)))
+

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import math
 
+import torch
+
 from transformers import PreTrainedConfig
 
 from .config_overrides import FieldTypesCheckedOnAssignment, check_field_types, pop_field_overrides
@@ -297,7 +299,7 @@ class VCCT5Config(FieldTypesCheckedOnAssignment, PreTrainedConfig):
         """The smallest length >= `num_tokens` that the original accepts: a multiple of `segment_length` (when
         vanilla layers use segments), `num_vip_slots` plus a multiple of `block_size`, with at least
         `num_refined_blocks` blocks (when there are VCC layers). The model pads inputs to it internally."""
-        if not isinstance(num_tokens, int) or num_tokens < 1:
+        if not isinstance(num_tokens, (int, torch.SymInt)) or isinstance(num_tokens, bool) or num_tokens < 1:
             raise ValueError(f"`num_tokens` must be a positive integer, got {num_tokens!r}.")
         segment = self.segment_length if self.uses_segments() else 1
         length = -(-num_tokens // segment) * segment
