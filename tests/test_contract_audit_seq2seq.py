@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.nn.functional import pad as nn_pad
 from test_modeling_vcc_t5 import tiny_model as tiny_vcc
 from transformers import T5Config, T5ForConditionalGeneration
 from transformers.cache_utils import DynamicCache, EncoderDecoderCache
@@ -156,3 +157,43 @@ def test_vcc_encoder_exports_non_strict_with_a_length_torch_chooses():
         with pytest.raises(AssertionError, match="Guard failed"):
             exported(torch.randint(3, 200, (1, 70)))
 
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_fixed_length_encoder_export_with_padding_decodes_shorter_inputs_as_generate(kind):
+    """README's recipe for an encoder exported at one length (VCC-T5's only way: its compression sizes depend on the
+    length): pad shorter inputs with `attention_mask`, keep the real positions of the output, decode them with the
+    decoder exported with a dynamic encoder length. `generate()`'s tokens on the unpadded input."""
+    from transformers.integrations.executorch import Seq2SeqLMDecoderExportableModuleWithStaticCache
+
+    model = tiny_locost(seed=13) if kind == "locost" else tiny_vcc()
+
+    class Encoder(torch.nn.Module):
+        def __init__(self, encoder):
+            super().__init__()
+            self.encoder = encoder
+
+        def forward(self, input_ids, attention_mask):
+            return self.encoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+
+    size = 64
+    decoder = Seq2SeqLMDecoderExportableModuleWithStaticCache(model, max_static_cache_length=8, batch_size=1).eval()
+    with torch.no_grad():
+        encoder = torch.export.export(Encoder(model.get_encoder()).eval(), (torch.ones(1, size, dtype=torch.long),
+                                      torch.ones(1, size, dtype=torch.long)), strict=True).module()
+        decoder = torch.export.export(
+            decoder, (torch.tensor([[0]]), torch.zeros(1, 10, model.config.d_model), torch.tensor([0])),
+            dynamic_shapes={"decoder_input_ids": None, "cache_position": None,
+                            "encoder_hidden_states": {1: torch.export.Dim("length", max=size)}},
+            strict=True,
+        ).module()
+        for length in (64, 23, 7):
+            input_ids = torch.randint(3, 99, (1, length), generator=torch.Generator().manual_seed(length))
+            padding = (0, size - length)
+            encoded = encoder(nn_pad(input_ids, padding), nn_pad(torch.ones_like(input_ids), padding))[:, :length]
+            torch.testing.assert_close(encoded, model.get_encoder()(input_ids=input_ids).last_hidden_state,
+                                       rtol=1e-5, atol=1e-5)
+            tokens = [model.config.decoder_start_token_id]
+            for step in range(5):
+                tokens.append(int(decoder(torch.tensor([[tokens[-1]]]), encoded, torch.tensor([step]))[0, -1].argmax()))
+            expected = model.generate(input_ids, max_new_tokens=5, min_new_tokens=5, do_sample=False)
+            assert tokens == expected[0].tolist()
