@@ -390,7 +390,7 @@ def exact_fft_size(length: int) -> int:
 def _fft_channel_blocks(signal: torch.Tensor, fft_size: int):
     """Slices of the channel dim (−2) of ``signal [..., h, L]`` with about ``FFT_BLOCK_ELEMENTS`` FFT elements each
     (an FFT runs along the last dim row by row: blocking the rows changes no value, bit for bit)."""
-    if not isinstance(fft_size, int) or torch.compiler.is_exporting():  # (the length may be symbolic): one block
+    if torch.compiler.is_exporting():  # (the length may be symbolic): one block
         return [slice(None)]
     rows_per_channel = signal[..., 0, 0].numel() * fft_size
     block = max(1, FFT_BLOCK_ELEMENTS // rows_per_channel)
