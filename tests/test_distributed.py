@@ -96,9 +96,9 @@ def check_checkpoint(kind: str, folder: Path, reference: Path) -> dict[str, torc
     for key, tensor in saved.items():
         assert torch.equal(state[key], tensor), key
     one = load_file(str(reference / "final" / "model.safetensors"))
-    # A full state dict gathered from FSDP2 holds the tied LM head as a tensor of its own, so save_pretrained, which
-    # drops the copies that share storage, writes it too (equal, as the reload shows).
-    tied_copies = ["lm_head.weight"]
+    # A full state dict gathered from FSDP2 holds every tied copy of the shared embedding as a tensor of its own, so
+    # save_pretrained, which drops the copies that share storage, writes them all (equal, as the reload shows).
+    tied_copies = ["decoder.embed_tokens.weight", "encoder.embed_tokens.weight", "lm_head.weight"]
     assert one.keys() <= saved.keys() and sorted(saved.keys() - one.keys()) in ([], tied_copies)
     assert max((one[key] - saved[key]).abs().max().item() for key in one) < 1e-4
     return saved

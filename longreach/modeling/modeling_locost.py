@@ -37,7 +37,6 @@ from .remote_code import HubReadyMixin
 from .ssm import BidirectionalS4DConvolution
 from .t5_blocks import (
     Dropout,
-    SharedEmbeddingReader,
     T5DecoderStack,
     T5LayerFF,
     T5LayerNorm,
@@ -313,14 +312,16 @@ class LocostPreTrainedModel(HubReadyMixin, PreTrainedModel):
 class _LocostSeq2Seq(T5Seq2SeqLMMixin, LocostPreTrainedModel):
     """Shared embedding, SSM encoder and T5 decoder; the two public classes below add their outputs."""
 
-    # the encoder's and decoder's `embed_tokens` read `shared` (`SharedEmbeddingReader`); earlier checkpoints' copies
-    _keys_to_ignore_on_load_unexpected = [r"^(encoder|decoder)\.embed_tokens\.weight$"]
+    _tied_weights_keys = {
+        "encoder.embed_tokens.weight": "shared.weight",
+        "decoder.embed_tokens.weight": "shared.weight",
+    }
 
     def __init__(self, config: LocostConfig):
         super().__init__(config)
         self.shared = nn.Embedding(config.vocab_size, config.d_model)
-        self.encoder = LocostEncoder(config, SharedEmbeddingReader(self.shared))
-        self.decoder = T5DecoderStack(config, SharedEmbeddingReader(self.shared))
+        self.encoder = LocostEncoder(config, self.shared)
+        self.decoder = T5DecoderStack(config, self.shared)
 
     def _encode(self, input_ids, attention_mask, inputs_embeds, encoder_outputs, output_hidden_states):
         check_token_ids("input_ids", input_ids)
@@ -396,7 +397,7 @@ class LocostForConditionalGeneration(_LocostSeq2Seq, GenerationMixin):
     ```
     """
 
-    _tied_weights_keys = {"lm_head.weight": "shared.weight"}
+    _tied_weights_keys = {**_LocostSeq2Seq._tied_weights_keys, "lm_head.weight": "shared.weight"}
 
     def __init__(self, config: LocostConfig):
         super().__init__(config)

@@ -61,7 +61,6 @@ from .input_checks import (
 from .remote_code import HubReadyMixin
 from .t5_blocks import (
     Dropout,
-    SharedEmbeddingReader,
     T5Block,
     T5DecoderStack,
     T5LayerNorm,
@@ -800,14 +799,16 @@ class VCCT5PreTrainedModel(HubReadyMixin, PreTrainedModel):
 class _VCCT5Seq2Seq(T5Seq2SeqLMMixin, VCCT5PreTrainedModel):
     """Shared embedding, VCC encoder and T5 decoder; the public classes below add their outputs."""
 
-    # the encoder's and decoder's `embed_tokens` read `shared` (`SharedEmbeddingReader`); earlier checkpoints' copies
-    _keys_to_ignore_on_load_unexpected = [r"^(encoder|decoder)\.embed_tokens\.weight$"]
+    _tied_weights_keys = {
+        "encoder.embed_tokens.weight": "shared.weight",
+        "decoder.embed_tokens.weight": "shared.weight",
+    }
 
     def __init__(self, config: VCCT5Config):
         super().__init__(config)
         self.shared = nn.Embedding(config.vocab_size, config.d_model)
-        self.encoder = VCCT5Encoder(config, SharedEmbeddingReader(self.shared))
-        self.decoder = T5DecoderStack(config, SharedEmbeddingReader(self.shared))
+        self.encoder = VCCT5Encoder(config, self.shared)
+        self.decoder = T5DecoderStack(config, self.shared)
 
     def _encode(self, input_ids, attention_mask, vip_mask, inputs_embeds, encoder_outputs, output_hidden_states,
                 output_compression_info) -> BaseModelOutput:
@@ -938,7 +939,7 @@ class VCCT5ForConditionalGeneration(_VCCT5Seq2Seq, GenerationMixin):
     ```
     """
 
-    _tied_weights_keys = {"lm_head.weight": "shared.weight"}
+    _tied_weights_keys = {**_VCCT5Seq2Seq._tied_weights_keys, "lm_head.weight": "shared.weight"}
 
     def __init__(self, config: VCCT5Config):
         super().__init__(config)

@@ -1154,53 +1154,6 @@ def init_t5_module(module: nn.Module, config, init) -> bool:
     return True
 
 
-class SharedEmbeddingReader(nn.Module):
-    """The encoder's or the decoder's ``embed_tokens``: looks tokens up through the model's ``shared`` embedding, which
-    it reads but does not hold (no parameter of its own: ``shared.weight`` is the one name of the embedding), so that
-    hooks on the model's input embeddings (NEFTune, ``enable_input_require_grads``) see every lookup.
-
-    One module under three names (``shared``, ``encoder.embed_tokens``, ``decoder.embed_tokens``) broke
-    ``torch.func.functional_call(..., tie_weights=True)``: it swaps a tensor in once per name and restores them in the
-    same order, which left the replacement in the model for good, untied from the LM head, so that the next call ran
-    with the old head (silently wrong gradients from the second call of a per-sample-gradient loop). Modules of their
-    own holding the same Parameter, as T5's stacks, put it in two FSDP2 groups (refused). The names
-    ``encoder.embed_tokens.weight`` / ``decoder.embed_tokens.weight`` of earlier state dicts are taken as ``shared``'s
-    copies and dropped on loading."""
-
-    def __init__(self, shared: nn.Embedding):
-        super().__init__()
-        object.__setattr__(self, "source", shared)  # not a submodule: `shared` is the model's own
-        self.register_load_state_dict_pre_hook(_drop_embedding_copy)
-
-    @property
-    def weight(self) -> torch.Tensor:
-        return self.source.weight
-
-    @property
-    def num_embeddings(self) -> int:
-        return self.source.num_embeddings
-
-    @property
-    def embedding_dim(self) -> int:
-        return self.source.embedding_dim
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.source(input_ids)
-
-    def extra_repr(self) -> str:
-        return f"reads shared: {self.num_embeddings}, {self.embedding_dim}"
-
-    def _apply(self, fn, recurse=True):
-        # `model.encoder.to(...)` alone moves the embedding too, as when the stack held it (when the whole model is
-        # converted, `shared` was first: converting it again does nothing)
-        self.source._apply(fn, recurse)
-        return self
-
-
-def _drop_embedding_copy(module, state_dict, prefix, *args) -> None:
-    state_dict.pop(prefix + "weight", None)
-
-
 class T5Seq2SeqLMMixin:
     """Everything LOCOST and VCC-T5 share above their encoders: the shared embedding, the T5 decoder, the LM head
     (tied: rescaled by ``d_model**-0.5``), the loss, and the helpers ``generate`` and ``DataCollatorForSeq2Seq`` use.
@@ -1223,10 +1176,27 @@ class T5Seq2SeqLMMixin:
     def get_input_embeddings(self):
         return self.shared
 
+    def named_modules(self, memo=None, prefix: str = "", remove_duplicate: bool = True):
+        """``nn.Module.named_modules``, where ``shared`` keeps one name even when duplicates are asked for: the
+        encoder's and decoder's ``embed_tokens`` are that module (their state-dict names stay). Listed under three
+        names, it made ``torch.func.functional_call(..., tie_weights=True)``, which finds tied tensors through
+        ``named_parameters(remove_duplicate=False)``, swap it three times and restore it in the wrong order: the
+        replacement stayed in the model, untied from the LM head, and from the second call on (a per-sample-gradient
+        loop, an ensemble under ``vmap``) results were silently wrong."""
+        modules = super().named_modules(memo, prefix, remove_duplicate)
+        if remove_duplicate:
+            yield from modules
+            return
+        shared, aliases = self.shared, {f"{prefix}{'.' if prefix else ''}{stack}.embed_tokens" for stack in
+                                         ("encoder", "decoder")}
+        for name, module in modules:
+            if not (module is shared and name in aliases):
+                yield name, module
+
     def set_input_embeddings(self, new_embeddings):
         self.shared = new_embeddings
-        self.encoder.embed_tokens = SharedEmbeddingReader(new_embeddings)
-        self.decoder.embed_tokens = SharedEmbeddingReader(new_embeddings)
+        self.encoder.embed_tokens = new_embeddings
+        self.decoder.embed_tokens = new_embeddings
 
     def _shift_right(self, labels: torch.Tensor) -> torch.Tensor:
         """Decoder inputs from labels: prepend ``decoder_start_token_id``, drop the last label, -100 -> pad."""
