@@ -197,3 +197,30 @@ def test_a_fixed_length_encoder_export_with_padding_decodes_shorter_inputs_as_ge
                 tokens.append(int(decoder(torch.tensor([[tokens[-1]]]), encoded, torch.tensor([step]))[0, -1].argmax()))
             expected = model.generate(input_ids, max_new_tokens=5, min_new_tokens=5, do_sample=False)
             assert tokens == expected[0].tolist()
+
+
+def test_an_encoder_setting_edited_before_a_strict_export_is_refused_with_what_to_do():
+    """A LOCOST encoder setting assigned to `model.config` and not yet applied (no call since) cannot be applied inside
+    a strict torch.export: the error named only `_apply_changed_settings` (dynamo's "Skip inlining"); it now says what
+    changed and how to apply it first. Applied first, or with a non-strict export, the program computes with it."""
+
+    class Encoder(torch.nn.Module):
+        def __init__(self, encoder):
+            super().__init__()
+            self.encoder = encoder
+
+        def forward(self, input_ids):
+            return self.encoder(input_ids=input_ids).last_hidden_state
+
+    input_ids = torch.randint(3, 50, (1, 12), generator=torch.Generator().manual_seed(0))
+    model = tiny_locost(seed=13)
+    model.config.ssm_authors_fft_size = True  # another function (see LocostConfig.ssm_authors_fft_size)
+    with torch.no_grad():
+        with pytest.raises(Exception, match=r"ssm_authors_fft_size.*model\.get_encoder\(\)\.apply_config\(\)"):
+            torch.export.export(Encoder(model.get_encoder()).eval(), (input_ids,), strict=True)
+        exported = torch.export.export(Encoder(model.get_encoder()).eval(), (input_ids,), strict=False).module()
+        model.get_encoder().apply_config()
+        strict = torch.export.export(Encoder(model.get_encoder()).eval(), (input_ids,), strict=True).module()
+        expected = model.get_encoder()(input_ids=input_ids).last_hidden_state
+    torch.testing.assert_close(exported(input_ids), expected)
+    torch.testing.assert_close(strict(input_ids), expected)

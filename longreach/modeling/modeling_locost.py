@@ -191,9 +191,15 @@ class LocostEncoder(nn.Module):
 
         Under ``torch.compile`` the comparison is traced (dynamo guards on the settings, so an edit recompiles), and a
         change is applied outside the graph (`_apply_changed_settings`): a graph break, which ``fullgraph=True``
-        refuses, instead of the compiled code keeping the old settings."""
+        refuses, instead of the compiled code keeping the old settings; inside a strict ``torch.export`` a change
+        is refused with what to do (call this method first)."""
         current = {name: getattr(self.config, name) for name in ENCODER_RUNTIME_SETTINGS}
         changed = {name: value for name, value in current.items() if value != self._applied_settings[name]}
+        if changed and torch.compiler.is_exporting() and torch.compiler.is_dynamo_compiling():
+            # (a strict torch.export cannot leave its graph to apply them: dynamo's error named only the method)
+            raise RuntimeError(f"LOCOST encoder settings changed on `model.config` since the last call ({changed}) "
+                               "cannot be applied inside a strict torch.export; apply them first with "
+                               "`model.get_encoder().apply_config()` (or one call of the model), then export.")
         if changed:
             self._apply_changed_settings(changed)
 
