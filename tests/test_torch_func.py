@@ -139,11 +139,11 @@ def test_vmap_over_an_ensemble_of_stacked_models_equals_a_loop(name, training):
 @pytest.mark.parametrize("tie_weights", [True, False], ids=["tied", "untied"])
 @pytest.mark.parametrize("name", list(MODELS))
 def test_functional_call_replacing_the_shared_embedding_leaves_the_model_as_it_was(name, tie_weights):
-    """The encoder and decoder hold embedding modules of their own, tied to ``shared.weight`` (as T5's), that look
-    tokens up through ``shared``: one module under three names made ``functional_call`` swap it three times and restore
-    it in the wrong order, which left the replacement in the model for good, untied from its LM head, so that the next
-    call computed with the old head. ``shared.weight`` replaces the embedding everywhere it is read; with
-    ``tie_weights=False`` the LM head keeps its own weight."""
+    """The encoder's and decoder's ``embed_tokens`` are ``shared``: listed under three names, that one module was
+    swapped three times by ``functional_call`` and restored in the wrong order (pytorch/pytorch#164759), which left the
+    replacement in the model for good, untied from its LM head, so that the next call computed with the old head
+    (`T5Seq2SeqLMMixin.named_modules` lists it once). ``shared.weight`` replaces the embedding everywhere it is read;
+    with ``tie_weights=False`` the LM head keeps its own weight."""
     input_ids, labels = batch()
     model = fresh(name, training=False)
     embedding = model.shared.weight

@@ -1182,7 +1182,7 @@ class T5Seq2SeqLMMixin:
         names, it made ``torch.func.functional_call(..., tie_weights=True)``, which finds tied tensors through
         ``named_parameters(remove_duplicate=False)``, swap it three times and restore it in the wrong order: the
         replacement stayed in the model, untied from the LM head, and from the second call on (a per-sample-gradient
-        loop, an ensemble under ``vmap``) results were silently wrong."""
+        loop, an ensemble under ``vmap``) results were silently wrong (torch's bug: pytorch/pytorch#164759)."""
         modules = super().named_modules(memo, prefix, remove_duplicate)
         if remove_duplicate:
             yield from modules
