@@ -613,6 +613,10 @@ def test_locost_settings_edited_after_compiling_apply_to_the_compiled_model():
         with pytest.raises(Exception, match="_apply_changed_settings"):
             fullgraph(**inputs)
         after = compiled(**inputs).logits
+        graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        for _ in range(3):  # the traced comparison costs no recompilation while nothing changes
+            compiled(**inputs)
+        assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
         expected = model(**inputs).logits
     assert not torch.allclose(after, before, atol=1e-6)
     torch.testing.assert_close(after, expected, atol=1e-5, rtol=1e-5)
