@@ -201,3 +201,30 @@ def test_second_order_through_the_ssm_is_still_refused_under_torch_func():
     assert grad(energy)(x).shape == x.shape
     with pytest.raises(RuntimeError, match=r"Second-order gradients .* are not supported"):
         grad(lambda x: grad(energy)(x).pow(2).sum())(x)
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_functional_call_on_a_parametrized_shared_embedding_leaves_the_model_as_it_was(name):
+    """With a parametrization on the shared embedding (`torch.nn.utils.parametrize`, as torch's pruning adds), its
+    ``original`` was still listed under the encoder's and decoder's names (the submodules of ``embed_tokens``), so that
+    ``functional_call`` left the replacement in the model: the second call and later ones computed with it."""
+    from torch.nn.utils import parametrize
+
+    class Doubled(torch.nn.Module):
+        def forward(self, weight):
+            return 2 * weight
+
+    input_ids, labels = batch()
+    model = fresh(name, training=False)
+    parametrize.register_parametrization(model.shared, "weight", Doubled())
+    original = model.shared.parametrizations.weight.original
+    replacement = torch.randn_like(original)
+    with torch.no_grad():
+        before = model(input_ids=input_ids, labels=labels).logits
+        calls = [functional_call(model, {"shared.parametrizations.weight.original": replacement}, (),
+                                 {"input_ids": input_ids, "labels": labels}).logits for _ in range(2)]
+        after = model(input_ids=input_ids, labels=labels).logits
+    assert not torch.allclose(calls[0], before)
+    torch.testing.assert_close(calls[1], calls[0])
+    assert model.encoder.embed_tokens.parametrizations.weight.original is original
+    assert torch.equal(after, before)

@@ -1189,8 +1189,11 @@ class T5Seq2SeqLMMixin:
             return
         shared, aliases = self.shared, {f"{prefix}{'.' if prefix else ''}{stack}.embed_tokens" for stack in
                                          ("encoder", "decoder")}
+        skipped = []  # the aliases that are `shared`, and their submodules (e.g. a parametrization's)
         for name, module in modules:
-            if not (module is shared and name in aliases):
+            if module is shared and name in aliases:
+                skipped.append(f"{name}.")
+            elif not name.startswith(tuple(skipped)):
                 yield name, module
 
     def set_input_embeddings(self, new_embeddings):
