@@ -515,6 +515,21 @@ def test_peft_default_target_modules_as_on_t5(kind):
 
 
 @pytest.mark.parametrize("kind", ["locost", "vcc"])
+def test_peft_modules_to_save_finds_the_embedding_under_the_encoders_and_decoders_names_as_on_t5(kind):
+    """``modules_to_save=["embed_tokens"]``: PEFT lists modules with ``named_modules(remove_duplicate=False)`` to find
+    tied ones, and wraps the encoder's and the decoder's embedding, trainable, as on T5 (a listing that named ``shared``
+    once, tried against pytorch/pytorch#164759, made this match nothing, without an error)."""
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(ModelTester(kind).model, LoraConfig(task_type="SEQ_2_SEQ_LM", r=2,
+                                                               modules_to_save=["embed_tokens"]))
+    base = model.base_model.model
+    assert all(type(stack.embed_tokens).__name__ == "ModulesToSaveWrapper" for stack in (base.encoder, base.decoder))
+    trainable = {name for name, parameter in model.named_parameters() if parameter.requires_grad and "embed" in name}
+    assert {name.split(".")[2] for name in trainable} == {"encoder", "decoder"}
+
+
+@pytest.mark.parametrize("kind", ["locost", "vcc"])
 def test_peft_trainable_token_indices_train_and_generate_as_on_t5(kind):
     """`trainable_token_indices` wraps the shared embedding and the tied head in PEFT wrappers that forward neither
     `num_embeddings` nor `out_features`: the input checks failed with an AttributeError where T5 trains. They now read

@@ -1176,26 +1176,6 @@ class T5Seq2SeqLMMixin:
     def get_input_embeddings(self):
         return self.shared
 
-    def named_modules(self, memo=None, prefix: str = "", remove_duplicate: bool = True):
-        """``nn.Module.named_modules``, where ``shared`` keeps one name even when duplicates are asked for: the
-        encoder's and decoder's ``embed_tokens`` are that module (their state-dict names stay). Listed under three
-        names, it made ``torch.func.functional_call(..., tie_weights=True)``, which finds tied tensors through
-        ``named_parameters(remove_duplicate=False)``, swap it three times and restore it in the wrong order: the
-        replacement stayed in the model, untied from the LM head, and from the second call on (a per-sample-gradient
-        loop, an ensemble under ``vmap``) results were silently wrong (torch's bug: pytorch/pytorch#164759)."""
-        modules = super().named_modules(memo, prefix, remove_duplicate)
-        if remove_duplicate:
-            yield from modules
-            return
-        shared, aliases = self.shared, {f"{prefix}{'.' if prefix else ''}{stack}.embed_tokens" for stack in
-                                         ("encoder", "decoder")}
-        skipped = []  # the aliases that are `shared`, and their submodules (e.g. a parametrization's)
-        for name, module in modules:
-            if module is shared and name in aliases:
-                skipped.append(f"{name}.")
-            elif not name.startswith(tuple(skipped)):
-                yield name, module
-
     def set_input_embeddings(self, new_embeddings):
         self.shared = new_embeddings
         self.encoder.embed_tokens = new_embeddings
