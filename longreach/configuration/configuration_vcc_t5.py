@@ -6,7 +6,6 @@ from __future__ import annotations
 import math
 
 import torch
-
 from transformers import PreTrainedConfig
 
 from .config_overrides import FieldTypesCheckedOnAssignment, check_field_types, pop_field_overrides
