@@ -131,6 +131,17 @@ def test_the_kernel_traced_for_export_is_the_eager_kernel():
             torch.testing.assert_close(_s4d_kernel_for_export(dtA, C_hat, length, 256), expected, rtol=0, atol=2e-6)
 
 
+class EncoderOutput(torch.nn.Module):
+    """An encoder's ``last_hidden_state`` as the exported program's output."""
+
+    def __init__(self, encoder):
+        super().__init__()
+        self.encoder = encoder
+
+    def forward(self, input_ids, attention_mask=None):
+        return self.encoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+
+
 def test_vcc_encoder_exports_non_strict_with_a_length_torch_chooses():
     """`torch.export.export(..., strict=False)` with `Dim.AUTO` on the length: `VCCT5Config.padded_length` refused the
     symbolic length ("`num_tokens` must be a positive integer, got s70"), where the strict export works. Both now give
@@ -138,17 +149,9 @@ def test_vcc_encoder_exports_non_strict_with_a_length_torch_chooses():
     refused by torch's guard."""
     model = tiny_vcc()
 
-    class Encoder(torch.nn.Module):
-        def __init__(self, encoder):
-            super().__init__()
-            self.encoder = encoder
-
-        def forward(self, input_ids):
-            return self.encoder(input_ids=input_ids).last_hidden_state
-
     input_ids = torch.randint(3, 200, (1, 40), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        exported = torch.export.export(Encoder(model.get_encoder()).eval(), (input_ids,),
+        exported = torch.export.export(EncoderOutput(model.get_encoder()).eval(), (input_ids,),
                                        dynamic_shapes={"input_ids": {1: torch.export.Dim.AUTO}}, strict=False).module()
         for length in (40, 57):  # both padded to 64
             other = torch.randint(3, 200, (1, length), generator=torch.Generator().manual_seed(length))
@@ -167,18 +170,10 @@ def test_a_fixed_length_encoder_export_with_padding_decodes_shorter_inputs_as_ge
 
     model = tiny_locost(seed=13) if kind == "locost" else tiny_vcc()
 
-    class Encoder(torch.nn.Module):
-        def __init__(self, encoder):
-            super().__init__()
-            self.encoder = encoder
-
-        def forward(self, input_ids, attention_mask):
-            return self.encoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
-
     size = 64
     decoder = Seq2SeqLMDecoderExportableModuleWithStaticCache(model, max_static_cache_length=8, batch_size=1).eval()
     with torch.no_grad():
-        encoder = torch.export.export(Encoder(model.get_encoder()).eval(), (torch.ones(1, size, dtype=torch.long),
+        encoder = torch.export.export(EncoderOutput(model.get_encoder()).eval(), (torch.ones(1, size, dtype=torch.long),
                                       torch.ones(1, size, dtype=torch.long)), strict=True).module()
         decoder = torch.export.export(
             decoder, (torch.tensor([[0]]), torch.zeros(1, 10, model.config.d_model), torch.tensor([0])),
@@ -204,23 +199,15 @@ def test_an_encoder_setting_edited_before_a_strict_export_is_refused_with_what_t
     a strict torch.export: the error named only `_apply_changed_settings` (dynamo's "Skip inlining"); it now says what
     changed and how to apply it first. Applied first, or with a non-strict export, the program computes with it."""
 
-    class Encoder(torch.nn.Module):
-        def __init__(self, encoder):
-            super().__init__()
-            self.encoder = encoder
-
-        def forward(self, input_ids):
-            return self.encoder(input_ids=input_ids).last_hidden_state
-
     input_ids = torch.randint(3, 50, (1, 12), generator=torch.Generator().manual_seed(0))
     model = tiny_locost(seed=13)
     model.config.ssm_authors_fft_size = True  # another function (see LocostConfig.ssm_authors_fft_size)
     with torch.no_grad():
         with pytest.raises(Exception, match=r"ssm_authors_fft_size.*model\.get_encoder\(\)\.apply_config\(\)"):
-            torch.export.export(Encoder(model.get_encoder()).eval(), (input_ids,), strict=True)
-        exported = torch.export.export(Encoder(model.get_encoder()).eval(), (input_ids,), strict=False).module()
+            torch.export.export(EncoderOutput(model.get_encoder()).eval(), (input_ids,), strict=True)
+        exported = torch.export.export(EncoderOutput(model.get_encoder()).eval(), (input_ids,), strict=False).module()
         model.get_encoder().apply_config()
-        strict = torch.export.export(Encoder(model.get_encoder()).eval(), (input_ids,), strict=True).module()
+        strict = torch.export.export(EncoderOutput(model.get_encoder()).eval(), (input_ids,), strict=True).module()
         expected = model.get_encoder()(input_ids=input_ids).last_hidden_state
     torch.testing.assert_close(exported(input_ids), expected)
     torch.testing.assert_close(strict(input_ids), expected)
