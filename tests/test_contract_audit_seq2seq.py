@@ -14,6 +14,7 @@ from transformers.cache_utils import DynamicCache, EncoderDecoderCache
 from workflow_helpers import tiny_locost
 
 import longreach  # noqa: F401  (Auto classes)
+from longreach.modeling.input_checks import cache_of
 
 KINDS = ["locost", "vcc"]
 
@@ -69,7 +70,8 @@ def test_the_decoder_called_alone_takes_t5s_stack_arguments(kind):
         old_name = EncoderDecoderCache(DynamicCache(), DynamicCache())
         again = model.get_decoder()(input_ids=decoder_input_ids, encoder_hidden_states=encoded,
                                     encoder_attention_mask=batch["attention_mask"], past_key_values=old_name)
-        assert again.cache is old_name and old_name.get_seq_length() == 3
+        # (the output's field is `cache` from transformers 5.24 on, `past_key_values` before)
+        assert cache_of(again) is old_name and old_name.get_seq_length() == 3
         torch.testing.assert_close(again.last_hidden_state, output[0], rtol=0, atol=0)
 
 
