@@ -460,6 +460,18 @@ def expand_user_paths(args):
     return args
 
 
+def check_base_model_id(base_model_id: str | None) -> None:
+    """``--base_model_id``: the Hub repository id of the model the converted weights build on, which the model card
+    names as its ``base_model`` (the Hub's model tree); the weights themselves come from ``--base_model_path``."""
+    from ..hub import looks_like_local_path
+
+    if base_model_id is not None and (not isinstance(base_model_id, str) or looks_like_local_path(base_model_id)):
+        raise ConversionError(
+            f"--base_model_id {base_model_id!r}: expected a Hub repository id such as 'meta-llama/Llama-2-7b-chat-hf' "
+            "(the card names it as the base model; the local folder of its weights is --base_model_path)."
+        )
+
+
 def check_push_target(repo_id: str | None) -> None:
     """Before converting, what ``--push_to_hub REPO_ID`` needs: a valid repository id, the Hub online and reachable,
     a login (a conversion of minutes must not end in a network error)."""
@@ -602,13 +614,14 @@ def finish_conversion(
     push_to_hub: str | None = None,
     reload_kwargs: dict | None = None,
     extra_check=None,
+    base_model: str | None = None,
 ):
     """The common end of every converter; returns the reloaded model.
 
     Saves the model of ``converted_model`` Hub-ready into ``output`` (safetensors, code files, ``auto_map``), adds the
     tokenizer if given and the model card, releases the model, reloads the folder with ``from_pretrained`` and checks
     every converted tensor bit for bit by its SHA-256 (plus ``extra_check(reloaded)`` if given) *before* anything is
-    reported or uploaded; then pushes in one commit if asked.
+    reported or uploaded; then pushes in one commit if asked. ``base_model`` (a Hub id) is named in the card.
     """
     from ..hub import pretrained_location, push_folder_to_hub, write_model_card
 
@@ -634,7 +647,7 @@ def finish_conversion(
         model.save_pretrained(staging)
         if tokenizer is not None:
             tokenizer.save_pretrained(staging)
-        write_model_card(staging, card_name, converted_from=source)
+        write_model_card(staging, card_name, converted_from=source, base_model=base_model)
         del model, converted
         gc.collect()  # the model is gone before its saved copy is loaded: one copy at a time
         reloaded = model_class.from_pretrained(staging, **(reload_kwargs or {}))

@@ -7,12 +7,13 @@ Three modes:
 
        python -m longreach.conversion.convert_dodo_original_checkpoint --checkpoint_path ckpt/weights.ckpt \
            [--hparams_path ckpt/hparams.yaml] [--base_model_path BASE] --pytorch_dump_folder_path OUT \
-           [--push_to_hub REPO]
+           [--base_model_id HUB_ID] [--push_to_hub REPO]
 
    The hyper-parameters come from ``--hparams_path``, else the checkpoint's ``hyper_parameters``, else ``hparams.yaml``
    next to it. Their ``pretrained`` entry (the base model) is resolved relative to the checkpoint folder's parent (and
    then the checkpoint folder) unless ``--base_model_path`` is given. A DeepSpeed ZeRO folder must first be turned into
-   a single file with Lightning's ``convert_zero_checkpoint_to_fp32_state_dict``.
+   a single file with Lightning's ``convert_zero_checkpoint_to_fp32_state_dict``. ``--base_model_id`` (modes 1 and 2)
+   names the base model's Hub id in the model card (``base_model``: the Hub's model tree); only a local folder is read.
 
 2. PEFT adapter folders (``adapter_config.json`` + ``adapter_model.bin``/``.safetensors``) plus a scorer file, either
    the plain state dict of the scorer FFN (the authors' ``load_scorer`` format) or the generic Nugget package's
@@ -57,6 +58,7 @@ from .conversion_utils import (
     KeyMap,
     assign_weights,
     check_floating_dtypes,
+    check_base_model_id,
     check_push_target,
     check_state_dict,
     convert_dtypes_in_place,
@@ -508,6 +510,7 @@ def _build_and_save(
     tokenizer_name_or_path: str | None,
     push_to_hub: str | None,
     dtype: str | None = None,
+    base_model_id: str | None = None,
 ) -> Path:
     """Load base + Dodo tensors into a model of ``config``, save it Hub-ready, reload and verify every tensor."""
     model = empty_model(DodoLlamaForCausalLM, config)
@@ -579,6 +582,7 @@ def _build_and_save(
     finish_conversion(
         converted_model, output, card_name="dodo_llama", source=source, tokenizer_name_or_path=tokenizer_source,
         push_to_hub=push_to_hub, reload_kwargs={"dtype": target_dtype}, extra_check=base_stays_frozen,
+        base_model=base_model_id,
     )
     return output
 
@@ -593,8 +597,11 @@ def convert_dodo_checkpoint(
     push_to_hub: str | None = None,
     allow_pickle_code_execution: bool = False,
     dtype: str | None = None,
+    base_model_id: str | None = None,
 ) -> Path:
-    """Mode 1: the authors' Lightning ``weights.ckpt`` (+ hyper-parameters) and the base Llama folder."""
+    """Mode 1: the authors' Lightning ``weights.ckpt`` (+ hyper-parameters) and the base Llama folder
+    (``base_model_id``: its Hub id, named in the model card)."""
+    check_base_model_id(base_model_id)
     checkpoint_path = Path(checkpoint_path)
     hparams_path = Path(hparams_path) if hparams_path is not None else None
     state_dict, hparams = read_lightning_checkpoint(checkpoint_path, hparams_path, allow_pickle_code_execution)
@@ -636,6 +643,7 @@ def convert_dodo_checkpoint(
         tokenizer_name_or_path,
         push_to_hub,
         dtype,
+        base_model_id,
     )
 
 
@@ -659,9 +667,12 @@ def convert_dodo_peft_folders(
     allow_pickle_code_execution: bool = False,
     dtype: str | None = None,
     nugget_encoding: str = "encoder_pass",
+    base_model_id: str | None = None,
 ) -> Path:
     """Mode 2: PEFT adapter folders (φ and θ; θ may be omitted: the decoder then uses φ, as ``freeze_decoder=True``)
-    plus a scorer file, a soft prompt file (or ``soft_prompt_length=0``) and the base Llama folder."""
+    plus a scorer file, a soft prompt file (or ``soft_prompt_length=0``) and the base Llama folder
+    (``base_model_id``: its Hub id, named in the model card)."""
+    check_base_model_id(base_model_id)
     encoder_adapter_path, scorer_path, base_path = Path(encoder_adapter_path), Path(scorer_path), Path(base_model_path)
     decoder_adapter_path = Path(decoder_adapter_path) if decoder_adapter_path is not None else None
     soft_prompt_path = Path(soft_prompt_path) if soft_prompt_path is not None else None
@@ -758,7 +769,8 @@ def convert_dodo_peft_folders(
     source = f"{encoder_adapter_path} + {decoder_adapter_path} + {scorer_path}"
     del adapters  # `tensors` holds their weights alone
     return _build_and_save(
-        config, tensors, base_path, output, source, max_new_tokens, tokenizer_name_or_path, push_to_hub, dtype
+        config, tensors, base_path, output, source, max_new_tokens, tokenizer_name_or_path, push_to_hub, dtype,
+        base_model_id,
     )
 
 
@@ -818,6 +830,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--pytorch_dump_folder_path", required=True, help="New or empty output folder.")
     parser.add_argument("--hparams_path", help="hparams.yaml (default: the checkpoint's own hyper-parameters).")
     parser.add_argument("--base_model_path", help="Base Llama folder (default: the hyper-parameters' `pretrained`).")
+    parser.add_argument(
+        "--base_model_id",
+        help="Hub id of that base model (e.g. meta-llama/Llama-2-7b-chat-hf): the model card names it as its "
+             "base_model (default: none named).",
+    )
     parser.add_argument("--decoder_adapter_path", help="Mode 2: PEFT folder of the decoder (θ) adapter.")
     parser.add_argument("--scorer_path", help="Mode 2: scorer file (plain FFN state dict or Nugget-package file).")
     parser.add_argument("--soft_prompt_path", help="Mode 2: soft prompt tensor file (or the authors' weights.ckpt).")
@@ -898,6 +915,7 @@ def main(argv: list[str] | None = None, *, debug: bool = False) -> int:
                 args.push_to_hub,
                 unsafe,
                 args.dtype,
+                args.base_model_id,
             )
         elif args.encoder_adapter_path:
             output = convert_dodo_peft_folders(
@@ -920,6 +938,7 @@ def main(argv: list[str] | None = None, *, debug: bool = False) -> int:
                 unsafe,
                 args.dtype,
                 nugget_encoding=args.nugget_encoding,
+                base_model_id=args.base_model_id,
             )
         else:
             output = export_peft_adapters(args.export_peft_from, args.pytorch_dump_folder_path)
