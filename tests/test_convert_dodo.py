@@ -630,22 +630,24 @@ def test_a_base_whose_generation_config_samples_gives_a_greedy_model(dodo_fixtur
     assert model.generation_config.do_sample is False
 
 
-def test_the_card_names_the_base_model_given_by_its_hub_id(dodo_fixtures, tmp_path, capsys):
+def test_the_card_names_the_base_model_given_by_its_hub_id(dodo_fixtures, converted, tmp_path, capsys):
     """A converted Dodo is the base Llama plus the authors' adapters, scorer and soft prompt, but its card named no
     `base_model`: only the local folder was known. `--base_model_id` names it (the Hub's model tree), through either
     route and the command line; a path given as an id is refused before anything is written."""
     from huggingface_hub import ModelCard
 
     hub_id = "meta-llama/Llama-2-7b-chat-hf"
-    unnamed = ModelCard.load(convert("lightning", dodo_fixtures, tmp_path / "unnamed") / "README.md").data.to_dict()
-    assert "base_model" not in unnamed and "base_model_relation" not in unnamed
-    for route in ("lightning", "peft_plain_scorer"):
-        card = ModelCard.load(convert(route, dodo_fixtures, tmp_path / route, base_model_id=hub_id) / "README.md")
-        assert (card.data.base_model, card.data.to_dict()["base_model_relation"]) == (hub_id, "finetune"), route
+    for route in ROUTES:  # (converted without it)
+        unnamed = ModelCard.load(converted[route] / "README.md").data.to_dict()
+        assert "base_model" not in unnamed and "base_model_relation" not in unnamed, route
+    peft_route = convert("peft_plain_scorer", dodo_fixtures, tmp_path / "peft_route", base_model_id=hub_id)
     code = converter.main(["--checkpoint_path", str(dodo_fixtures / "dodo_ckpt" / "weights.ckpt"), "--base_model_path",
                            str(dodo_fixtures / "base"), "--base_model_id", hub_id, "--pytorch_dump_folder_path",
                            str(tmp_path / "cli")])
-    assert code == 0 and ModelCard.load(tmp_path / "cli" / "README.md").data.base_model == hub_id
+    assert code == 0
+    for output in (peft_route, tmp_path / "cli"):
+        card = ModelCard.load(output / "README.md")
+        assert (card.data.base_model, card.data.to_dict()["base_model_relation"]) == (hub_id, "finetune"), output
 
     for route in ROUTES[:2]:
         with pytest.raises(ConversionError, match=r"--base_model_id '\./base': expected a Hub repository id"):
