@@ -381,6 +381,23 @@ def test_a_weights_file_of_a_folder_is_pointed_to_its_folder(fixtures_dir, tmp_p
 # ---------------------------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("model, checkpoint", [("locost", "locost/hf_checkpoint"), ("vcc", "vcc/hf_ckpt")])
+def test_a_base_model_hub_id_is_named_in_the_card_and_a_path_is_refused(fixtures_dir, tmp_path, capsys, model,
+                                                                        checkpoint):
+    """`--base_model_id`, as on `convert dodo`: the card names it as its `base_model` (the Hub's model tree); a path
+    given as an id is refused before anything is written."""
+    from huggingface_hub import ModelCard
+
+    source = str(fixtures_dir / checkpoint)
+    assert main(["convert", model, "--checkpoint_path", source, "--pytorch_dump_folder_path", str(tmp_path / "out"),
+                 "--base_model_id", "google-t5/t5-base"]) == 0
+    card = ModelCard.load(tmp_path / "out" / "README.md")
+    assert (card.data.base_model, card.data.to_dict()["base_model_relation"]) == ("google-t5/t5-base", "finetune")
+    assert main(["convert", model, "--checkpoint_path", source, "--pytorch_dump_folder_path",
+                 str(tmp_path / "refused"), "--base_model_id", source]) == 1
+    assert "--base_model_id" in capsys.readouterr().err and not (tmp_path / "refused").exists()
+
+
 def _conversions(fixtures_dir):
     from longreach.conversion import convert_dodo_original_checkpoint as dodo_converter
     from longreach.conversion import convert_vcc_original_checkpoint as vcc_converter

@@ -472,6 +472,12 @@ def check_base_model_id(base_model_id: str | None) -> None:
         )
 
 
+def add_base_model_id_argument(parser, base_model: str) -> None:
+    """A converter's ``--base_model_id`` option (see :func:`check_base_model_id`)."""
+    parser.add_argument("--base_model_id", default=None, metavar="HUB_ID",
+                        help=f"Hub id of {base_model}: the model card names it as its base_model (default: none).")
+
+
 def check_push_target(repo_id: str | None) -> None:
     """Before converting, what ``--push_to_hub REPO_ID`` needs: a valid repository id, the Hub online and reachable,
     a login (a conversion of minutes must not end in a network error)."""

@@ -56,6 +56,7 @@ from .conversion_utils import (
     ConversionError,
     ConvertedModel,
     KeyMap,
+    add_base_model_id_argument,
     assign_weights,
     check_floating_dtypes,
     check_base_model_id,
@@ -830,11 +831,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--pytorch_dump_folder_path", required=True, help="New or empty output folder.")
     parser.add_argument("--hparams_path", help="hparams.yaml (default: the checkpoint's own hyper-parameters).")
     parser.add_argument("--base_model_path", help="Base Llama folder (default: the hyper-parameters' `pretrained`).")
-    parser.add_argument(
-        "--base_model_id",
-        help="Hub id of that base model (e.g. meta-llama/Llama-2-7b-chat-hf): the model card names it as its "
-             "base_model (default: none named).",
-    )
+    add_base_model_id_argument(parser, "that base Llama (e.g. meta-llama/Llama-2-7b-chat-hf)")
     parser.add_argument("--decoder_adapter_path", help="Mode 2: PEFT folder of the decoder (θ) adapter.")
     parser.add_argument("--scorer_path", help="Mode 2: scorer file (plain FFN state dict or Nugget-package file).")
     parser.add_argument("--soft_prompt_path", help="Mode 2: soft prompt tensor file (or the authors' weights.ckpt).")

@@ -36,7 +36,9 @@ from .conversion_utils import (
     ConversionError,
     ConvertedModel,
     KeyMap,
+    add_base_model_id_argument,
     check_not_a_weights_file,
+    check_base_model_id,
     check_push_target,
     empty_model,
     expand_user_paths,
@@ -159,8 +161,11 @@ def convert_locost_checkpoint(
     tokenizer_name_or_path: str | None = None,
     config_path: str | Path | None = None,
     push_to_hub: str | None = None,
+    base_model_id: str | None = None,
 ) -> Path:
-    """Convert, save Hub-ready, reload and verify every tensor. Returns the output folder."""
+    """Convert, save Hub-ready, reload and verify every tensor. Returns the output folder. ``base_model_id``: the Hub
+    id of the checkpoint these weights were fine-tuned from, named in the model card."""
+    check_base_model_id(base_model_id)
     checkpoint_path = Path(checkpoint_path)
     output = prepare_output_folder(pytorch_dump_folder_path, [checkpoint_path, config_path])
     check_push_target(push_to_hub)
@@ -189,7 +194,7 @@ def convert_locost_checkpoint(
     finish_conversion(
         converted_model, output, card_name="locost", source=str(checkpoint_path),
         tokenizer_name_or_path=tokenizer_name_or_path or find_local_tokenizer(checkpoint_path),
-        push_to_hub=push_to_hub, reload_kwargs={"dtype": dtype},
+        push_to_hub=push_to_hub, reload_kwargs={"dtype": dtype}, base_model=base_model_id,
     )
     return output
 
@@ -201,6 +206,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--tokenizer_name_or_path", default=None, help="Tokenizer to save with the model (e.g. google/long-t5-local-base; default: one found beside the checkpoint).")
     parser.add_argument("--config_path", default=None, help="config.json to use instead of the checkpoint's own.")
     parser.add_argument("--push_to_hub", default=None, metavar="REPO_ID", help="Also upload the result to this Hub repo.")
+    add_base_model_id_argument(parser, "the checkpoint these weights were fine-tuned from")
     return expand_user_paths(parser.parse_args(argv))
 
 
@@ -210,7 +216,7 @@ def main(argv: list[str] | None = None, *, debug: bool = False) -> int:
     try:
         output = convert_locost_checkpoint(
             args.checkpoint_path, args.pytorch_dump_folder_path, args.tokenizer_name_or_path, args.config_path,
-            args.push_to_hub,
+            args.push_to_hub, args.base_model_id,
         )
     except ConversionError as error:
         if debug:  # `longreach --debug convert ...`: the traceback

@@ -41,7 +41,9 @@ from .conversion_utils import (
     ConversionError,
     ConvertedModel,
     KeyMap,
+    add_base_model_id_argument,
     check_not_a_weights_file,
+    check_base_model_id,
     check_push_target,
     empty_model,
     expand_user_paths,
@@ -218,8 +220,11 @@ def convert_vcc_checkpoint(
     vcc_preset: str | None = None,
     vcc_options: dict | None = None,
     push_to_hub: str | None = None,
+    base_model_id: str | None = None,
 ) -> Path:
-    """Convert, save Hub-ready, reload and verify every tensor. Returns the output folder."""
+    """Convert, save Hub-ready, reload and verify every tensor. Returns the output folder. ``base_model_id``: the Hub
+    id of the T5 the checkpoint was fine-tuned from, named in the model card."""
+    check_base_model_id(base_model_id)
     checkpoint_path = Path(checkpoint_path)
     config_path = Path(config_path) if config_path is not None else None
     output = prepare_output_folder(pytorch_dump_folder_path, [checkpoint_path, config_path])
@@ -264,7 +269,7 @@ def convert_vcc_checkpoint(
     finish_conversion(
         converted_model, output, card_name="vcc_t5", source=str(checkpoint_path),
         tokenizer_name_or_path=tokenizer_name_or_path or find_local_tokenizer(checkpoint_path),
-        push_to_hub=push_to_hub, reload_kwargs={"dtype": dtype},
+        push_to_hub=push_to_hub, reload_kwargs={"dtype": dtype}, base_model=base_model_id,
     )
     return output
 
@@ -286,6 +291,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="config.json to use instead of the checkpoint's own (required for a Lightning .ckpt).")
     parser.add_argument("--tokenizer_name_or_path", default=None, help="Tokenizer to save with the model (default: one found beside the checkpoint).")
     parser.add_argument("--push_to_hub", default=None, metavar="REPO_ID", help="Also upload the result to this Hub repo.")
+    add_base_model_id_argument(parser, "the T5 the checkpoint was fine-tuned from (e.g. google-t5/t5-base)")
     vcc = parser.add_argument_group("VCC options (override the checkpoint's values; a plain T5 needs a preset or all)")
     vcc.add_argument("--vcc_preset", choices=sorted(VCC_T5_PRESETS), default=None,
                      help="The paper's setting for t5-base (4 vanilla layers) or t5-large / t5-3b (6).")
@@ -306,7 +312,7 @@ def main(argv: list[str] | None = None, *, debug: bool = False) -> int:
     try:
         output = convert_vcc_checkpoint(
             args.checkpoint_path, args.pytorch_dump_folder_path, args.config_path, args.tokenizer_name_or_path,
-            args.vcc_preset, vcc_options, args.push_to_hub,
+            args.vcc_preset, vcc_options, args.push_to_hub, args.base_model_id,
         )
     except ConversionError as error:
         if debug:  # `longreach --debug convert ...`: the traceback
