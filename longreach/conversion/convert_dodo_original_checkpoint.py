@@ -323,13 +323,8 @@ def convert_base_state_dict(base_path: Path, config: DodoLlamaConfig, expected: 
     state_dict = load_state_dict_from_folder(base_path)
     # transformers 4.x wrote the RoPE frequencies as a buffer in some versions; they are recomputed from the config
     state_dict = {key: value for key, value in state_dict.items() if not key.endswith("rotary_emb.inv_freq")}
-    expected_base = {key for key in expected if not _is_dodo_key(key)}
+    expected_base = {key for key in expected if not DodoLlamaForCausalLM._is_trainable_weight(key)}
     return base_key_map(config).apply(state_dict, expected_base, source=str(base_path))
-
-
-def _is_dodo_key(key: str) -> bool:
-    """Adapters, scorer and soft prompt: the tensors a Dodo checkpoint adds to the base Llama."""
-    return ".lora_" in key or key.startswith(("nugget_scorer.", "soft_prompt."))
 
 
 def _expected_keys(model: DodoLlamaForCausalLM) -> set[str]:
@@ -573,7 +568,7 @@ def _build_and_save(
 
     def base_stays_frozen(reloaded: DodoLlamaForCausalLM) -> None:
         trainable = {name for name, param in reloaded.named_parameters() if param.requires_grad}
-        if any(".lora_" not in name and not name.startswith(("nugget_scorer.", "soft_prompt.")) for name in trainable):
+        if not all(DodoLlamaForCausalLM._is_trainable_weight(name) for name in trainable):
             raise ConversionError(
                 "Verification failed: base weights of the reloaded model are trainable (should be frozen)."
             )
@@ -631,7 +626,7 @@ def convert_dodo_checkpoint(
             logger.info("Dropping %s: %s.", key, reason)
     kept = {key: value for key, value in state_dict.items() if key not in DROPPED_LIGHTNING_KEYS}
     expected_keys = _expected_keys(empty_model(DodoLlamaForCausalLM, config))
-    expected_trainable = {key for key in expected_keys if _is_dodo_key(key)}
+    expected_trainable = {key for key in expected_keys if DodoLlamaForCausalLM._is_trainable_weight(key)}
     tensors = KeyMap(LIGHTNING_RULES).apply(kept, expected_trainable, source=str(checkpoint_path))
     del state_dict, kept  # `tensors` holds the trainable tensors alone
     return _build_and_save(
