@@ -553,6 +553,58 @@ def test_peft_trainable_token_indices_train_and_generate_as_on_t5(kind):
 
 
 @pytest.mark.parametrize("kind", ["locost", "vcc"])
+def test_peft_on_the_shared_embedding_reaches_the_encoder_and_the_decoder(kind, tmp_path):
+    """``target_modules=["shared"]`` (LoRA) and ``modules_to_save=["shared"]``: PEFT replaces ``model.shared`` by its
+    wrapper, and the stacks went on reading the unwrapped embedding (their ``embed_tokens`` is the same module under
+    other names): the adapter was trained by nothing and changed nothing, without an error (T5 has the same dead
+    adapter). Replacing ``shared`` now replaces it in both stacks, so the adapter is read, trains, saves, reloads and
+    merges; ``merge_and_unload`` gives the three names one plain embedding again."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    tester = ModelTester(kind)
+    tester.model.save_pretrained(tmp_path / "base")
+    inputs = tester.inputs()
+    inputs["decoder_input_ids"] = torch.randint(3, tester.vocab_size, (2, 4),
+                                                generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        base_logits = tester.model.eval()(**inputs).logits
+    peft_model = get_peft_model(tester.model, LoraConfig(task_type="SEQ_2_SEQ_LM", r=2, target_modules=["shared"],
+                                                         init_lora_weights=False))
+    model = peft_model.base_model.model
+    assert model.encoder.embed_tokens is model.shared and model.decoder.embed_tokens is model.shared
+    peft_model.train()(**inputs).logits.sum().backward()
+    trained = {name.split(".")[-2] for name, parameter in peft_model.named_parameters()
+               if parameter.grad is not None and parameter.grad.abs().sum() > 0}
+    assert trained == {"lora_embedding_A", "lora_embedding_B"}, trained
+    peft_model.eval()
+    with torch.no_grad():
+        expected = peft_model(**inputs).logits
+        assert not torch.allclose(expected, base_logits, atol=1e-3)  # the adapter changes the output
+        encoder_input = model.encoder(input_ids=inputs["input_ids"]).last_hidden_state
+        with peft_model.disable_adapter():
+            torch.testing.assert_close(peft_model(**inputs).logits, base_logits)
+            assert not torch.allclose(model.encoder(input_ids=inputs["input_ids"]).last_hidden_state, encoder_input,
+                                      atol=1e-4)  # the encoder reads the adapter
+        peft_model.save_pretrained(tmp_path / "adapter")
+        base = type(tester.model).from_pretrained(tmp_path / "base")
+        reloaded = PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
+        torch.testing.assert_close(reloaded(**inputs).logits, expected, rtol=0, atol=0)
+        merged = reloaded.merge_and_unload()
+        assert type(merged.shared) is torch.nn.Embedding and merged.encoder.embed_tokens is merged.shared
+        assert merged.decoder.embed_tokens is merged.shared
+        # the encoder reads the merged embedding as it read the adapter (a tied LM head takes the merged embedding
+        # too, so the logits change: PEFT's known limit for tied embeddings, huggingface/peft#2777)
+        torch.testing.assert_close(merged.encoder(input_ids=inputs["input_ids"]).last_hidden_state, encoder_input,
+                                   rtol=1e-5, atol=1e-5)
+
+    saved = get_peft_model(ModelTester(kind).model, LoraConfig(task_type="SEQ_2_SEQ_LM", r=2, target_modules=["q"],
+                                                               modules_to_save=["shared"]))
+    saved.train()(**inputs).logits.sum().backward()
+    copy = saved.base_model.model.shared.modules_to_save["default"].weight
+    assert copy.grad is not None and copy.grad.abs().sum() > 0  # the trainable copy is the one the stacks read
+
+
+@pytest.mark.parametrize("kind", ["locost", "vcc"])
 def test_peft_merge_of_a_trained_lm_head_keeps_t5s_rescaling(kind, tmp_path):
     """`modules_to_save=["lm_head"]` trains a copy of the tied head; `merge_and_unload` unties it and sets
     `tie_word_embeddings=False`, which also turned off T5's d_model**-0.5 rescaling of the decoder output (logits 5.7

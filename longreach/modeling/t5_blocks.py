@@ -1173,13 +1173,22 @@ class T5Seq2SeqLMMixin:
     def get_decoder(self):
         return self.decoder
 
+    def __setattr__(self, name, value):
+        super().__setattr__(name, value)
+        # ``shared`` is the encoder's and the decoder's ``embed_tokens`` too: one module under three names (T5 ties
+        # three modules' weights instead), so that FSDP2 shards it once. Whatever replaces it replaces it in both
+        # stacks: PEFT's wrappers (LoRA on ``target_modules=["shared"]``, ``modules_to_save``, ``merge_and_unload``
+        # putting the plain embedding back), ``resize_token_embeddings``. Otherwise the stacks would read the old one.
+        if name == "shared" and isinstance(value, nn.Module):
+            for stack in ("encoder", "decoder"):
+                if self._modules.get(stack) is not None:  # (not yet while ``__init__`` builds them)
+                    self._modules[stack].embed_tokens = value
+
     def get_input_embeddings(self):
         return self.shared
 
     def set_input_embeddings(self, new_embeddings):
-        self.shared = new_embeddings
-        self.encoder.embed_tokens = new_embeddings
-        self.decoder.embed_tokens = new_embeddings
+        self.shared = new_embeddings  # and the stacks' embed_tokens (see __setattr__)
 
     def _shift_right(self, labels: torch.Tensor) -> torch.Tensor:
         """Decoder inputs from labels: prepend ``decoder_start_token_id``, drop the last label, -100 -> pad."""
