@@ -600,8 +600,8 @@ def test_peft_on_the_shared_embedding_reaches_the_encoder_and_the_decoder(kind, 
     saved = get_peft_model(ModelTester(kind).model, LoraConfig(task_type="SEQ_2_SEQ_LM", r=2, target_modules=["q"],
                                                                modules_to_save=["shared"]))
     saved.train()(**inputs).logits.sum().backward()
-    copy = saved.base_model.model.shared.modules_to_save["default"].weight
-    assert copy.grad is not None and copy.grad.abs().sum() > 0  # the trainable copy is the one the stacks read
+    trained_copy = saved.base_model.model.shared.modules_to_save["default"].weight
+    assert trained_copy.grad is not None and trained_copy.grad.abs().sum() > 0  # the copy is what the stacks read
 
 
 @pytest.mark.parametrize("kind", ["locost", "vcc"])
